@@ -1,0 +1,241 @@
+//! `ClaimActor`: one per worker. Reaps and claims batches, starts a publish actor per claimed
+//! message, and paces itself.
+//!
+//! Pacing: a full batch means a backlog, so the worker claims again at once, as long as its
+//! in-flight window (`max_in_flight`) has room; the next claim thus overlaps the publishing of
+//! the last. A short batch means the table is drained, so the worker waits a jittered poll
+//! interval or until a [`Wake`] arrives. A full window waits for publishes to finish.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+use tracing::{debug, error, info, warn};
+
+use crate::backoff::jittered;
+use crate::finalize::FinalizeActor;
+use crate::metrics::Metrics;
+use crate::publish::{PublishActor, PublishFinished};
+use crate::store::{self, ClaimParams};
+use crate::supervisor::Shared;
+
+/// Claim now if idle (new rows were inserted).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Wake;
+
+/// Stop claiming; resolves when nothing this worker claimed is still in flight.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Drain;
+
+/// Use this finalizer from now on (the supervisor restarted it).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct UseFinalizer(pub(crate) Addr<FinalizeActor>);
+
+/// Panics inside the worker's handler, to exercise the supervisor's restart path.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Crash;
+
+pub(crate) struct ClaimActor {
+    worker: usize,
+    owner: String,
+    shared: Arc<Shared>,
+    finalizer: Addr<FinalizeActor>,
+    /// Claimed messages not yet finalized.
+    in_flight: usize,
+    /// A claim statement is running.
+    claiming: bool,
+    /// The last claim filled its batch: claim again as soon as the window has room.
+    backlog: bool,
+    /// The pending poll timer.
+    timer: Option<SpawnHandle>,
+    /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
+    draining: bool,
+    drain_waiters: Vec<oneshot::Sender<()>>,
+}
+
+impl std::fmt::Debug for ClaimActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimActor").field("owner", &self.owner).field("in_flight", &self.in_flight).finish()
+    }
+}
+
+impl ClaimActor {
+    pub(crate) fn new(worker: usize, shared: Arc<Shared>, finalizer: Addr<FinalizeActor>) -> Self {
+        Self {
+            worker,
+            owner: shared.config.worker_owner(worker),
+            shared,
+            finalizer,
+            in_flight: 0,
+            claiming: false,
+            backlog: false,
+            timer: None,
+            draining: false,
+            drain_waiters: Vec::new(),
+        }
+    }
+
+    fn schedule_poll(&mut self, ctx: &mut Context<Self>) {
+        if let Some(timer) = self.timer.take() {
+            ctx.cancel_future(timer);
+        }
+        let delay = jittered(self.shared.config.poll_interval);
+        self.timer = Some(ctx.run_later(delay, |act, ctx| {
+            act.timer = None;
+            act.claim(ctx);
+        }));
+    }
+
+    fn claim(&mut self, ctx: &mut Context<Self>) {
+        if self.claiming || self.draining {
+            return;
+        }
+        let config = &self.shared.config;
+        let room = config.in_flight_limit().saturating_sub(self.in_flight);
+        if room == 0 {
+            // PublishFinished claims again when the window opens.
+            self.backlog = true;
+            return;
+        }
+        if let Some(timer) = self.timer.take() {
+            ctx.cancel_future(timer);
+        }
+        let batch = room.min(config.batch);
+        self.claiming = true;
+        let shared = self.shared.clone();
+        let owner = self.owner.clone();
+        let query = async move {
+            let mut conn = shared.pool.get().await?;
+            let params = ClaimParams {
+                owner: &owner,
+                batch,
+                lease: shared.config.lease,
+                max_attempts: shared.config.max_attempts,
+            };
+            store::claim(&mut conn, &params).await
+        };
+        ctx.spawn(query.into_actor(self).map(move |result, act, ctx| {
+            act.claiming = false;
+            match result {
+                Ok(claim) => {
+                    let metrics = &act.shared.metrics;
+                    if !claim.reaped.is_empty() {
+                        Metrics::add(&metrics.reaped, claim.reaped.len());
+                        for f in &claim.reaped {
+                            warn!(outbox_id = f.id, lease_version = f.lease_version, worker = %act.owner,
+                                "reaped: lease expired with no attempt left; the row is dead");
+                        }
+                    }
+                    let n = claim.messages.len();
+                    Metrics::add(&metrics.claimed, n);
+                    if n > 0 {
+                        info!(worker = %act.owner, claimed = n, first_id = claim.messages[0].id,
+                            last_id = claim.messages[n - 1].id, "claimed batch");
+                    }
+                    for message in claim.messages {
+                        debug!(outbox_id = message.id, lease_version = message.lease_version,
+                            attempt = message.attempts, "claimed");
+                        act.in_flight += 1;
+                        PublishActor::new(message, act.shared.clone(), act.finalizer.clone(), ctx.address().recipient())
+                            .start();
+                    }
+                    act.backlog = n == batch;
+                    if act.backlog {
+                        act.claim(ctx);
+                    } else {
+                        act.schedule_poll(ctx);
+                    }
+                }
+                Err(e) => {
+                    Metrics::add(&act.shared.metrics.claim_errors, 1);
+                    error!(worker = %act.owner, error = %e, "claim failed; retrying after the poll interval");
+                    act.backlog = false;
+                    act.schedule_poll(ctx);
+                }
+            }
+            // A drain that arrived mid-claim is answered once this claim's rows are done.
+            act.answer_drain();
+        }));
+    }
+
+    fn answer_drain(&mut self) {
+        if self.draining && self.in_flight == 0 {
+            for waiter in self.drain_waiters.drain(..) {
+                let _ = waiter.send(());
+            }
+        }
+    }
+}
+
+impl Actor for ClaimActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        debug!(worker = %self.owner, "claim actor started");
+        self.claim(ctx);
+    }
+
+    fn stopped(&mut self, _: &mut Context<Self>) {
+        debug!(worker = %self.owner, index = self.worker, "claim actor stopped");
+    }
+}
+
+impl Handler<Wake> for ClaimActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        self.claim(ctx);
+    }
+}
+
+impl Handler<PublishFinished> for ClaimActor {
+    type Result = ();
+
+    fn handle(&mut self, _: PublishFinished, ctx: &mut Context<Self>) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if self.backlog {
+            self.claim(ctx);
+        }
+        self.answer_drain();
+    }
+}
+
+impl Handler<Drain> for ClaimActor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Drain, ctx: &mut Context<Self>) -> Self::Result {
+        self.draining = true;
+        if let Some(timer) = self.timer.take() {
+            ctx.cancel_future(timer);
+        }
+        let (tx, rx) = oneshot::channel();
+        self.drain_waiters.push(tx);
+        // A claim still running finishes and starts its publishes; `in_flight` covers them.
+        if !self.claiming {
+            self.answer_drain();
+        }
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+impl Handler<UseFinalizer> for ClaimActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: UseFinalizer, _: &mut Context<Self>) {
+        self.finalizer = msg.0;
+    }
+}
+
+impl Handler<Crash> for ClaimActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Crash, _: &mut Context<Self>) {
+        panic!("claim actor {} crashed on request", self.owner);
+    }
+}

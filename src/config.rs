@@ -1,0 +1,252 @@
+//! Dispatcher configuration: defaults in one place, validated before anything starts.
+
+use std::time::Duration;
+
+/// Claim actors started by default.
+pub const DEFAULT_WORKERS: usize = 4;
+/// Rows one claim takes at most by default.
+pub const DEFAULT_BATCH: usize = 50;
+/// How long a claim owns its rows by default.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+/// Claims a row gets before it goes dead, by default.
+pub const DEFAULT_MAX_ATTEMPTS: i32 = 12;
+/// Full-jitter backoff base by default.
+pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
+/// Full-jitter backoff cap by default.
+pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
+/// Bound on one publish by default; well under the lease.
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause after a claim that came back short, by default.
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Age (since `created_at`) past which a deferral sends the row dead, by default.
+pub const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// How a dispatcher claims, publishes and finalizes.
+///
+/// Every field has a default ([`DispatcherConfig::default`]); set the ones you need with the
+/// chained setters, and [`DispatcherConfig::validate`] runs when the supervisor starts.
+///
+/// ```
+/// use std::time::Duration;
+/// use actix_outbox::DispatcherConfig;
+///
+/// let config = DispatcherConfig::default()
+///     .workers(2)
+///     .batch(100)
+///     .lease(Duration::from_secs(30))
+///     .publish_timeout(Duration::from_secs(5));
+/// config.validate().unwrap();
+///
+/// let broken = DispatcherConfig::default().lease(Duration::from_secs(5));
+/// assert!(broken.validate().is_err(), "publish timeout (10 s) must be shorter than the lease");
+/// ```
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct DispatcherConfig {
+    /// Claim actors, each with its own owner id `<owner>:worker-<n>`. Default 4.
+    pub workers: usize,
+    /// Rows one claim takes at most. Default 50.
+    pub batch: usize,
+    /// Rows one worker holds claimed at once (publishing or finalizing). The worker claims the
+    /// next batch while the previous one publishes, up to this bound. Default `2 × batch`.
+    pub max_in_flight: Option<usize>,
+    /// Lease written by a claim (`lease_until = now() + lease`, database clock). A row whose
+    /// worker died is reclaimed this long after its claim. Default 60 s.
+    pub lease: Duration,
+    /// Claims a row gets: a retryable failure or an expired lease at this count sends it dead.
+    /// Default 12.
+    pub max_attempts: i32,
+    /// Full-jitter backoff: a retry waits `uniform(0, min(cap, base × 2^attempts))`. Default 1 s.
+    pub backoff_base: Duration,
+    /// Upper bound of the backoff. Default 300 s.
+    pub backoff_cap: Duration,
+    /// Bound on one publish; a publish that takes longer is a retryable failure. Must be shorter
+    /// than the lease, so that a message is finalized while its claim is still current.
+    /// Default 10 s.
+    pub publish_timeout: Duration,
+    /// Pause (with ±25 % jitter) after a claim that came back short. Default 500 ms.
+    pub poll_interval: Duration,
+    /// A deferral of a row older than this (since `created_at`) sends it dead instead, so that a
+    /// deferral that never ends does end. Default 7 days.
+    pub max_defer_age: Duration,
+    /// Prefix of every worker's owner id (written to `lease_owner` for humans). Default
+    /// `<hostname>:<pid>`.
+    pub owner: String,
+    /// Largest number of fenced writes one finalize statement carries. Default 1000.
+    pub finalize_batch: usize,
+}
+
+impl Default for DispatcherConfig {
+    fn default() -> Self {
+        Self {
+            workers: DEFAULT_WORKERS,
+            batch: DEFAULT_BATCH,
+            max_in_flight: None,
+            lease: DEFAULT_LEASE,
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+            backoff_base: DEFAULT_BACKOFF_BASE,
+            backoff_cap: DEFAULT_BACKOFF_CAP,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            max_defer_age: DEFAULT_MAX_DEFER_AGE,
+            owner: default_owner(),
+            finalize_batch: 1000,
+        }
+    }
+}
+
+/// `<hostname>:<pid>`: unique per process, readable in `lease_owner`.
+pub fn default_owner() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("{host}:{}", std::process::id())
+}
+
+macro_rules! setters {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {
+        $(
+            $(#[$doc])*
+            #[must_use]
+            pub fn $name(mut self, value: $ty) -> Self {
+                self.$name = value;
+                self
+            }
+        )*
+    };
+}
+
+impl DispatcherConfig {
+    setters! {
+        /// Sets [`DispatcherConfig::workers`].
+        workers: usize,
+        /// Sets [`DispatcherConfig::batch`].
+        batch: usize,
+        /// Sets [`DispatcherConfig::lease`].
+        lease: Duration,
+        /// Sets [`DispatcherConfig::max_attempts`].
+        max_attempts: i32,
+        /// Sets [`DispatcherConfig::backoff_base`].
+        backoff_base: Duration,
+        /// Sets [`DispatcherConfig::backoff_cap`].
+        backoff_cap: Duration,
+        /// Sets [`DispatcherConfig::publish_timeout`].
+        publish_timeout: Duration,
+        /// Sets [`DispatcherConfig::poll_interval`].
+        poll_interval: Duration,
+        /// Sets [`DispatcherConfig::max_defer_age`].
+        max_defer_age: Duration,
+        /// Sets [`DispatcherConfig::owner`].
+        owner: String,
+        /// Sets [`DispatcherConfig::finalize_batch`].
+        finalize_batch: usize,
+    }
+
+    /// Sets [`DispatcherConfig::max_in_flight`].
+    #[must_use]
+    pub fn max_in_flight(mut self, value: usize) -> Self {
+        self.max_in_flight = Some(value);
+        self
+    }
+
+    /// Rows one worker may hold claimed at once.
+    pub fn in_flight_limit(&self) -> usize {
+        self.max_in_flight.unwrap_or(self.batch.saturating_mul(2))
+    }
+
+    /// The owner id of worker `n` (`<owner>:worker-<n>`).
+    pub fn worker_owner(&self, n: usize) -> String {
+        format!("{}:worker-{n}", self.owner)
+    }
+
+    /// Checks the rules that span fields. The supervisor calls it before starting anything.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        use ConfigError::*;
+        if self.workers == 0 {
+            return Err(ZeroWorkers);
+        }
+        if self.batch == 0 {
+            return Err(ZeroBatch);
+        }
+        if self.in_flight_limit() < self.batch {
+            return Err(InFlightBelowBatch { in_flight: self.in_flight_limit(), batch: self.batch });
+        }
+        if self.max_attempts < 1 {
+            return Err(MaxAttempts(self.max_attempts));
+        }
+        if self.lease < Duration::from_millis(10) {
+            return Err(LeaseTooShort(self.lease));
+        }
+        if self.publish_timeout.is_zero() || self.publish_timeout >= self.lease {
+            return Err(PublishTimeoutNotBelowLease { publish_timeout: self.publish_timeout, lease: self.lease });
+        }
+        if self.poll_interval.is_zero() {
+            return Err(ZeroPollInterval);
+        }
+        if self.backoff_base > self.backoff_cap {
+            return Err(BackoffBaseAboveCap { base: self.backoff_base, cap: self.backoff_cap });
+        }
+        if self.owner.trim().is_empty() {
+            return Err(EmptyOwner);
+        }
+        if self.finalize_batch == 0 {
+            return Err(ZeroFinalizeBatch);
+        }
+        Ok(())
+    }
+}
+
+/// A configuration that cannot work; the message names the setting and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// `workers` is 0: nothing would ever claim.
+    #[error("workers must be at least 1")]
+    ZeroWorkers,
+    /// `batch` is 0: every claim would be empty.
+    #[error("batch must be at least 1")]
+    ZeroBatch,
+    /// `max_in_flight` below `batch`: a full batch could never be claimed.
+    #[error("max in flight ({in_flight}) must be at least the batch ({batch})")]
+    InFlightBelowBatch {
+        /// The in-flight bound.
+        in_flight: usize,
+        /// The batch size.
+        batch: usize,
+    },
+    /// `max_attempts` below 1.
+    #[error("max attempts must be at least 1 (got {0})")]
+    MaxAttempts(i32),
+    /// A lease too short to publish anything in.
+    #[error("lease must be at least 10ms (got {0:?})")]
+    LeaseTooShort(Duration),
+    /// The publish timeout is zero or not shorter than the lease: a publish could outlive its
+    /// claim, and another worker would publish the same row meanwhile.
+    #[error("publish timeout ({publish_timeout:?}) must be above zero and shorter than the lease ({lease:?})")]
+    PublishTimeoutNotBelowLease {
+        /// The publish timeout.
+        publish_timeout: Duration,
+        /// The lease.
+        lease: Duration,
+    },
+    /// A zero poll interval would spin on an empty table.
+    #[error("poll interval must be above zero")]
+    ZeroPollInterval,
+    /// Backoff base above its cap.
+    #[error("backoff base ({base:?}) must not exceed the backoff cap ({cap:?})")]
+    BackoffBaseAboveCap {
+        /// The base.
+        base: Duration,
+        /// The cap.
+        cap: Duration,
+    },
+    /// An empty owner id.
+    #[error("owner must not be empty")]
+    EmptyOwner,
+    /// `finalize_batch` is 0.
+    #[error("finalize batch must be at least 1")]
+    ZeroFinalizeBatch,
+}

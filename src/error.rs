@@ -1,0 +1,115 @@
+//! Errors, one enum per layer, each classified by what the caller should do.
+
+use crate::config::ConfigError;
+
+/// A failure of the store (PostgreSQL or its pool).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// No connection could be made or checked out of the pool.
+    #[error("database unreachable: {0}")]
+    Pool(String),
+    /// A connection could not be established.
+    #[error("database connection failed: {0}")]
+    Connect(String),
+    /// A statement failed.
+    #[error("database query failed: {0}")]
+    Query(#[from] diesel::result::Error),
+    /// A migration failed.
+    #[error("migration failed: {0}")]
+    Migration(String),
+    /// A database URL that cannot be parsed (password masked).
+    #[error("malformed database URL {0:?}: expected postgres://user@host:port/database")]
+    BadUrl(String),
+}
+
+impl StoreError {
+    /// Whether trying again later may succeed (the database was unreachable or the statement
+    /// lost a race), as opposed to a bug or bad input that will fail the same way again.
+    pub fn is_transient(&self) -> bool {
+        use diesel::result::{DatabaseErrorKind as K, Error as E};
+        match self {
+            StoreError::Pool(_) | StoreError::Connect(_) => true,
+            StoreError::Query(e) => match e {
+                E::DatabaseError(kind, _) => matches!(
+                    kind,
+                    K::SerializationFailure | K::ClosedConnection | K::ReadOnlyTransaction
+                ),
+                E::BrokenTransactionManager => true,
+                _ => false,
+            },
+            StoreError::Migration(_) | StoreError::BadUrl(_) => false,
+        }
+    }
+}
+
+impl From<diesel::ConnectionError> for StoreError {
+    fn from(e: diesel::ConnectionError) -> Self {
+        StoreError::Connect(e.to_string())
+    }
+}
+
+/// What a sink reports when a publish did not succeed. The dispatcher turns it into the row's
+/// next state (DESIGN §3); a sink that cannot classify a failure should panic rather than guess,
+/// and the lease plus the attempt budget bound the damage.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// A transient failure (timeout, broker nack, lost connection): retried after a full-jitter
+    /// backoff, dead once the row's attempts reach the maximum.
+    #[error("retryable: {0}")]
+    Retryable(String),
+    /// A failure that will not heal by retrying (unroutable, rejected): dead at once.
+    #[error("permanent: {0}")]
+    Permanent(String),
+    /// Not a failure: the message cannot be published yet (a business precondition). Back to
+    /// pending after `delay`, the attempt refunded; dead when the row is older than the
+    /// configured maximum deferral age.
+    #[error("deferred for {delay:?}: {reason}")]
+    Defer {
+        /// How long to wait before the row is claimable again.
+        delay: std::time::Duration,
+        /// Why, recorded in `last_error`.
+        reason: String,
+    },
+}
+
+impl PublishError {
+    /// Whether the row is tried again (after a backoff or a deferral).
+    pub fn will_retry(&self) -> bool {
+        match self {
+            PublishError::Retryable(_) | PublishError::Defer { .. } => true,
+            PublishError::Permanent(_) => false,
+        }
+    }
+
+    /// Whether this failure spends one of the row's attempts.
+    pub fn spends_attempt(&self) -> bool {
+        match self {
+            PublishError::Retryable(_) | PublishError::Permanent(_) => true,
+            PublishError::Defer { .. } => false,
+        }
+    }
+}
+
+/// Why a dispatcher could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configuration breaks a rule; fix it, retrying will not help.
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+    /// The database failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl Error {
+    /// Whether starting again later may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Config(_) => false,
+            Error::Store(e) => e.is_transient(),
+        }
+    }
+}

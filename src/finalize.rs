@@ -1,0 +1,301 @@
+//! `FinalizeActor`: applies fenced writes in batches and reports who lost their lease.
+//!
+//! Publish actors send one [`Finalize`] each and wait for its [`Fenced`] answer. The actor
+//! group-commits: while one flush runs, new requests queue, and the next flush takes them all
+//! (one statement per outcome kind), so a busy dispatcher finalizes hundreds of rows per round
+//! trip while an idle one finalizes a lone row at once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+use tracing::{debug, error, warn};
+
+use crate::backoff::full_jitter;
+use crate::error::{PublishError, StoreError};
+use crate::metrics::Metrics;
+use crate::model::{Fence, OutboxMessage, Status};
+use crate::store::{self, Bury, Reschedule};
+use crate::supervisor::Shared;
+
+/// The write a publish outcome calls for.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum FinalizeOp {
+    /// Published: `done`.
+    Done(Fence),
+    /// Back to `pending` after a backoff or a deferral.
+    Reschedule(Reschedule),
+    /// Given up: `dead`.
+    Dead(Bury),
+}
+
+impl FinalizeOp {
+    fn fence(&self) -> Fence {
+        match self {
+            FinalizeOp::Done(f) => *f,
+            FinalizeOp::Reschedule(r) => r.fence,
+            FinalizeOp::Dead(b) => b.fence,
+        }
+    }
+}
+
+/// Decides a row's next state from its publish outcome (DESIGN §3).
+pub(crate) fn plan(message: &OutboxMessage, outcome: &Result<(), PublishError>, shared: &Shared) -> FinalizeOp {
+    let config = &shared.config;
+    let fence = message.fence();
+    match outcome {
+        Ok(()) => FinalizeOp::Done(fence),
+        Err(PublishError::Permanent(e)) => FinalizeOp::Dead(Bury { fence, error: format!("permanent: {e}") }),
+        Err(PublishError::Retryable(e)) if message.attempts >= config.max_attempts => FinalizeOp::Dead(Bury {
+            fence,
+            error: format!("retries exhausted after {} attempts; last: {e}", message.attempts),
+        }),
+        Err(PublishError::Retryable(e)) => FinalizeOp::Reschedule(Reschedule {
+            fence,
+            delay: full_jitter(message.attempts, config.backoff_base, config.backoff_cap),
+            error: format!("retryable (attempt {}): {e}", message.attempts),
+            refund_attempt: false,
+            dead_if_older_than: None,
+        }),
+        Err(PublishError::Defer { delay, reason }) => FinalizeOp::Reschedule(Reschedule {
+            fence,
+            delay: *delay,
+            error: format!("deferred: {reason}"),
+            refund_attempt: true,
+            dead_if_older_than: Some(config.max_defer_age),
+        }),
+    }
+}
+
+/// Whether a fenced write took effect.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Fenced {
+    /// The row was written.
+    Won,
+    /// The row had been taken over (or was no longer processing): nothing written.
+    Lost,
+    /// The database failed; the row stays `processing` until its lease expires.
+    Failed,
+}
+
+/// Apply one fenced write.
+#[derive(Debug, Message)]
+#[rtype(result = "Fenced")]
+pub(crate) struct Finalize(pub(crate) FinalizeOp);
+
+/// Extend one claim's lease (a publish running long).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Heartbeat(pub(crate) Fence);
+
+/// Resolves once every queued write has been flushed.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Flushed;
+
+type Reply = oneshot::Sender<Fenced>;
+
+pub(crate) struct FinalizeActor {
+    shared: Arc<Shared>,
+    queue: Vec<(FinalizeOp, Reply)>,
+    heartbeats: Vec<Fence>,
+    flushing: bool,
+    idle_waiters: Vec<oneshot::Sender<()>>,
+}
+
+impl FinalizeActor {
+    pub(crate) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared, queue: Vec::new(), heartbeats: Vec::new(), flushing: false, idle_waiters: Vec::new() }
+    }
+
+    fn flush(&mut self, ctx: &mut Context<Self>) {
+        if self.flushing {
+            return;
+        }
+        if self.queue.is_empty() && self.heartbeats.is_empty() {
+            for waiter in self.idle_waiters.drain(..) {
+                let _ = waiter.send(());
+            }
+            return;
+        }
+        self.flushing = true;
+        let take = self.queue.len().min(self.shared.config.finalize_batch);
+        let batch: Vec<_> = self.queue.drain(..take).collect();
+        let heartbeats = std::mem::take(&mut self.heartbeats);
+        let shared = self.shared.clone();
+        ctx.spawn(
+            async move { apply(&shared, batch, heartbeats).await }
+                .into_actor(self)
+                .map(|(), act, ctx| {
+                    act.flushing = false;
+                    act.flush(ctx);
+                }),
+        );
+    }
+}
+
+impl std::fmt::Debug for FinalizeActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FinalizeActor").field("queued", &self.queue.len()).field("flushing", &self.flushing).finish()
+    }
+}
+
+impl Actor for FinalizeActor {
+    type Context = Context<Self>;
+}
+
+impl Handler<Finalize> for FinalizeActor {
+    type Result = ResponseFuture<Fenced>;
+
+    fn handle(&mut self, msg: Finalize, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.queue.push((msg.0, tx));
+        self.flush(ctx);
+        Box::pin(async move { rx.await.unwrap_or(Fenced::Failed) })
+    }
+}
+
+impl Handler<Heartbeat> for FinalizeActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Heartbeat, ctx: &mut Context<Self>) {
+        self.heartbeats.push(msg.0);
+        self.flush(ctx);
+    }
+}
+
+impl Handler<Flushed> for FinalizeActor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Flushed, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        self.idle_waiters.push(tx);
+        self.flush(ctx);
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+/// Attempts per statement before the rows are left to lease expiry.
+const FLUSH_TRIES: u32 = 4;
+
+/// Runs `f` on a pooled connection, retrying transient failures with a short backoff.
+async fn with_retry<T, F>(shared: &Shared, what: &str, mut f: F) -> Result<T, StoreError>
+where
+    F: AsyncFnMut(&mut diesel_async::AsyncPgConnection) -> Result<T, StoreError>,
+{
+    let mut attempt = 0;
+    loop {
+        let result = match shared.pool.get().await {
+            Ok(mut conn) => f(&mut conn).await,
+            Err(e) => Err(e.into()),
+        };
+        match result {
+            Err(e) if e.is_transient() && attempt + 1 < FLUSH_TRIES => {
+                attempt += 1;
+                warn!(error = %e, attempt, "{what} failed, retrying");
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn apply(shared: &Shared, batch: Vec<(FinalizeOp, Reply)>, heartbeats: Vec<Fence>) {
+    let metrics = &shared.metrics;
+    let mut done = Vec::new();
+    let mut resched = Vec::new();
+    let mut dead = Vec::new();
+    let mut replies = std::collections::HashMap::with_capacity(batch.len());
+    for (op, reply) in batch {
+        let fence = op.fence();
+        replies.insert(fence, reply);
+        match op {
+            FinalizeOp::Done(f) => done.push(f),
+            FinalizeOp::Reschedule(r) => resched.push(r),
+            FinalizeOp::Dead(b) => dead.push(b),
+        }
+    }
+
+    let mut answer = |fences: &mut dyn Iterator<Item = Fence>, result: &Result<Vec<i64>, StoreError>| {
+        for fence in fences {
+            let fenced = match result {
+                Ok(won) if won.contains(&fence.id) => Fenced::Won,
+                Ok(_) => {
+                    Metrics::add(&metrics.lost_leases, 1);
+                    warn!(outbox_id = fence.id, lease_version = fence.lease_version,
+                        "lost lease: the row was taken over or finalized by someone else; nothing written");
+                    Fenced::Lost
+                }
+                Err(_) => Fenced::Failed,
+            };
+            if let Some(reply) = replies.remove(&fence) {
+                let _ = reply.send(fenced);
+            }
+        }
+    };
+
+    if !done.is_empty() {
+        let result = with_retry(shared, "mark done", async |c| store::mark_done(c, &done).await).await;
+        match &result {
+            Ok(won) => Metrics::add(&metrics.done, won.len()),
+            Err(e) => report_failure(shared, "mark done", done.len(), e),
+        }
+        answer(&mut done.iter().copied(), &result);
+    }
+    if !resched.is_empty() {
+        let result = with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
+        let ids = match &result {
+            Ok(rows) => {
+                for row in rows {
+                    let refund = resched.iter().any(|r| r.fence.id == row.id && r.refund_attempt);
+                    let counter = match (row.status, refund) {
+                        (Status::Dead, _) => &metrics.dead,
+                        (_, true) => &metrics.deferred,
+                        (_, false) => &metrics.retried,
+                    };
+                    Metrics::add(counter, 1);
+                }
+                Ok(rows.iter().map(|r| r.id).collect())
+            }
+            Err(e) => {
+                report_failure(shared, "reschedule", resched.len(), e);
+                Err(StoreError::Pool(e.to_string()))
+            }
+        };
+        answer(&mut resched.iter().map(|r| r.fence), &ids);
+    }
+    if !dead.is_empty() {
+        let result = with_retry(shared, "mark dead", async |c| store::mark_dead(c, &dead).await).await;
+        match &result {
+            Ok(won) => {
+                Metrics::add(&metrics.dead, won.len());
+                for b in dead.iter().filter(|b| won.contains(&b.fence.id)) {
+                    warn!(outbox_id = b.fence.id, lease_version = b.fence.lease_version, error = %b.error, "row is dead");
+                }
+            }
+            Err(e) => report_failure(shared, "mark dead", dead.len(), e),
+        }
+        answer(&mut dead.iter().map(|b| b.fence), &result);
+    }
+    if !heartbeats.is_empty() {
+        let lease = shared.config.lease;
+        match with_retry(shared, "lease heartbeat", async |c| store::extend_leases(c, &heartbeats, lease).await).await {
+            Ok(won) => {
+                for f in heartbeats.iter().filter(|f| !won.contains(&f.id)) {
+                    warn!(outbox_id = f.id, lease_version = f.lease_version,
+                        "lost lease during a slow publish: another worker owns the row now; this publish is a duplicate");
+                }
+                debug!(extended = won.len(), "lease heartbeat");
+            }
+            Err(e) => report_failure(shared, "lease heartbeat", heartbeats.len(), &e),
+        }
+    }
+}
+
+fn report_failure(shared: &Shared, what: &str, rows: usize, e: &StoreError) {
+    Metrics::add(&shared.metrics.finalize_errors, 1);
+    error!(error = %e, rows, "{what} failed; the rows stay processing and are reclaimed when their lease expires");
+}

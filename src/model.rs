@@ -1,0 +1,184 @@
+//! Typed rows of the `outbox` table: its status, a claimed message, a new event.
+
+use std::fmt;
+use std::str::FromStr;
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::schema::outbox;
+
+/// The state of an outbox row (DESIGN §3), stored in the `status` text column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Waiting to be claimed once `available_at` has passed.
+    Pending,
+    /// Claimed by a worker that holds the lease `lease_version`.
+    Processing,
+    /// Published (or skipped by an operator); never claimed again.
+    Done,
+    /// Given up on; waits for an operator to retry or skip it.
+    Dead,
+}
+
+impl Status {
+    /// Every status, in lifecycle order.
+    pub const ALL: [Status; 4] = [Status::Pending, Status::Processing, Status::Done, Status::Dead];
+
+    /// The text stored in the `status` column.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Processing => "processing",
+            Status::Done => "done",
+            Status::Dead => "dead",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A `status` value that is none of the four known ones.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown outbox status {0:?}")]
+pub struct UnknownStatus(pub String);
+
+impl FromStr for Status {
+    type Err = UnknownStatus;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Status::ALL
+            .into_iter()
+            .find(|status| status.as_str() == s)
+            .ok_or_else(|| UnknownStatus(s.to_owned()))
+    }
+}
+
+/// A row as a claim returned it: what a sink needs to publish it, and the fencing token the
+/// dispatcher needs to finalize it.
+#[derive(Debug, Clone, PartialEq, Queryable, QueryableByName, Selectable, Serialize)]
+#[diesel(table_name = outbox)]
+#[diesel(check_for_backend(diesel::pg::Pg))]
+pub struct OutboxMessage {
+    /// The outbox id: the stable message id consumers deduplicate on.
+    pub id: i64,
+    /// Kind of aggregate the event belongs to (`order`, `customer`...).
+    pub aggregate_type: String,
+    /// The aggregate instance the event belongs to.
+    pub aggregate_id: String,
+    /// The event's type; the RabbitMQ sink's default routing key.
+    pub event_type: String,
+    /// The event body.
+    pub payload: serde_json::Value,
+    /// When the producer's transaction inserted the row (database clock).
+    pub created_at: DateTime<Utc>,
+    /// Claims so far, this one included (1 on the first attempt).
+    pub attempts: i32,
+    /// The fencing token of this claim: later writes succeed only while it is current.
+    pub lease_version: i64,
+    /// Until when this claim's lease runs (database clock); `None` only for rows not claimed.
+    pub lease_until: Option<DateTime<Utc>>,
+}
+
+impl OutboxMessage {
+    /// The fencing token of this claim.
+    pub fn fence(&self) -> Fence {
+        Fence { id: self.id, lease_version: self.lease_version }
+    }
+}
+
+/// The identity of one claim: a row id and the `lease_version` the claim set. Every write after
+/// the claim is predicated on both, so a worker whose lease was taken over writes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+pub struct Fence {
+    /// The outbox id.
+    pub id: i64,
+    /// The `lease_version` written by the claim.
+    pub lease_version: i64,
+}
+
+/// An event to insert into the outbox. Only the business columns: the dispatcher's columns all
+/// have defaults.
+///
+/// ```
+/// let event = actix_outbox::NewEvent::new("order", "42", "order.created", serde_json::json!({"total": 10}));
+/// assert_eq!(event.event_type, "order.created");
+/// ```
+#[derive(Debug, Clone, PartialEq, Insertable, Serialize, Deserialize)]
+#[diesel(table_name = outbox)]
+pub struct NewEvent {
+    /// Kind of aggregate (`order`).
+    pub aggregate_type: String,
+    /// Aggregate instance (`42`).
+    pub aggregate_id: String,
+    /// Event type (`order.created`); the default routing key.
+    pub event_type: String,
+    /// The event body, published as JSON.
+    pub payload: serde_json::Value,
+}
+
+impl NewEvent {
+    /// An event for `aggregate_type`/`aggregate_id` of type `event_type`.
+    pub fn new(
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: serde_json::Value,
+    ) -> Self {
+        Self {
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: event_type.into(),
+            payload,
+        }
+    }
+}
+
+/// A whole outbox row, for operators and tests.
+#[derive(Debug, Clone, PartialEq, Queryable, Selectable, Serialize)]
+#[diesel(table_name = outbox)]
+#[diesel(check_for_backend(diesel::pg::Pg))]
+pub struct OutboxRow {
+    /// The outbox id.
+    pub id: i64,
+    /// Kind of aggregate.
+    pub aggregate_type: String,
+    /// Aggregate instance.
+    pub aggregate_id: String,
+    /// Event type.
+    pub event_type: String,
+    /// Event body.
+    pub payload: serde_json::Value,
+    /// Insert time.
+    pub created_at: DateTime<Utc>,
+    /// Raw status text (see [`OutboxRow::status`]).
+    #[diesel(column_name = status)]
+    pub status_text: String,
+    /// Not claimable before this instant.
+    pub available_at: DateTime<Utc>,
+    /// Claims so far.
+    pub attempts: i32,
+    /// Who holds (or last held) the lease.
+    pub lease_owner: Option<String>,
+    /// When the lease runs out.
+    pub lease_until: Option<DateTime<Utc>>,
+    /// The fencing token.
+    pub lease_version: i64,
+    /// The last failure, or why the row went dead.
+    pub last_error: Option<String>,
+    /// When the row became done.
+    pub done_at: Option<DateTime<Utc>>,
+}
+
+impl OutboxRow {
+    /// The row's status; the table's CHECK constraint guarantees it is a known one.
+    pub fn status(&self) -> Status {
+        self.status_text.parse().expect("CHECK constraint admits only known statuses")
+    }
+}

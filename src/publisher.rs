@@ -1,0 +1,116 @@
+//! The publish extension point: a [`Publisher`] implementation, or a user's own actix actor
+//! that handles [`Publish`].
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use actix::{Message, Recipient};
+
+use crate::error::PublishError;
+use crate::model::OutboxMessage;
+
+/// What a publish returns: `Ok(())` once the sink has the message durably, or how it failed.
+pub type PublishResult = Result<(), PublishError>;
+
+/// The future a [`Publisher`] returns. It runs on the dispatcher's actix arbiter, so it need
+/// not be `Send`.
+pub type PublishFuture = Pin<Box<dyn Future<Output = PublishResult> + 'static>>;
+
+/// A sink: sends one claimed message somewhere and says how it went.
+///
+/// The dispatcher calls it outside any database transaction, bounded by the publish timeout
+/// (an elapsed timeout counts as [`PublishError::Retryable`]), and many calls run at once. A
+/// panic is treated as a crash of that publish: the row is left `processing` and is reclaimed
+/// when its lease expires, spending an attempt. Return errors you can classify; panic on what
+/// you cannot.
+///
+/// ```
+/// use std::sync::Arc;
+/// use actix_outbox::{OutboxMessage, PublishError, PublishFuture, Publisher};
+///
+/// #[derive(Debug)]
+/// struct Stdout;
+///
+/// impl Publisher for Stdout {
+///     fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+///         Box::pin(async move {
+///             if message.event_type.is_empty() {
+///                 return Err(PublishError::Permanent("no event type".into()));
+///             }
+///             println!("{} {} {}", message.id, message.event_type, message.payload);
+///             Ok(())
+///         })
+///     }
+/// }
+/// ```
+pub trait Publisher: Send + Sync + std::fmt::Debug + 'static {
+    /// Publishes `message`. The message's `id` is its stable identity across attempts.
+    fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture;
+}
+
+impl<P: Publisher + ?Sized> Publisher for Arc<P> {
+    fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+        (**self).publish(message)
+    }
+}
+
+/// The message a user's publish actor handles when it is plugged in with [`ActorPublisher`].
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "PublishResult")]
+pub struct Publish {
+    /// The claimed message to publish.
+    pub message: Arc<OutboxMessage>,
+}
+
+/// Plugs a user's own actix actor in as the publish step: every claimed message is sent to the
+/// actor as a [`Publish`], and its reply is the outcome.
+///
+/// ```
+/// use actix::prelude::*;
+/// use actix_outbox::{ActorPublisher, Publish, PublishResult};
+///
+/// struct Webhook;
+/// impl Actor for Webhook {
+///     type Context = Context<Self>;
+/// }
+/// impl Handler<Publish> for Webhook {
+///     type Result = ResponseFuture<PublishResult>;
+///     fn handle(&mut self, msg: Publish, _: &mut Context<Self>) -> Self::Result {
+///         Box::pin(async move {
+///             let _ = msg.message.id; // POST it somewhere, keyed by the id
+///             Ok(())
+///         })
+///     }
+/// }
+///
+/// # actix::System::new().block_on(async {
+/// let sink = ActorPublisher::new(Webhook.start().recipient());
+/// # let _ = sink;
+/// # });
+/// ```
+#[derive(Debug, Clone)]
+pub struct ActorPublisher {
+    recipient: Recipient<Publish>,
+}
+
+impl ActorPublisher {
+    /// Sends each message to `recipient`.
+    pub fn new(recipient: Recipient<Publish>) -> Self {
+        Self { recipient }
+    }
+}
+
+impl Publisher for ActorPublisher {
+    fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+        let recipient = self.recipient.clone();
+        Box::pin(async move {
+            match recipient.send(Publish { message }).await {
+                Ok(result) => result,
+                // The sink actor is gone (it panicked or stopped): nothing was published, and
+                // a later attempt may find it restarted.
+                Err(e) => Err(PublishError::Retryable(format!("publish actor unavailable: {e}"))),
+            }
+        })
+    }
+}

@@ -1,0 +1,243 @@
+//! `OutboxSupervisor`: owns the configuration, the pool and the publisher; starts the claim
+//! and finalize actors, restarts any that die, reports metrics and runs the shutdown protocol.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+use tracing::{error, info, warn};
+
+use crate::claim::{ClaimActor, Crash, Drain, UseFinalizer, Wake};
+use crate::config::DispatcherConfig;
+use crate::error::Error;
+use crate::finalize::{FinalizeActor, Flushed};
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::publisher::Publisher;
+use crate::store::PgPool;
+
+/// What every actor of one dispatcher shares.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) config: DispatcherConfig,
+    pub(crate) pool: PgPool,
+    pub(crate) publisher: Arc<dyn Publisher>,
+    pub(crate) metrics: Metrics,
+}
+
+/// How often the supervisor checks that its actors are alive.
+const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
+
+/// The dispatcher: register it in an actix application and it moves outbox rows to the
+/// publisher until it is shut down.
+///
+/// It starts one claim actor per worker and one finalize actor on the current arbiter. Each
+/// claimed message gets a publish actor of its own. An actor that dies (a panic in its
+/// handler) is replaced within [`WATCHDOG_PERIOD`]; the rows it held stay `processing` until
+/// their lease expires, and are then reclaimed with a higher `lease_version`, so that any late
+/// write from the dead attempt is fenced off. A panicking sink kills only its own publish.
+///
+/// ```no_run
+/// use actix_outbox::{ChannelSink, DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool, migrate};
+///
+/// #[actix::main]
+/// async fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let url = "postgres://root@127.0.0.1:5432/app";
+///     migrate(url).await?;
+///     let pool = connect_pool(url, 8).await?;
+///     let (sink, mut published) = ChannelSink::new();
+///     let dispatcher = OutboxSupervisor::start(DispatcherConfig::default(), pool, sink)?;
+///     while let Some(message) = published.recv().await {
+///         println!("{} {}", message.id, message.event_type);
+///     }
+///     dispatcher.send(Shutdown).await?;
+///     Ok(())
+/// }
+/// ```
+pub struct OutboxSupervisor {
+    shared: Arc<Shared>,
+    workers: Vec<Addr<ClaimActor>>,
+    finalizer: Option<Addr<FinalizeActor>>,
+    state: State,
+    shutdown_waiters: Vec<oneshot::Sender<()>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Running,
+    Draining,
+    Stopped,
+}
+
+impl std::fmt::Debug for OutboxSupervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxSupervisor")
+            .field("owner", &self.shared.config.owner)
+            .field("workers", &self.workers.len())
+            .field("state", &self.state)
+            .finish()
+    }
+}
+
+impl OutboxSupervisor {
+    /// A supervisor for `config`, claiming through `pool` and publishing with `publisher`.
+    /// Fails if the configuration is invalid; nothing starts until the actor does.
+    pub fn new(config: DispatcherConfig, pool: PgPool, publisher: impl Publisher) -> Result<Self, Error> {
+        config.validate()?;
+        let shared = Arc::new(Shared { config, pool, publisher: Arc::new(publisher), metrics: Metrics::default() });
+        Ok(Self { shared, workers: Vec::new(), finalizer: None, state: State::Running, shutdown_waiters: Vec::new() })
+    }
+
+    /// [`OutboxSupervisor::new`], started on the current arbiter.
+    pub fn start(config: DispatcherConfig, pool: PgPool, publisher: impl Publisher) -> Result<Addr<Self>, Error> {
+        Ok(Self::new(config, pool, publisher)?.start())
+    }
+
+    fn start_worker(&self, n: usize, finalizer: Addr<FinalizeActor>) -> Addr<ClaimActor> {
+        ClaimActor::new(n, self.shared.clone(), finalizer).start()
+    }
+
+    /// Replaces any actor that died.
+    fn watchdog(&mut self) {
+        if self.state != State::Running {
+            return;
+        }
+        let finalizer = match &self.finalizer {
+            Some(f) if f.connected() => f.clone(),
+            _ => {
+                error!("finalize actor died; restarting it");
+                Metrics::add(&self.shared.metrics.restarts, 1);
+                let f = FinalizeActor::new(self.shared.clone()).start();
+                for w in &self.workers {
+                    w.do_send(UseFinalizer(f.clone()));
+                }
+                self.finalizer = Some(f.clone());
+                f
+            }
+        };
+        for n in 0..self.workers.len() {
+            if !self.workers[n].connected() {
+                error!(worker = %self.shared.config.worker_owner(n),
+                    "claim actor died; restarting it (its rows are reclaimed when their lease expires)");
+                Metrics::add(&self.shared.metrics.restarts, 1);
+                self.workers[n] = self.start_worker(n, finalizer.clone());
+            }
+        }
+    }
+}
+
+impl Actor for OutboxSupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let config = &self.shared.config;
+        info!(owner = %config.owner, workers = config.workers, batch = config.batch,
+            lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
+            "outbox dispatcher starting");
+        let finalizer = FinalizeActor::new(self.shared.clone()).start();
+        self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
+        self.finalizer = Some(finalizer);
+        ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
+    }
+}
+
+/// Ask for the dispatcher's counters.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "MetricsSnapshot")]
+pub struct GetMetrics;
+
+impl Handler<GetMetrics> for OutboxSupervisor {
+    type Result = MessageResult<GetMetrics>;
+
+    fn handle(&mut self, _: GetMetrics, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.shared.metrics.snapshot())
+    }
+}
+
+/// Wake every idle worker to claim now (new rows were inserted). Cheap: a worker already
+/// claiming or waiting on a full window ignores it.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct WakeWorkers;
+
+impl Handler<WakeWorkers> for OutboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: WakeWorkers, _: &mut Context<Self>) {
+        if self.state == State::Running {
+            for w in &self.workers {
+                w.do_send(Wake);
+            }
+        }
+    }
+}
+
+/// Graceful shutdown: stop claiming at once, let every publish already started finish and be
+/// finalized, then answer. Every message a worker claims starts publishing immediately, so
+/// nothing claimed is left unstarted. The answer comes within the publish timeout plus one
+/// finalize round trip, with nothing left `processing` under this dispatcher's owner ids
+/// (unless the database failed, in which case those rows wait for their lease to expire).
+///
+/// Safe to send more than once: later requests wait for the same drain, or answer at once
+/// when it is over. The supervisor stays alive afterwards to answer [`GetMetrics`].
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Shutdown;
+
+impl Handler<Shutdown> for OutboxSupervisor {
+    type Result = ResponseFuture<()>;
+
+    fn handle(&mut self, _: Shutdown, ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, rx) = oneshot::channel();
+        match self.state {
+            State::Stopped => {
+                let _ = tx.send(());
+            }
+            State::Draining => self.shutdown_waiters.push(tx),
+            State::Running => {
+                self.state = State::Draining;
+                self.shutdown_waiters.push(tx);
+                info!("outbox dispatcher shutting down: claiming stopped, draining in-flight publishes");
+                let drains: Vec<_> = self.workers.iter().map(|w| w.send(Drain)).collect();
+                let finalizer = self.finalizer.clone();
+                let drained = async move {
+                    for drain in drains {
+                        if let Err(e) = drain.await {
+                            warn!(error = %e, "a worker died while draining; its rows wait for lease expiry");
+                        }
+                    }
+                    if let Some(f) = finalizer {
+                        let _ = f.send(Flushed).await;
+                    }
+                };
+                ctx.spawn(drained.into_actor(self).map(|(), act, _| {
+                    act.state = State::Stopped;
+                    info!(metrics = ?act.shared.metrics.snapshot(), "outbox dispatcher stopped");
+                    for waiter in act.shutdown_waiters.drain(..) {
+                        let _ = waiter.send(());
+                    }
+                }));
+            }
+        }
+        Box::pin(async move {
+            let _ = rx.await;
+        })
+    }
+}
+
+/// Makes worker `n`'s claim actor panic, so that tests and drills can watch the supervisor
+/// replace it. Not for production use.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct CrashWorker(pub usize);
+
+impl Handler<CrashWorker> for OutboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, msg: CrashWorker, _: &mut Context<Self>) {
+        if let Some(w) = self.workers.get(msg.0) {
+            w.do_send(Crash);
+        }
+    }
+}
