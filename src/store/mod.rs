@@ -4,6 +4,7 @@
 //! spliced into SQL text. Each function takes a connection, so callers decide whether it runs on
 //! a pooled connection or inside their own transaction.
 
+mod admin;
 mod claim;
 mod finalize;
 mod producer;
@@ -14,6 +15,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfi
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
+pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
 pub use claim::{Claim, ClaimParams, claim};
 pub use finalize::{Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule};
 pub use producer::{enqueue, enqueue_many};
