@@ -68,6 +68,7 @@ mod metrics;
 mod model;
 mod publish;
 mod publisher;
+mod step;
 #[allow(missing_docs)]
 pub mod schema;
 pub mod sink;
@@ -81,6 +82,7 @@ pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
 pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher};
 pub use sink::{ChannelSink, SinkAction};
+pub use step::{Step, decide};
 pub use store::{
     MIGRATIONS, PgPool, check_connection, connect_pool, enqueue, enqueue_many, ensure_database, mask_password,
     migrate, migrate_blocking,
