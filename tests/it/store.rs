@@ -285,8 +285,13 @@ async fn permanent_failure_goes_dead_at_once() {
     let mut conn = db.conn().await;
     let m = claim(&mut conn, "A", 10, LONG, 12).await.messages;
     assert!(
-        finalize(&mut conn, &m[0], Err(PublishError::Permanent("schema rejected".into())), &DispatcherConfig::default())
-            .await
+        finalize(
+            &mut conn,
+            &m[0],
+            Err(PublishError::Permanent("schema rejected".into())),
+            &DispatcherConfig::default()
+        )
+        .await
     );
     let row = db.row(id).await;
     assert_eq!((row.status(), row.attempts), (Status::Dead, 1));
@@ -474,7 +479,8 @@ async fn schema_rs_matches_the_migrated_table() {
         (o::last_error::NAME, "text", "YES"),
         (o::done_at::NAME, "timestamptz", "YES"),
     ];
-    let actual: Vec<_> = cols.iter().map(|c| (c.column_name.as_str(), c.udt_name.as_str(), c.is_nullable.as_str())).collect();
+    let actual: Vec<_> =
+        cols.iter().map(|c| (c.column_name.as_str(), c.udt_name.as_str(), c.is_nullable.as_str())).collect();
     assert_eq!(actual, expected);
     // And diesel can read every column through schema.rs.
     db.seed(1, "a").await;
