@@ -137,11 +137,20 @@ impl ClaimActor {
                             last_id = claim.messages[n - 1].id, "claimed batch");
                     }
                     for message in claim.messages {
-                        debug!(outbox_id = message.id, lease_version = message.lease_version,
-                            attempt = message.attempts, "claimed");
+                        debug!(
+                            outbox_id = message.id,
+                            lease_version = message.lease_version,
+                            attempt = message.attempts,
+                            "claimed"
+                        );
                         act.in_flight += 1;
-                        PublishActor::new(message, act.shared.clone(), act.finalizer.clone(), ctx.address().recipient())
-                            .start();
+                        PublishActor::new(
+                            message,
+                            act.shared.clone(),
+                            act.finalizer.clone(),
+                            ctx.address().recipient(),
+                        )
+                        .start();
                     }
                     act.backlog = n == batch;
                     if act.backlog {

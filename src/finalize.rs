@@ -75,14 +75,10 @@ impl FinalizeActor {
         let batch: Vec<_> = self.queue.drain(..take).collect();
         let heartbeats = std::mem::take(&mut self.heartbeats);
         let shared = self.shared.clone();
-        ctx.spawn(
-            async move { apply(&shared, batch, heartbeats).await }
-                .into_actor(self)
-                .map(|(), act, ctx| {
-                    act.flushing = false;
-                    act.flush(ctx);
-                }),
-        );
+        ctx.spawn(async move { apply(&shared, batch, heartbeats).await }.into_actor(self).map(|(), act, ctx| {
+            act.flushing = false;
+            act.flush(ctx);
+        }));
     }
 }
 
@@ -177,8 +173,11 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
                 Some(won) if won.contains(&fence.id) => Fenced::Won,
                 Some(_) => {
                     Metrics::add(&metrics.lost_leases, 1);
-                    warn!(outbox_id = fence.id, lease_version = fence.lease_version,
-                        "lost lease: the row was taken over or finalized by someone else; nothing written");
+                    warn!(
+                        outbox_id = fence.id,
+                        lease_version = fence.lease_version,
+                        "lost lease: the row was taken over or finalized by someone else; nothing written"
+                    );
                     Fenced::Lost
                 }
                 None => Fenced::Failed,
@@ -237,8 +236,11 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         match with_retry(shared, "lease heartbeat", async |c| store::extend_leases(c, &heartbeats, lease).await).await {
             Ok(won) => {
                 for f in heartbeats.iter().filter(|f| !won.contains(&f.id)) {
-                    warn!(outbox_id = f.id, lease_version = f.lease_version,
-                        "lost lease during a slow publish: another worker owns the row now; this publish is a duplicate");
+                    warn!(
+                        outbox_id = f.id,
+                        lease_version = f.lease_version,
+                        "lost lease during a slow publish: another worker owns the row now; this publish is a duplicate"
+                    );
                 }
                 debug!(extended = won.len(), "lease heartbeat");
             }

@@ -10,9 +10,9 @@ use tracing::{Instrument, debug, error, info_span};
 
 use crate::error::PublishError;
 use crate::finalize::{Fenced, Finalize, FinalizeActor, Heartbeat};
-use crate::step::decide;
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
+use crate::step::decide;
 use crate::supervisor::Shared;
 
 /// Sent to the claim actor when a message no longer counts against its in-flight window.
