@@ -50,6 +50,9 @@ pub(crate) struct ClaimActor {
     claiming: bool,
     /// The last claim filled its batch: claim again as soon as the window has room.
     backlog: bool,
+    /// A wake-up arrived while a claim was running (its snapshot may predate the new rows):
+    /// claim again as soon as it returns.
+    woken: bool,
     /// The pending poll timer.
     timer: Option<SpawnHandle>,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
@@ -73,6 +76,7 @@ impl ClaimActor {
             in_flight: 0,
             claiming: false,
             backlog: false,
+            woken: false,
             timer: None,
             draining: false,
             drain_waiters: Vec::new(),
@@ -153,7 +157,7 @@ impl ClaimActor {
                         .start();
                     }
                     act.backlog = n == batch;
-                    if act.backlog {
+                    if act.backlog || std::mem::take(&mut act.woken) {
                         act.claim(ctx);
                     } else {
                         act.schedule_poll(ctx);
@@ -197,6 +201,9 @@ impl Handler<Wake> for ClaimActor {
     type Result = ();
 
     fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        if self.claiming {
+            self.woken = true;
+        }
         self.claim(ctx);
     }
 }

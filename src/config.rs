@@ -74,6 +74,10 @@ pub struct DispatcherConfig {
     pub owner: String,
     /// Largest number of fenced writes one finalize statement carries. Default 1000.
     pub finalize_batch: usize,
+    /// `LISTEN` on a dedicated connection for the outbox's insert trigger and wake a worker at
+    /// once, instead of waiting for the poll. Needs a session-capable connection (not a
+    /// transaction-mode PgBouncer). Default true.
+    pub listen_for_inserts: bool,
 }
 
 impl Default for DispatcherConfig {
@@ -91,6 +95,7 @@ impl Default for DispatcherConfig {
             max_defer_age: DEFAULT_MAX_DEFER_AGE,
             owner: default_owner(),
             finalize_batch: 1000,
+            listen_for_inserts: true,
         }
     }
 }
@@ -143,6 +148,8 @@ impl DispatcherConfig {
         owner: String,
         /// Sets [`DispatcherConfig::finalize_batch`].
         finalize_batch: usize,
+        /// Sets [`DispatcherConfig::listen_for_inserts`].
+        listen_for_inserts: bool,
     }
 
     /// Sets [`DispatcherConfig::max_in_flight`].

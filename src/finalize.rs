@@ -200,8 +200,10 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         let result = with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
         let ids: Option<Vec<i64>> = match &result {
             Ok(rows) => {
+                let refunded: std::collections::HashSet<i64> =
+                    resched.iter().filter(|r| r.refund_attempt).map(|r| r.fence.id).collect();
                 for row in rows {
-                    let refund = resched.iter().any(|r| r.fence.id == row.id && r.refund_attempt);
+                    let refund = refunded.contains(&row.id);
                     let counter = match (row.status, refund) {
                         (Status::Dead, _) => &metrics.dead,
                         (_, true) => &metrics.deferred,

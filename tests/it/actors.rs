@@ -328,3 +328,43 @@ async fn invalid_configuration_is_an_error_not_a_hang() {
         assert!(!err.is_transient());
     }
 }
+
+/// The insert trigger's NOTIFY wakes an idle worker at once: with a poll interval of an hour,
+/// rows inserted after the first (empty) claim are still published promptly — both by a plain
+/// SQL producer and by `enqueue`.
+#[actix_rt::test]
+async fn inserts_wake_an_idle_dispatcher_without_polling() {
+    let db = TestDb::new().await;
+    let (sink, mut rx) = ChannelSink::new();
+    let hour = Duration::from_secs(3600);
+    let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
+    // Let the start-up claims run and the workers go idle on their hour-long poll.
+    eventually(WITHIN, "listener connected", || async {
+        let mut conn = db.conn().await;
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let n: N = diesel_async::RunQueryDsl::get_result(
+            diesel::sql_query(
+                "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+            ),
+            &mut conn,
+        )
+        .await
+        .unwrap();
+        n.n == 1
+    })
+    .await;
+    for round in 0..3 {
+        let ids = db.seed(3, &format!("r{round}")).await;
+        eventually(WITHIN, &format!("round {round} published"), || async {
+            let rows = db.rows().await;
+            ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status() == Status::Done))
+        })
+        .await;
+    }
+    assert_eq!(drain(&mut rx).len(), 9);
+    dispatcher.send(Shutdown).await.unwrap();
+}
