@@ -64,6 +64,7 @@ mod claim;
 pub mod config;
 mod error;
 mod finalize;
+mod listener;
 mod metrics;
 mod model;
 mod publish;
