@@ -82,7 +82,7 @@ pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
 pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher};
-pub use sink::{ChannelSink, SinkAction};
+pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
 pub use step::{Step, decide};
 pub use store::{
     MIGRATIONS, PgPool, check_connection, connect_pool, enqueue, enqueue_many, ensure_database, mask_password,
