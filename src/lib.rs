@@ -61,6 +61,7 @@
 
 mod backoff;
 mod claim;
+pub mod cli;
 pub mod config;
 mod error;
 mod finalize;

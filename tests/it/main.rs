@@ -4,5 +4,6 @@
 mod support;
 
 mod actors;
+mod cli;
 mod rabbit;
 mod store;
