@@ -34,10 +34,15 @@
 //! | no confirm within the publish timeout | [`PublishError::Retryable`] (applied by the dispatcher) |
 //!
 //! lapin reports a returned message as an *ack* that carries it: the broker did accept the
-//! message, it simply had nowhere to put it.
+//! message, it simply had nowhere to put it. lapin also logs every returned message, payload
+//! included, at WARN under the target `lapin::returned_messages`; filter that target if
+//! payloads must not reach the logs (the dead row's `last_error` says what happened anyway).
 
+use std::future::{Future, poll_fn};
+use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -99,7 +104,10 @@ pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
 #[non_exhaustive]
 pub struct RabbitConfig {
     /// The AMQP URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (the `%2f` is the vhost `/`).
-    /// Query options such as `?heartbeat=10` are honoured by lapin.
+    /// Query options are honoured by lapin; `?heartbeat=10` bounds how long a broker that went
+    /// silent without closing the TCP connection (a dead host, a stuck network path) looks
+    /// alive: the link is rebuilt after about two missed heartbeats. Until then publishes time
+    /// out and are retried, which loses nothing.
     pub url: String,
     /// The exchange every message is published to. Default [`DEFAULT_EXCHANGE`] (`outbox`).
     pub exchange: String,
@@ -435,6 +443,8 @@ struct LinkState {
     /// Wakes the manager when a publish finds the link broken.
     broken_notify: Notify,
     reconnects: AtomicU64,
+    /// Serialises the first poll of `basic_publish` (see [`LinkState::publish`]).
+    publish_order: Mutex<()>,
 }
 
 struct Current {
@@ -469,6 +479,7 @@ impl LinkState {
             broken: AtomicU64::new(0),
             broken_notify: Notify::new(),
             reconnects: AtomicU64::new(0),
+            publish_order: Mutex::new(()),
         }
     }
 
@@ -516,9 +527,24 @@ impl LinkState {
             }
         };
         let options = BasicPublishOptions { mandatory: true, immediate: false };
-        let sent =
-            async { link.channel.basic_publish(self.exchange.clone(), key, options, &body, properties).await?.await }
-                .await;
+        let sent = async {
+            let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, &body, properties));
+            // lapin takes the delivery tag and queues the frames in the first poll, under two
+            // separate locks. Clones publishing from several threads at once could interleave
+            // them, and then a confirm would answer another message: take the first poll under
+            // a lock of ours so that tags follow the order of the frames.
+            let first = poll_fn(|cx| {
+                let _order = self.publish_order.lock().unwrap_or_else(|e| e.into_inner());
+                Poll::Ready(publish.as_mut().poll(cx))
+            })
+            .await;
+            let confirm = match first {
+                Poll::Ready(confirm) => confirm?,
+                Poll::Pending => publish.await?,
+            };
+            confirm.await
+        }
+        .await;
         let (result, health) = classify(sent, self.exchange.as_str(), &routing_key);
         if health == LinkHealth::Broken {
             self.report_broken(link.generation);
@@ -644,7 +670,8 @@ impl Manager {
                                 failures = 0;
                             }
                             if channel.status().connected() {
-                                let _ = channel.close(200, "replaced".into()).await;
+                                let _ =
+                                    tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "replaced".into())).await;
                             }
                             // Only the channel may be gone: keep a healthy connection for the next channel.
                             if conn.status().connected() {
