@@ -520,7 +520,7 @@ impl LinkState {
                 Some(link) => link.clone(),
                 None => {
                     return Err(PublishError::Retryable(format!(
-                        "RabbitMQ link to {} is down, reconnecting: {}",
+                        "RabbitMQ link to {} is down: {}",
                         self.url, current.down_reason
                     )));
                 }
@@ -664,7 +664,7 @@ impl Manager {
                         Ended::Broken(reason) => {
                             warn!(url = %self.link.url, reason = %reason,
                                 "RabbitMQ link lost; publishes fail as retryable until it is back");
-                            self.link.clear_link(reason);
+                            self.link.clear_link(format!("{reason} (reconnecting)"));
                             // A link that held for a while starts the backoff afresh.
                             if since.elapsed() >= self.config.reconnect_max {
                                 failures = 0;
@@ -686,7 +686,7 @@ impl Manager {
                         break self.shut(None).await;
                     }
                     warn!(error = %e, "reconnecting to RabbitMQ failed");
-                    self.link.clear_link(e.to_string());
+                    self.link.clear_link(format!("{e} (reconnecting)"));
                 }
             }
             failures = failures.saturating_add(1);

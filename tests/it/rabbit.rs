@@ -314,7 +314,14 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let proxy = Proxy::start(amqp_addr()).await;
     let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
-    let config = dispatcher_config().workers(4).batch(50).max_attempts(10_000).lease(Duration::from_secs(30));
+    // The publish timeout is far above the time the test holds the confirms back, so that the
+    // only failures are the cut's.
+    let config = dispatcher_config()
+        .workers(4)
+        .batch(50)
+        .max_attempts(10_000)
+        .lease(Duration::from_secs(60))
+        .publish_timeout(Duration::from_secs(40));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
     proxy.stall_downstream();
