@@ -519,3 +519,27 @@ async fn connect_failures_are_classified() {
     let err = RabbitSink::connect(RabbitConfig::new("http://127.0.0.1/")).await.unwrap_err();
     assert!(matches!(err, RabbitError::Config(_)), "{err:?}");
 }
+
+/// A lapin connection made on an arbiter that later stops would hang silently; the sink's
+/// connection lives on the sink's own thread, so a sink created on a short-lived arbiter keeps
+/// publishing after that arbiter is gone.
+#[actix_rt::test]
+async fn sink_outlives_the_arbiter_that_created_it() {
+    let mut broker = Broker::new("arbiter").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let config = sink_config(amqp_url(), &broker.exchange);
+    let arbiter = actix_rt::Arbiter::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    assert!(arbiter.spawn(async move {
+        let _ = tx.send(RabbitSink::connect(config).await);
+    }));
+    let sink = rx.await.unwrap().unwrap();
+    arbiter.stop();
+    arbiter.join().unwrap();
+
+    let published = tokio::time::timeout(Duration::from_secs(10), sink.publish(message(1, "order.created"))).await;
+    assert_eq!(published, Ok(Ok(())), "publishing after the creating arbiter stopped");
+    assert_eq!(message_id(&broker.take(&queue, 1).await[0]), 1);
+    sink.close().await;
+}
