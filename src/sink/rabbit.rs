@@ -1,42 +1,8 @@
 //! The RabbitMQ sink (DESIGN §6): one lapin connection with publisher confirms, shared by every
 //! publish, re-established by the sink itself when it is lost.
 //!
-//! ## Where the connection lives
-//!
-//! A lapin connection is bound to the tokio runtime that created it: its socket is registered
-//! with that runtime's reactor and its heartbeats use that runtime's timers. If that runtime
-//! stops (an actix arbiter that is stopped, a test's runtime that ends) the connection hangs
-//! silently: publishes never complete while its status still says connected.
-//!
-//! So the sink does not borrow the caller's runtime. [`RabbitSink::connect`] starts a thread of
-//! its own (`actix-outbox-amqp`) running a small current-thread tokio runtime, and the
-//! connection manager runs there: it connects, enables confirms, declares the exchange, watches
-//! the link, and reconnects with backoff when the connection or channel is lost. The thread
-//! lives exactly as long as the sink: it closes the connection and ends when the last clone of
-//! the [`RabbitSink`] is dropped or [`RabbitSink::close`] is called. That makes the sink safe to
-//! create from any arbiter (or from plain tokio) and to use from any other.
-//!
-//! Publishes themselves do not hop threads: each one calls `basic_publish` on the shared channel
-//! from the dispatcher's arbiter and awaits its own [`PublisherConfirm`](lapin::PublisherConfirm),
-//! so many publishes are in flight on the channel at once. lapin's channel and confirm futures
-//! are runtime-agnostic; only the connection's I/O is tied to the sink's runtime.
-//!
-//! ## Outcomes
-//!
-//! The broker's answer maps onto a [`PublishResult`] in exactly one place, [`classify`]:
-//!
-//! | broker / client says | outcome |
-//! | --- | --- |
-//! | `Ack` without a returned message | `Ok` (row done) |
-//! | `Ack` with a returned message (312 `NO_ROUTE` for a `mandatory` publish) | [`PublishError::Permanent`], "unroutable", naming exchange and routing key |
-//! | `Nack` | [`PublishError::Retryable`] |
-//! | channel or connection error, or no link while reconnecting | [`PublishError::Retryable`], and the link is rebuilt |
-//! | no confirm within the publish timeout | [`PublishError::Retryable`] (applied by the dispatcher) |
-//!
-//! lapin reports a returned message as an *ack* that carries it: the broker did accept the
-//! message, it simply had nowhere to put it. lapin also logs every returned message, payload
-//! included, at WARN under the target `lapin::returned_messages`; filter that target if
-//! payloads must not reach the logs (the dead row's `last_error` says what happened anyway).
+//! The user-facing notes (where the connection lives, how broker answers become outcomes) are
+//! on [`RabbitSink`]; the mapping itself is [`classify`], the only place that does it.
 
 use std::future::{Future, poll_fn};
 use std::pin::pin;
@@ -320,8 +286,46 @@ impl RabbitError {
 /// is published again on a later attempt with the same `message_id`, on which consumers
 /// deduplicate.
 ///
-/// Clones share one connection and one channel. See the [module docs](self) for where the
-/// connection lives and how outcomes are classified.
+/// Clones share one connection and one channel.
+///
+/// # Where the connection lives
+///
+/// A lapin connection is bound to the tokio runtime that created it: its socket is registered
+/// with that runtime's reactor and its heartbeats use that runtime's timers. If that runtime
+/// stops (an actix arbiter that is stopped, a test's runtime that ends) the connection hangs
+/// silently: publishes never complete while its status still says connected.
+///
+/// So the sink does not borrow the caller's runtime. [`RabbitSink::connect`] starts a thread of
+/// its own (`actix-outbox-amqp`) running a small current-thread tokio runtime, and the
+/// connection manager runs there: it connects, enables confirms, declares the exchange, watches
+/// the link, and reconnects with backoff when the connection or channel is lost. The thread
+/// lives exactly as long as the sink: it closes the connection and ends when the last clone of
+/// the [`RabbitSink`] is dropped or [`RabbitSink::close`] is called. That makes the sink safe to
+/// create from any arbiter (or from plain tokio) and to use from any other.
+///
+/// Publishes themselves do not hop threads: each one calls `basic_publish` on the shared channel
+/// from the dispatcher's arbiter and awaits its own [`PublisherConfirm`](lapin::PublisherConfirm),
+/// so many publishes are in flight on the channel at once. lapin's channel and confirm futures
+/// are runtime-agnostic; only the connection's I/O is tied to the sink's runtime.
+///
+/// # Outcomes
+///
+/// The broker's answer maps onto a [`PublishResult`] in exactly one place:
+///
+/// | broker / client says | outcome |
+/// | --- | --- |
+/// | `Ack` without a returned message | `Ok` (row done) |
+/// | `Ack` with a returned message (312 `NO_ROUTE` for a `mandatory` publish) | [`PublishError::Permanent`], "unroutable", naming exchange and routing key |
+/// | `Nack` | [`PublishError::Retryable`] |
+/// | channel or connection error, or no link while reconnecting | [`PublishError::Retryable`], and the link is rebuilt |
+/// | no confirm within the publish timeout | [`PublishError::Retryable`] (applied by the dispatcher) |
+///
+/// lapin reports a returned message as an *ack* that carries it: the broker did accept the
+/// message, it simply had nowhere to put it. lapin also logs every returned message, payload
+/// included, at WARN under the target `lapin::returned_messages`; filter that target if
+/// payloads must not reach the logs (the dead row's `last_error` says what happened anyway).
+///
+/// # Example
 ///
 /// ```no_run
 /// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool};
