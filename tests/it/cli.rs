@@ -24,6 +24,12 @@ use serde_json::{Value, json};
 
 use crate::support::{TestDb, eventually, server_url};
 
+// The RabbitMQ tests' stallable proxy, compiled again here rather than shared, so that this
+// module does not depend on the rabbit module's internals.
+#[path = "rabbit/proxy.rs"]
+#[allow(dead_code)]
+mod proxy;
+
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
 const WITHIN: Duration = Duration::from_secs(60);
 
@@ -786,7 +792,12 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
 
     let rows = db.rows().await;
     let done_after_first = rows.iter().filter(|r| r.status() == Status::Done).count();
-    assert_eq!(rows.iter().filter(|r| r.status() == Status::Processing).count(), 0, "nothing left processing");
+    assert_eq!(
+        rows.iter().filter(|r| r.status() == Status::Processing).count(),
+        0,
+        "nothing left processing; log:\n{}",
+        first.log().join("\n")
+    );
     assert_eq!(rows.len(), ROWS, "no row lost");
     assert!(done_after_first < ROWS, "the signal must land mid-run to test anything ({done_after_first} done)");
     for r in rows.iter().filter(|r| r.status() == Status::Pending) {
@@ -831,4 +842,52 @@ async fn run_retries_an_unreachable_broker_with_backoff_and_stops_cleanly() {
     run.signal("TERM");
     assert_eq!(run.exit(Duration::from_secs(10)).await.code(), Some(0));
     assert_eq!(db.rows().await, before, "nothing was claimed");
+}
+
+#[tokio::test]
+async fn a_second_signal_while_draining_exits_at_once_with_130() {
+    let db = TestDb::new().await;
+    db.seed(2_000, "agg").await;
+    let broker = TestBroker::new().await;
+    let upstream = amqp_url().rsplit('@').next().unwrap().split('/').next().unwrap().to_owned();
+    let proxy = proxy::Proxy::start(upstream).await;
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &proxy.amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--workers",
+            "1",
+            "--batch",
+            "50",
+            "--lease",
+            "60s",
+            "--publish-timeout",
+            "30s",
+        ],
+    );
+    eventually(WITHIN, "some rows published", || async { db.count_status("done").await >= 50 }).await;
+
+    // Confirms stop coming back: the publishes in flight hang, so a graceful drain would wait for
+    // the publish timeout.
+    proxy.stall_downstream();
+    eventually(WITHIN, "a full window (2 x batch) of rows stuck waiting for confirms", || async {
+        db.count_status("processing").await >= 100
+    })
+    .await;
+    run.signal("TERM");
+    eventually(WITHIN, "the drain starts", || async { run.logged("stopping: claiming stopped") == 1 }).await;
+    assert!(run.is_running(), "draining waits for the stuck publishes");
+
+    run.signal("TERM");
+    let status = run.exit(Duration::from_secs(5)).await;
+    assert_eq!(status.code(), Some(130), "log:\n{}", run.log().join("\n"));
+    let last = run.log().last().cloned().unwrap_or_default();
+    assert!(last.starts_with("error: SIGTERM again: exiting at once"), "{last}");
+    // As documented: what was in flight stays leased until the lease expires.
+    assert!(db.count_status("processing").await > 0);
+    proxy.resume();
 }
