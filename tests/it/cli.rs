@@ -27,7 +27,7 @@ use crate::support::{TestDb, eventually, server_url};
 // The RabbitMQ tests' stallable proxy, compiled again here rather than shared, so that this
 // module does not depend on the rabbit module's internals.
 #[path = "rabbit/proxy.rs"]
-#[allow(dead_code)]
+#[allow(dead_code, clippy::duplicate_mod)]
 mod proxy;
 
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
