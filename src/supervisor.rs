@@ -33,7 +33,7 @@ const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
 ///
 /// It starts one claim actor per worker and one finalize actor on the current arbiter. Each
 /// claimed message gets a publish actor of its own. An actor that dies (a panic in its
-/// handler) is replaced within [`WATCHDOG_PERIOD`]; the rows it held stay `processing` until
+/// handler) is replaced within 200 ms; the rows it held stay `processing` until
 /// their lease expires, and are then reclaimed with a higher `lease_version`, so that any late
 /// write from the dead attempt is fenced off. A panicking sink kills only its own publish.
 ///
