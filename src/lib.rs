@@ -70,10 +70,10 @@ mod metrics;
 mod model;
 mod publish;
 mod publisher;
-mod step;
 #[allow(missing_docs)]
 pub mod schema;
 pub mod sink;
+mod step;
 pub mod store;
 mod supervisor;
 
@@ -86,8 +86,8 @@ pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publi
 pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
 pub use step::{Step, decide};
 pub use store::{
-    MIGRATIONS, PgPool, check_connection, connect_pool, enqueue, enqueue_many, ensure_database, mask_password,
-    migrate, migrate_blocking,
+    MIGRATIONS, PgPool, check_connection, connect_pool, enqueue, enqueue_many, ensure_database, mask_password, migrate,
+    migrate_blocking,
 };
 #[doc(hidden)]
 pub use supervisor::CrashWorker;
