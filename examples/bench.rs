@@ -1,0 +1,1170 @@
+//! The benchmark: the dispatcher's throughput and latency beside the raw ceilings of the same
+//! machine, all measured in one run.
+//!
+//! ```text
+//! cargo run --release --example bench -- --messages 100000
+//! ```
+//!
+//! It needs PostgreSQL and RabbitMQ (the README's quick-start addresses; `DATABASE_URL` and
+//! `AMQP_URL` override them). It creates a database of its own (`<DATABASE_URL's name>_<pid>`),
+//! migrates it, declares an exchange and a durable queue of its own (`outbox_bench_<pid>`), and
+//! drops all three at the end, also when a phase fails.
+//!
+//! Every run (`--runs`, default 3; the report shows each run and the median) measures:
+//!
+//! 1. **broker ceiling**: raw lapin, no database. The same messages (same body, properties and
+//!    headers as the RabbitMQ sink sends, persistent, `mandatory`, publisher confirms) with the
+//!    same in-flight depth as the dispatcher (`processes × workers × max_in_flight`, one
+//!    connection and channel per process, like the sink). Timed from the start to the last
+//!    confirm *and* the last delivery at the consumer.
+//! 2. **database ceiling**: the dispatcher itself (claim, fenced batched finalize) with a sink
+//!    that does nothing, from `--messages` pending rows to every row `done`.
+//! 3. **end to end**: the dispatcher with the RabbitMQ sink, from `--messages` pending rows to
+//!    every row `done` (so every publish confirmed) and every id received by a consumer that
+//!    drains the queue (auto-ack) and counts distinct ids.
+//! 4. the ratio end-to-end ÷ min(broker ceiling, database ceiling).
+//! 5. **idle latency**: with the dispatcher idle, `--latency-samples` rows are inserted one at a
+//!    time, `--latency-interval` apart, each in its own transaction. For each row:
+//!    *commit → confirm* = from the instant the producer's `INSERT` (autocommit) returned, to the
+//!    instant the dispatcher's sink saw the broker's publisher confirm for that row; and
+//!    *commit → delivery* = from the same instant to the consumer receiving the message. Both
+//!    ends are read from the system wall clock (`SystemTime`, one clock on one machine): the
+//!    producer and consumer run in this process, the dispatcher in a child.
+//! 6. **peak RSS**: `VmHWM` of each dispatcher process (`/proc/self/status`), read when it stops;
+//!    the dispatcher runs in child processes (this binary re-executed), so the benchmark's own
+//!    seeding, consumer and bookkeeping are not counted.
+//!
+//! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
+//! `VACUUM ANALYZE`d, so every phase starts from the same state. The dispatcher runs with its
+//! default settings except those given on the command line, and a pool of `workers + 2`
+//! connections per process, like `actix-outbox run`. `--processes N` starts N dispatcher
+//! processes against the same table (and N publishing processes for the broker ceiling).
+//! Every wait is bounded by `--phase-timeout`; children exit when this process goes away.
+//!
+//! FIFO mode is not offered yet: `DispatcherConfig` has no FIFO setting on this branch.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child as Process, ChildStdin, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use actix_outbox::{
+    DispatcherConfig, GetMetrics, MetricsSnapshot, OutboxMessage, OutboxSupervisor, PublishFuture, Publisher,
+    RabbitConfig, RabbitSink, Shutdown,
+};
+use clap::{Args, Parser, Subcommand};
+use diesel::sql_types::{BigInt, Int4, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+type BoxError = Box<dyn std::error::Error>;
+
+const DEFAULT_DATABASE_URL: &str = "postgres://root@127.0.0.1:5432/actix_outbox_bench";
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The routing key (event type) of every benchmark message; the queue is bound with `#`.
+const EVENT_TYPE: &str = "bench.event";
+/// Ids of the broker ceiling's messages start here, far from the table's identity values, so
+/// the consumer can never mistake one phase's messages for another's.
+const RAW_ID_BASE: i64 = 1 << 40;
+/// How often a dispatcher child reports its `done` counter.
+const REPORT_PERIOD: Duration = Duration::from_millis(5);
+/// How long the dispatcher is left idle before the latency samples start.
+const SETTLE: Duration = Duration::from_secs(1);
+
+#[derive(Parser)]
+#[command(about = "Throughput and latency of actix-outbox beside the raw ceilings of this machine")]
+struct Cli {
+    #[command(subcommand)]
+    child: Option<ChildRole>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+/// The benchmark's options (the dispatcher children receive the relevant ones again).
+#[derive(Args, Clone, Debug, Serialize)]
+struct Opts {
+    /// Rows (messages) per throughput phase.
+    #[arg(long, default_value_t = 100_000)]
+    messages: usize,
+    /// Claim actors per dispatcher process.
+    #[arg(long, default_value_t = actix_outbox::config::DEFAULT_WORKERS)]
+    workers: usize,
+    /// Rows one claim takes at most.
+    #[arg(long, default_value_t = actix_outbox::config::DEFAULT_BATCH)]
+    batch: usize,
+    /// Rows one worker holds claimed at once (default: the dispatcher's, 2 × batch).
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+    /// Dispatcher processes against the same table.
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// Runs; the report gives each run and the median.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Approximate size of each message body (JSON) in bytes.
+    #[arg(long, default_value_t = 256)]
+    payload_bytes: usize,
+    /// Rows inserted one at a time for the idle-latency figure (0 skips it).
+    #[arg(long, default_value_t = 100)]
+    latency_samples: usize,
+    /// Pause between two latency rows.
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    #[serde(serialize_with = "as_millis")]
+    latency_interval: Duration,
+    /// Bound on every phase (a phase that takes longer fails the benchmark).
+    #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
+    #[serde(serialize_with = "as_millis")]
+    phase_timeout: Duration,
+    /// Print one JSON document instead of the tables.
+    #[arg(long)]
+    json: bool,
+    /// Server and name prefix of the benchmark's database (`_<pid>` is appended).
+    #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+    #[serde(skip)]
+    database_url: String,
+    /// The RabbitMQ broker.
+    #[arg(long, env = "AMQP_URL", default_value = DEFAULT_AMQP_URL)]
+    #[serde(skip)]
+    amqp_url: String,
+}
+
+fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_millis() as u64)
+}
+
+impl Opts {
+    /// The dispatcher configuration every child runs with.
+    fn dispatcher_config(&self) -> DispatcherConfig {
+        let mut config = DispatcherConfig::default().workers(self.workers).batch(self.batch);
+        if let Some(n) = self.max_in_flight {
+            config = config.max_in_flight(n);
+        }
+        config
+    }
+
+    /// Publishes one dispatcher process may have in flight at most.
+    fn depth_per_process(&self) -> usize {
+        self.workers * self.dispatcher_config().in_flight_limit()
+    }
+
+    fn pad(&self) -> String {
+        "x".repeat(self.payload_bytes.saturating_sub(24))
+    }
+}
+
+/// Roles this binary plays when it re-executes itself (not for humans).
+#[derive(Subcommand)]
+enum ChildRole {
+    /// One dispatcher process.
+    #[command(hide = true)]
+    ChildDispatcher(DispatcherChild),
+    /// One raw-lapin publishing process (the broker ceiling).
+    #[command(hide = true)]
+    ChildBroker(BrokerChild),
+}
+
+#[derive(Args, Debug)]
+struct DispatcherChild {
+    #[arg(long)]
+    db: String,
+    #[arg(long)]
+    exchange: String,
+    /// `null` (do nothing) or `rabbit`.
+    #[arg(long)]
+    sink: String,
+    /// Print `confirm <id> <unix nanos>` for every confirmed publish.
+    #[arg(long)]
+    report_confirms: bool,
+}
+
+#[derive(Args, Debug)]
+struct BrokerChild {
+    #[arg(long)]
+    exchange: String,
+    #[arg(long)]
+    first_id: i64,
+    #[arg(long)]
+    count: usize,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,lapin=error".into()),
+        )
+        .init();
+    let result = match cli.child {
+        Some(ChildRole::ChildDispatcher(role)) => {
+            actix::System::new().block_on(child::dispatcher(role, cli.opts)).map(|()| ExitCode::SUCCESS)
+        }
+        Some(ChildRole::ChildBroker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
+        None => runtime().and_then(|rt| rt.block_on(parent::main(cli.opts))),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+fn unix_nanos(t: SystemTime) -> i128 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128)
+}
+
+/// The body of message `n`: what the seeded rows' `payload` serialises to.
+fn body(n: i64, pad: &str) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({ "n": n, "pad": pad })).expect("a JSON value serialises")
+}
+
+/// The properties and headers the RabbitMQ sink sets (DESIGN §6), for the raw publisher.
+fn properties(id: i64, aggregate_id: &str) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(id));
+    headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.to_string().as_str().into()));
+    headers.insert("x-aggregate-type".into(), AMQPValue::LongString("bench".into()));
+    headers.insert("x-aggregate-id".into(), AMQPValue::LongString(aggregate_id.into()));
+    headers.insert("x-attempt".into(), AMQPValue::LongInt(1));
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(id.to_string().into())
+        .with_type(EVENT_TYPE.into())
+        .with_timestamp(now)
+        .with_app_id(actix_outbox::sink::DEFAULT_APP_ID.into())
+        .with_headers(headers)
+}
+
+/// Names of everything the benchmark creates, derived from its pid.
+struct Names {
+    database_url: String,
+    admin_url: String,
+    database: String,
+    exchange: String,
+    queue: String,
+}
+
+impl Names {
+    fn new(opts: &Opts) -> Result<Self, BoxError> {
+        let base = opts.database_url.split('?').next().unwrap_or_default();
+        let (server, prefix) = base.rsplit_once('/').ok_or("DATABASE_URL has no database name")?;
+        if prefix.is_empty() || !server.contains("://") {
+            return Err("DATABASE_URL must look like postgres://user@host:port/name".into());
+        }
+        let database = format!("{prefix}_{}", std::process::id());
+        let name = format!("outbox_bench_{}", std::process::id());
+        Ok(Self {
+            database_url: format!("{server}/{database}"),
+            admin_url: format!("{server}/postgres"),
+            database,
+            exchange: name.clone(),
+            queue: name,
+        })
+    }
+}
+
+/// Child processes: the dispatcher and the raw publisher. They talk to the parent in lines:
+/// stdout `ready`, `done <n>`, `confirm <id> <nanos>`, `final <json>`; stdin `go`, `stop`
+/// (or end of file, which also means stop).
+mod child {
+    use super::*;
+
+    fn emit(line: &str) {
+        let mut out = std::io::stdout().lock();
+        if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+            // The parent is gone.
+            std::process::exit(3);
+        }
+    }
+
+    /// Lines from stdin, read on a thread of their own; end of file becomes `stop`.
+    fn commands() -> mpsc::UnboundedReceiver<String> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line.trim().to_owned()).is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send("stop".to_owned());
+        });
+        rx
+    }
+
+    async fn wait_for(commands: &mut mpsc::UnboundedReceiver<String>, word: &str, timeout: Duration) -> bool {
+        let found = async {
+            while let Some(line) = commands.recv().await {
+                if line == word {
+                    return true;
+                }
+                if line == "stop" {
+                    return false;
+                }
+            }
+            false
+        };
+        tokio::time::timeout(timeout, found).await.unwrap_or(false)
+    }
+
+    /// `VmHWM` (peak resident set) of this process, in KiB.
+    fn peak_rss_kib() -> u64 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// A sink that does nothing: the database ceiling.
+    #[derive(Debug)]
+    struct NullSink;
+
+    impl Publisher for NullSink {
+        fn publish(&self, _: Arc<OutboxMessage>) -> PublishFuture {
+            Box::pin(std::future::ready(Ok(())))
+        }
+    }
+
+    /// Reports the instant each publish was confirmed (latency phase).
+    #[derive(Debug)]
+    struct Timed<P>(P);
+
+    impl<P: Publisher> Publisher for Timed<P> {
+        fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+            let id = message.id;
+            let publish = self.0.publish(message);
+            Box::pin(async move {
+                let result = publish.await;
+                if result.is_ok() {
+                    emit(&format!("confirm {id} {}", unix_nanos(SystemTime::now())));
+                }
+                result
+            })
+        }
+    }
+
+    #[derive(Serialize)]
+    struct Final {
+        peak_rss_kib: u64,
+        metrics: Option<MetricsSnapshot>,
+    }
+
+    pub(super) async fn dispatcher(role: DispatcherChild, opts: Opts) -> Result<(), BoxError> {
+        let mut commands = commands();
+        let config = opts.dispatcher_config();
+        let pool_size = config.workers + 2;
+        let pool = actix_outbox::connect_pool(&role.db, pool_size as u32).await?;
+        // Open every connection now, so that start-up is not timed.
+        let warm = futures_util::future::join_all((0..pool_size).map(|_| pool.get())).await;
+        for conn in warm {
+            conn?;
+        }
+        let rabbit = match role.sink.as_str() {
+            "null" => None,
+            "rabbit" => Some(
+                RabbitSink::connect(
+                    RabbitConfig::new(&opts.amqp_url).exchange(&role.exchange).connection_name("actix-outbox bench"),
+                )
+                .await?,
+            ),
+            other => return Err(format!("unknown sink {other:?}").into()),
+        };
+        emit("ready");
+        let deadline = opts.phase_timeout + Duration::from_secs(60);
+        if !wait_for(&mut commands, "go", deadline).await {
+            return Ok(());
+        }
+        let supervisor = match (&rabbit, role.report_confirms) {
+            (None, _) => OutboxSupervisor::start(config, pool, NullSink)?,
+            (Some(sink), false) => OutboxSupervisor::start(config, pool, sink.clone())?,
+            (Some(sink), true) => OutboxSupervisor::start(config, pool, Timed(sink.clone()))?,
+        };
+        let mut reported = u64::MAX;
+        let mut tick = tokio::time::interval(REPORT_PERIOD);
+        let stop_at = tokio::time::Instant::now() + deadline;
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    let done = supervisor.send(GetMetrics).await?.done;
+                    if done != reported {
+                        emit(&format!("done {done}"));
+                        reported = done;
+                    }
+                }
+                line = commands.recv() => if matches!(line.as_deref(), None | Some("stop")) { break },
+                () = tokio::time::sleep_until(stop_at) => break,
+            }
+        }
+        supervisor.send(Shutdown).await?;
+        let metrics = supervisor.send(GetMetrics).await.ok();
+        if let Some(sink) = &rabbit {
+            sink.close().await;
+        }
+        let report = Final { peak_rss_kib: peak_rss_kib(), metrics };
+        emit(&format!("final {}", serde_json::to_string(&report)?));
+        Ok(())
+    }
+
+    /// Publishes ids `first_id ..` with the dispatcher's in-flight depth, one connection and one
+    /// confirm channel, like the sink; reports when the last confirm is in.
+    pub(super) async fn broker(role: BrokerChild, opts: Opts) -> Result<ExitCode, BoxError> {
+        let mut commands = commands();
+        let conn = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+        let channel = conn.create_channel().await?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        let pad = opts.pad();
+        let depth = opts.depth_per_process();
+        let exchange: ShortString = role.exchange.as_str().into();
+        emit("ready");
+        if !wait_for(&mut commands, "go", opts.phase_timeout).await {
+            return Ok(ExitCode::FAILURE);
+        }
+        let mut in_flight = FuturesUnordered::new();
+        let (mut acked, mut failed) = (0_usize, 0_usize);
+        let mut settle = |outcome: Result<Confirmation, lapin::Error>| match outcome {
+            Ok(Confirmation::Ack(None)) => acked += 1,
+            _ => failed += 1,
+        };
+        let publish_all = async {
+            for n in 0..role.count {
+                if in_flight.len() >= depth
+                    && let Some(outcome) = in_flight.next().await
+                {
+                    settle(outcome);
+                }
+                let id = role.first_id + n as i64;
+                let (channel, exchange, payload) = (channel.clone(), exchange.clone(), body(id, &pad));
+                let aggregate = (id % 1000).to_string();
+                in_flight.push(async move {
+                    let options = BasicPublishOptions { mandatory: true, immediate: false };
+                    let confirm = channel
+                        .basic_publish(exchange, EVENT_TYPE.into(), options, &payload, properties(id, &aggregate))
+                        .await?;
+                    confirm.await
+                });
+            }
+            while let Some(outcome) = in_flight.next().await {
+                settle(outcome);
+            }
+        };
+        tokio::time::timeout(opts.phase_timeout, publish_all).await.map_err(|_| "raw publishing timed out")?;
+        emit(&format!("final {{\"acked\":{acked},\"failed\":{failed}}}"));
+        let _ = conn.close(200, "bench done".into()).await;
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// The parent: sets up, runs the phases, reports, cleans up.
+mod parent {
+    use super::*;
+
+    /// One child process, its stdin, and its last reported `done`.
+    struct Kid {
+        process: Process,
+        stdin: Option<ChildStdin>,
+        done: u64,
+        last: Option<serde_json::Value>,
+    }
+
+    impl Kid {
+        fn send(&mut self, line: &str) {
+            if let Some(stdin) = &mut self.stdin {
+                let _ = writeln!(stdin, "{line}").and_then(|()| stdin.flush());
+            }
+        }
+    }
+
+    impl Drop for Kid {
+        fn drop(&mut self) {
+            // Closing stdin tells the child to stop; kill it if it has not within a few seconds.
+            self.stdin.take();
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.process.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = self.process.kill();
+            let _ = self.process.wait();
+        }
+    }
+
+    /// A message from a child: its index and one line (`None` at end of output).
+    type KidLine = (usize, Option<String>);
+
+    /// Children of one phase and the stream of their output lines.
+    struct Kids {
+        kids: Vec<Kid>,
+        lines: mpsc::UnboundedReceiver<KidLine>,
+    }
+
+    impl Kids {
+        fn spawn(args: &[Vec<String>]) -> Result<Self, BoxError> {
+            let exe = std::env::current_exe()?;
+            let (tx, lines) = mpsc::unbounded_channel();
+            let mut kids = Vec::new();
+            for (i, args) in args.iter().enumerate() {
+                let mut process = Command::new(&exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+                let stdout = process.stdout.take().ok_or("child without stdout")?;
+                let stdin = process.stdin.take();
+                let tx = tx.clone();
+                std::thread::spawn(move || {
+                    for line in BufReader::new(stdout).lines() {
+                        let Ok(line) = line else { break };
+                        if tx.send((i, Some(line))).is_err() {
+                            return;
+                        }
+                    }
+                    let _ = tx.send((i, None));
+                });
+                kids.push(Kid { process, stdin, done: 0, last: None });
+            }
+            Ok(Self { kids, lines })
+        }
+
+        /// Waits until every child said `ready`.
+        async fn ready(&mut self, timeout: Duration) -> Result<(), BoxError> {
+            let mut ready = vec![false; self.kids.len()];
+            let deadline = tokio::time::Instant::now() + timeout;
+            while !ready.iter().all(|r| *r) {
+                match tokio::time::timeout_at(deadline, self.lines.recv()).await {
+                    Ok(Some((i, Some(line)))) if line == "ready" => ready[i] = true,
+                    Ok(Some((_, Some(_)))) => {}
+                    Ok(Some((i, None))) => return Err(format!("child {i} failed to start (see its stderr)").into()),
+                    Ok(None) => return Err("children failed to start".into()),
+                    Err(_) => return Err("children did not get ready in time".into()),
+                }
+            }
+            Ok(())
+        }
+
+        fn go(&mut self) {
+            for kid in &mut self.kids {
+                kid.send("go");
+            }
+        }
+
+        fn done(&self) -> u64 {
+            self.kids.iter().map(|k| k.done).sum()
+        }
+
+        /// Applies one line; returns `Err` when a child ended early.
+        fn apply(&mut self, (i, line): KidLine, confirms: &mut HashMap<i64, SystemTime>) -> Result<(), BoxError> {
+            let Some(line) = line else {
+                if self.kids[i].last.is_none() {
+                    return Err(format!("child {i} ended unexpectedly (see its stderr above)").into());
+                }
+                return Ok(());
+            };
+            let mut words = line.splitn(3, ' ');
+            match (words.next(), words.next(), words.next()) {
+                (Some("done"), Some(n), None) => self.kids[i].done = n.parse()?,
+                (Some("confirm"), Some(id), Some(nanos)) => {
+                    let nanos: u64 = nanos.parse()?;
+                    confirms.insert(id.parse()?, UNIX_EPOCH + Duration::from_nanos(nanos));
+                }
+                (Some("final"), Some(_), _) => {
+                    self.kids[i].last = Some(serde_json::from_str(line.trim_start_matches("final "))?);
+                }
+                _ => {}
+            }
+            Ok(())
+        }
+
+        /// Tells every child to stop and collects their `final` reports.
+        async fn stop(mut self, timeout: Duration) -> Result<Vec<serde_json::Value>, BoxError> {
+            for kid in &mut self.kids {
+                kid.send("stop");
+            }
+            let deadline = tokio::time::Instant::now() + timeout;
+            let mut ignore = HashMap::new();
+            while self.kids.iter().any(|k| k.last.is_none()) {
+                match tokio::time::timeout_at(deadline, self.lines.recv()).await {
+                    Ok(Some(line)) => self.apply(line, &mut ignore)?,
+                    Ok(None) => break,
+                    Err(_) => return Err("children did not stop in time".into()),
+                }
+            }
+            Ok(self.kids.iter_mut().filter_map(|k| k.last.take()).collect())
+        }
+    }
+
+    /// What the consumer has seen of the current phase's id range.
+    #[derive(Default)]
+    struct Tally {
+        first: i64,
+        seen: Vec<bool>,
+        distinct: usize,
+        duplicates: usize,
+        /// Messages outside the range (another phase's stragglers).
+        stray: usize,
+        /// Arrival instants, recorded only in the latency phase.
+        arrivals: Option<HashMap<i64, SystemTime>>,
+    }
+
+    impl Tally {
+        fn expect(&mut self, first: i64, count: usize, record_arrivals: bool) {
+            *self = Tally {
+                first,
+                seen: vec![false; count],
+                arrivals: record_arrivals.then(HashMap::new),
+                ..Tally::default()
+            };
+        }
+
+        fn record(&mut self, id: i64) {
+            let at = SystemTime::now();
+            let Some(slot) = usize::try_from(id - self.first).ok().and_then(|i| self.seen.get_mut(i)) else {
+                self.stray += 1;
+                return;
+            };
+            if std::mem::replace(slot, true) {
+                self.duplicates += 1;
+            } else {
+                self.distinct += 1;
+                if let Some(arrivals) = &mut self.arrivals {
+                    arrivals.insert(id, at);
+                }
+            }
+        }
+    }
+
+    /// One run's figures.
+    #[derive(Debug, Clone, Default, Serialize)]
+    struct RunResult {
+        broker_ceiling_msg_s: f64,
+        database_ceiling_msg_s: f64,
+        end_to_end_msg_s: f64,
+        ratio: f64,
+        latency_confirm_p50_ms: Option<f64>,
+        latency_confirm_p99_ms: Option<f64>,
+        latency_delivery_p50_ms: Option<f64>,
+        latency_delivery_p99_ms: Option<f64>,
+        /// Largest `VmHWM` of the dispatcher processes, over the phases that ran them.
+        peak_rss_mib: f64,
+        /// Duplicate deliveries the consumer saw in the end-to-end phase (at-least-once).
+        end_to_end_duplicates: usize,
+    }
+
+    #[derive(Serialize)]
+    struct Report<'a> {
+        date: String,
+        machine: Machine,
+        options: &'a Opts,
+        in_flight_per_process: usize,
+        runs: Vec<RunResult>,
+        median: RunResult,
+    }
+
+    #[derive(Serialize)]
+    struct Machine {
+        cores: usize,
+        postgres: String,
+        note: &'static str,
+    }
+
+    pub(super) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
+        if opts.messages == 0 || opts.runs == 0 || opts.processes == 0 {
+            return Err("--messages, --runs and --processes must be at least 1".into());
+        }
+        opts.dispatcher_config().validate()?;
+        let names = Names::new(&opts)?;
+        let result = bench(&opts, &names).await;
+        let cleanup = cleanup(&opts, &names).await;
+        let report = result?;
+        if let Err(e) = cleanup {
+            eprintln!("bench: cleanup failed: {e}");
+        }
+        if opts.json {
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        } else {
+            print_report(&report);
+        }
+        Ok(ExitCode::SUCCESS)
+    }
+
+    async fn cleanup(opts: &Opts, names: &Names) -> Result<(), BoxError> {
+        let mut admin = AsyncPgConnection::establish(&names.admin_url).await?;
+        admin.batch_execute(&format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", names.database)).await?;
+        let conn = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+        let channel = conn.create_channel().await?;
+        channel.queue_delete(names.queue.as_str().into(), QueueDeleteOptions::default()).await?;
+        channel.exchange_delete(names.exchange.as_str().into(), ExchangeDeleteOptions::default()).await?;
+        let _ = conn.close(200, "bench cleanup".into()).await;
+        Ok(())
+    }
+
+    async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError> {
+        actix_outbox::ensure_database(&names.database_url).await?;
+        actix_outbox::migrate(&names.database_url).await?;
+        let mut db = AsyncPgConnection::establish(&names.database_url).await?;
+        #[derive(diesel::QueryableByName)]
+        struct Version {
+            #[diesel(sql_type = Text)]
+            v: String,
+        }
+        let postgres: Version =
+            diesel::sql_query("SELECT current_setting('server_version') AS v").get_result(&mut db).await?;
+
+        // The exchange (as the sink declares it) and a durable queue that takes everything.
+        let amqp = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+        let channel = amqp.create_channel().await?;
+        let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+        channel
+            .exchange_declare(names.exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
+            .await?;
+        let queue_options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+        channel.queue_declare(names.queue.as_str().into(), queue_options, FieldTable::default()).await?;
+        channel
+            .queue_bind(
+                names.queue.as_str().into(),
+                names.exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        let tally = Arc::new(Mutex::new(Tally::default()));
+        let mut deliveries = channel
+            .basic_consume(
+                names.queue.as_str().into(),
+                "bench".into(),
+                BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() },
+                FieldTable::default(),
+            )
+            .await?;
+        let consumer = {
+            let tally = tally.clone();
+            tokio::spawn(async move {
+                while let Some(Ok(delivery)) = deliveries.next().await {
+                    let id = delivery.properties.message_id().as_ref().and_then(|m| m.as_str().parse::<i64>().ok());
+                    let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+                    match id {
+                        Some(id) => tally.record(id),
+                        None => tally.stray += 1,
+                    }
+                }
+            })
+        };
+
+        let mut runs = Vec::new();
+        for run in 0..opts.runs {
+            if !opts.json {
+                eprintln!("run {}/{}...", run + 1, opts.runs);
+            }
+            runs.push(one_run(opts, names, run, &mut db, &tally).await?);
+        }
+        consumer.abort();
+        let _ = amqp.close(200, "bench done".into()).await;
+        let median = median_of(&runs);
+        Ok(Report {
+            date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            machine: Machine {
+                cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+                postgres: postgres.v,
+                note: "PostgreSQL, RabbitMQ, the dispatcher and the benchmark share these cores",
+            },
+            options: opts,
+            in_flight_per_process: opts.depth_per_process(),
+            runs,
+            median,
+        })
+    }
+
+    /// The options a child needs, before its subcommand (clap reads them at the top level).
+    fn common_args(opts: &Opts) -> Vec<String> {
+        let mut args = vec![
+            "--workers".to_owned(),
+            opts.workers.to_string(),
+            "--batch".to_owned(),
+            opts.batch.to_string(),
+            "--payload-bytes".to_owned(),
+            opts.payload_bytes.to_string(),
+            "--amqp-url".to_owned(),
+            opts.amqp_url.clone(),
+            "--phase-timeout".to_owned(),
+            humantime::format_duration(opts.phase_timeout).to_string(),
+        ];
+        if let Some(n) = opts.max_in_flight {
+            args.extend(["--max-in-flight".to_owned(), n.to_string()]);
+        }
+        args
+    }
+
+    fn dispatcher_args(opts: &Opts, names: &Names, sink: &str, report_confirms: bool) -> Vec<String> {
+        let mut args = common_args(opts);
+        args.extend(
+            ["child-dispatcher", "--db", &names.database_url, "--exchange", &names.exchange, "--sink", sink]
+                .map(str::to_owned),
+        );
+        if report_confirms {
+            args.push("--report-confirms".to_owned());
+        }
+        args
+    }
+
+    /// Splits `total` as evenly as possible over `parts`.
+    fn shares(total: usize, parts: usize) -> impl Iterator<Item = usize> {
+        (0..parts).map(move |i| total / parts + usize::from(i < total % parts))
+    }
+
+    fn tally_of(tally: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
+        tally.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn one_run(
+        opts: &Opts,
+        names: &Names,
+        run: usize,
+        db: &mut AsyncPgConnection,
+        tally: &Mutex<Tally>,
+    ) -> Result<RunResult, BoxError> {
+        let n = opts.messages;
+        let mut result = RunResult::default();
+        let mut peak_kib = 0_u64;
+
+        // 1. Broker ceiling.
+        let first_raw = RAW_ID_BASE + (run * n) as i64;
+        let mut args = Vec::new();
+        let mut next = first_raw;
+        for count in shares(n, opts.processes) {
+            let mut child = common_args(opts);
+            child.extend(["child-broker", "--exchange", &names.exchange].map(str::to_owned));
+            child.extend(["--first-id".to_owned(), next.to_string(), "--count".to_owned(), count.to_string()]);
+            args.push(child);
+            next += count as i64;
+        }
+        tally_of(tally).expect(first_raw, n, false);
+        let mut kids = Kids::spawn(&args)?;
+        kids.ready(Duration::from_secs(30)).await?;
+        let started = Instant::now();
+        kids.go();
+        let deadline = tokio::time::Instant::now() + opts.phase_timeout;
+        let mut confirms = HashMap::new();
+        let mut ended = None;
+        while ended.is_none() {
+            tokio::select! {
+                line = kids.lines.recv() => match line {
+                    Some(line) => kids.apply(line, &mut confirms)?,
+                    None => return Err("broker children vanished".into()),
+                },
+                () = tokio::time::sleep(REPORT_PERIOD) => {}
+                () = tokio::time::sleep_until(deadline) => return Err("broker ceiling phase timed out".into()),
+            }
+            if kids.kids.iter().all(|k| k.last.is_some()) && tally_of(tally).distinct == n {
+                ended = Some(started.elapsed());
+            }
+        }
+        let failed: u64 = kids.kids.iter().filter_map(|k| k.last.as_ref()?.get("failed")?.as_u64()).sum();
+        if failed > 0 {
+            return Err(format!("broker ceiling: {failed} publishes were not acked").into());
+        }
+        drop(kids);
+        result.broker_ceiling_msg_s = n as f64 / ended.unwrap_or_default().as_secs_f64();
+
+        // 2. Database ceiling.
+        let (first, _) = seed(db, n, opts).await?;
+        let elapsed = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
+        verify_done(db, n).await?;
+        result.database_ceiling_msg_s = n as f64 / elapsed.as_secs_f64();
+
+        // 3. End to end.
+        let (first, _) = seed(db, n, opts).await?;
+        let elapsed = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+        verify_done(db, n).await?;
+        result.end_to_end_msg_s = n as f64 / elapsed.as_secs_f64();
+        result.end_to_end_duplicates = tally_of(tally).duplicates;
+        result.ratio =
+            result.end_to_end_msg_s / result.broker_ceiling_msg_s.min(result.database_ceiling_msg_s).max(f64::EPSILON);
+
+        // 5. Idle latency.
+        if opts.latency_samples > 0 {
+            let latency = idle_latency(opts, names, db, tally, &mut peak_kib).await?;
+            result.latency_confirm_p50_ms = Some(latency.0);
+            result.latency_confirm_p99_ms = Some(latency.1);
+            result.latency_delivery_p50_ms = Some(latency.2);
+            result.latency_delivery_p99_ms = Some(latency.3);
+        }
+        result.peak_rss_mib = peak_kib as f64 / 1024.0;
+        Ok(result)
+    }
+
+    /// Empties the table, inserts `n` pending rows in one statement, vacuums and analyses it.
+    /// Returns the first id and the count.
+    async fn seed(db: &mut AsyncPgConnection, n: usize, opts: &Opts) -> Result<(i64, usize), BoxError> {
+        db.batch_execute("TRUNCATE outbox").await?;
+        #[derive(diesel::QueryableByName)]
+        struct Range {
+            #[diesel(sql_type = BigInt)]
+            first: i64,
+            #[diesel(sql_type = BigInt)]
+            last: i64,
+        }
+        let range: Range = diesel::sql_query(
+            "WITH inserted AS (
+                 INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 SELECT 'bench', (g % 1000)::text, $3, jsonb_build_object('n', g, 'pad', repeat('x', $2))
+                 FROM generate_series(1, $1) AS g
+                 RETURNING id)
+             SELECT min(id) AS first, max(id) AS last FROM inserted",
+        )
+        .bind::<BigInt, _>(n as i64)
+        .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
+        .bind::<Text, _>(EVENT_TYPE)
+        .get_result(db)
+        .await?;
+        if range.last - range.first + 1 != n as i64 {
+            return Err(format!("seeded ids are not contiguous: {}..={}", range.first, range.last).into());
+        }
+        db.batch_execute("VACUUM ANALYZE outbox").await?;
+        Ok((range.first, n))
+    }
+
+    /// Fails unless exactly `n` rows exist and all are `done`.
+    async fn verify_done(db: &mut AsyncPgConnection, n: usize) -> Result<(), BoxError> {
+        #[derive(diesel::QueryableByName)]
+        struct Count {
+            #[diesel(sql_type = BigInt)]
+            done: i64,
+            #[diesel(sql_type = BigInt)]
+            total: i64,
+        }
+        let c: Count =
+            diesel::sql_query("SELECT count(*) FILTER (WHERE status = 'done') AS done, count(*) AS total FROM outbox")
+                .get_result(db)
+                .await?;
+        if c.done != n as i64 || c.total != n as i64 {
+            return Err(format!("expected {n} rows all done, found {} done of {}", c.done, c.total).into());
+        }
+        Ok(())
+    }
+
+    /// Runs the dispatcher children with `sink` over the seeded table until `n` rows are done
+    /// (and, with RabbitMQ, the consumer has every id); returns the time from `go`.
+    #[allow(clippy::too_many_arguments)]
+    async fn dispatch(
+        opts: &Opts,
+        names: &Names,
+        sink: &str,
+        n: usize,
+        tally: &Mutex<Tally>,
+        first: i64,
+        peak_kib: &mut u64,
+    ) -> Result<Duration, BoxError> {
+        let rabbit = sink == "rabbit";
+        tally_of(tally).expect(first, n, false);
+        let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, sink, false)).collect();
+        let mut kids = Kids::spawn(&args)?;
+        kids.ready(Duration::from_secs(30)).await?;
+        let started = Instant::now();
+        kids.go();
+        let deadline = tokio::time::Instant::now() + opts.phase_timeout;
+        let mut confirms = HashMap::new();
+        let elapsed = loop {
+            tokio::select! {
+                line = kids.lines.recv() => match line {
+                    Some(line) => kids.apply(line, &mut confirms)?,
+                    None => return Err("dispatcher children vanished".into()),
+                },
+                () = tokio::time::sleep(REPORT_PERIOD) => {}
+                () = tokio::time::sleep_until(deadline) => {
+                    return Err(format!("{sink} phase timed out with {} of {n} rows done", kids.done()).into());
+                }
+            }
+            if kids.done() >= n as u64 && (!rabbit || tally_of(tally).distinct == n) {
+                break started.elapsed();
+            }
+        };
+        for report in kids.stop(Duration::from_secs(30)).await? {
+            *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
+        }
+        Ok(elapsed)
+    }
+
+    /// Inserts rows one at a time while the dispatcher idles; returns commit → confirm p50, p99
+    /// and commit → delivery p50, p99 in milliseconds.
+    async fn idle_latency(
+        opts: &Opts,
+        names: &Names,
+        db: &mut AsyncPgConnection,
+        tally: &Mutex<Tally>,
+        peak_kib: &mut u64,
+    ) -> Result<(f64, f64, f64, f64), BoxError> {
+        db.batch_execute("TRUNCATE outbox").await?;
+        let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", true)).collect();
+        let mut kids = Kids::spawn(&args)?;
+        kids.ready(Duration::from_secs(30)).await?;
+        kids.go();
+        let mut confirms = HashMap::new();
+        let settle = tokio::time::Instant::now() + SETTLE;
+        while let Ok(Some(line)) = tokio::time::timeout_at(settle, kids.lines.recv()).await {
+            kids.apply(line, &mut confirms)?;
+        }
+
+        #[derive(diesel::QueryableByName)]
+        struct Id {
+            #[diesel(sql_type = BigInt)]
+            id: i64,
+        }
+        let insert = |n: usize| {
+            diesel::sql_query(
+                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
+                 RETURNING id",
+            )
+            .bind::<Text, _>((n % 1000).to_string())
+            .bind::<Text, _>(EVENT_TYPE)
+            .bind::<BigInt, _>(n as i64)
+            .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
+        };
+        // Ids come from the identity: the next one is known after the first insert.
+        let mut commits: Vec<(i64, SystemTime)> = Vec::with_capacity(opts.latency_samples);
+        let mut next_tick = tokio::time::Instant::now();
+        for sample in 0..opts.latency_samples {
+            tokio::time::sleep_until(next_tick).await;
+            next_tick += opts.latency_interval;
+            let id: Id = insert(sample).get_result(db).await?;
+            // The autocommit INSERT has returned: the row is committed and visible.
+            let committed = SystemTime::now();
+            if sample == 0 {
+                tally_of(tally).expect(id.id, opts.latency_samples, true);
+            }
+            commits.push((id.id, committed));
+            while let Ok(line) = kids.lines.try_recv() {
+                kids.apply(line, &mut confirms)?;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let all_in = |confirms: &HashMap<i64, SystemTime>, tally: &Tally| {
+            commits.iter().all(|(id, _)| confirms.contains_key(id) && tally.seen[(id - tally.first) as usize])
+        };
+        while !all_in(&confirms, &tally_of(tally)) {
+            match tokio::time::timeout_at(deadline, kids.lines.recv()).await {
+                Ok(Some(line)) => kids.apply(line, &mut confirms)?,
+                Ok(None) => return Err("dispatcher children vanished".into()),
+                Err(_) => return Err("latency rows were not all confirmed within 30 s".into()),
+            }
+        }
+        for report in kids.stop(Duration::from_secs(30)).await? {
+            *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
+        }
+        let arrivals = tally_of(tally).arrivals.take().unwrap_or_default();
+        let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
+        let mut to_confirm: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, confirms[id])).collect();
+        let mut to_delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
+        Ok((
+            percentile(&mut to_confirm, 0.50),
+            percentile(&mut to_confirm, 0.99),
+            percentile(&mut to_delivery, 0.50),
+            percentile(&mut to_delivery, 0.99),
+        ))
+    }
+
+    /// Nearest-rank percentile.
+    fn percentile(values: &mut [f64], p: f64) -> f64 {
+        values.sort_by(f64::total_cmp);
+        let rank = ((p * values.len() as f64).ceil() as usize).clamp(1, values.len());
+        values[rank - 1]
+    }
+
+    fn median(mut values: Vec<f64>) -> f64 {
+        values.sort_by(f64::total_cmp);
+        let mid = values.len() / 2;
+        if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 }
+    }
+
+    fn median_of(runs: &[RunResult]) -> RunResult {
+        let m = |f: fn(&RunResult) -> f64| median(runs.iter().map(f).collect());
+        let mo = |f: fn(&RunResult) -> Option<f64>| {
+            let values: Vec<f64> = runs.iter().filter_map(f).collect();
+            (!values.is_empty()).then(|| median(values))
+        };
+        RunResult {
+            broker_ceiling_msg_s: m(|r| r.broker_ceiling_msg_s),
+            database_ceiling_msg_s: m(|r| r.database_ceiling_msg_s),
+            end_to_end_msg_s: m(|r| r.end_to_end_msg_s),
+            ratio: m(|r| r.ratio),
+            latency_confirm_p50_ms: mo(|r| r.latency_confirm_p50_ms),
+            latency_confirm_p99_ms: mo(|r| r.latency_confirm_p99_ms),
+            latency_delivery_p50_ms: mo(|r| r.latency_delivery_p50_ms),
+            latency_delivery_p99_ms: mo(|r| r.latency_delivery_p99_ms),
+            peak_rss_mib: m(|r| r.peak_rss_mib),
+            end_to_end_duplicates: runs.iter().map(|r| r.end_to_end_duplicates).max().unwrap_or(0),
+        }
+    }
+
+    fn print_report(report: &Report<'_>) {
+        let o = report.options;
+        println!(
+            "actix-outbox bench  {}  {} cores (shared by PostgreSQL {}, RabbitMQ, the dispatcher and the bench)",
+            report.date, report.machine.cores, report.machine.postgres
+        );
+        println!(
+            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  runs {}",
+            o.messages, o.payload_bytes, o.workers, o.batch, report.in_flight_per_process, o.processes, o.runs
+        );
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+        println!(
+            "{:<8} {:>12} {:>12} {:>12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>5}",
+            "run",
+            "broker/s",
+            "database/s",
+            "e2e/s",
+            "ratio",
+            "conf p50",
+            "conf p99",
+            "deliv p50",
+            "deliv p99",
+            "rss MiB",
+            "dups"
+        );
+        let row = |name: &str, r: &RunResult| {
+            println!(
+                "{:<8} {:>12.0} {:>12.0} {:>12.0} {:>5.0}% {:>10} {:>10} {:>10} {:>10} {:>9.1} {:>5}",
+                name,
+                r.broker_ceiling_msg_s,
+                r.database_ceiling_msg_s,
+                r.end_to_end_msg_s,
+                r.ratio * 100.0,
+                ms(r.latency_confirm_p50_ms),
+                ms(r.latency_confirm_p99_ms),
+                ms(r.latency_delivery_p50_ms),
+                ms(r.latency_delivery_p99_ms),
+                r.peak_rss_mib,
+                r.end_to_end_duplicates
+            )
+        };
+        for (i, r) in report.runs.iter().enumerate() {
+            row(&format!("{}", i + 1), r);
+        }
+        row(&format!("median/{}", report.runs.len()), &report.median);
+        println!(
+            "broker = raw lapin, no database; database = dispatcher with a do-nothing sink; e2e = dispatcher + RabbitMQ sink \
+             + consumer; ratio = e2e / min(broker, database); latency (ms, idle, {} rows {} apart) from the producer's \
+             commit to the sink's confirm (conf) and to the consumer (deliv); rss = peak VmHWM of one dispatcher process",
+            o.latency_samples,
+            humantime::format_duration(o.latency_interval)
+        );
+    }
+}
