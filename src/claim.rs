@@ -4,7 +4,9 @@
 //! Pacing: a full batch means a backlog, so the worker claims again at once, as long as its
 //! in-flight window (`max_in_flight`) has room; the next claim thus overlaps the publishing of
 //! the last. A short batch means the table is drained, so the worker waits a jittered poll
-//! interval or until a [`Wake`] arrives. A full window waits for publishes to finish.
+//! interval or until a [`Wake`] arrives. A full window waits for publishes to finish. Under the
+//! FIFO gate, a finished publish also triggers a claim, since it may have unblocked the next row
+//! of its aggregate.
 
 use std::sync::Arc;
 
@@ -50,6 +52,9 @@ pub(crate) struct ClaimActor {
     claiming: bool,
     /// The last claim filled its batch: claim again as soon as the window has room.
     backlog: bool,
+    /// FIFO only: a publish finished while a claim was running, so that claim may have missed
+    /// the successor the finished row unblocked; claim again when it returns.
+    claim_again: bool,
     /// The pending poll timer.
     timer: Option<SpawnHandle>,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
@@ -73,6 +78,7 @@ impl ClaimActor {
             in_flight: 0,
             claiming: false,
             backlog: false,
+            claim_again: false,
             timer: None,
             draining: false,
             drain_waiters: Vec::new(),
@@ -115,6 +121,7 @@ impl ClaimActor {
                 batch,
                 lease: shared.config.lease,
                 max_attempts: shared.config.max_attempts,
+                fifo: &shared.config.fifo,
             };
             store::claim(&mut conn, &params).await
         };
@@ -144,7 +151,7 @@ impl ClaimActor {
                             .start();
                     }
                     act.backlog = n == batch;
-                    if act.backlog {
+                    if act.backlog || std::mem::take(&mut act.claim_again) {
                         act.claim(ctx);
                     } else {
                         act.schedule_poll(ctx);
@@ -199,6 +206,16 @@ impl Handler<PublishFinished> for ClaimActor {
         self.in_flight = self.in_flight.saturating_sub(1);
         if self.backlog {
             self.claim(ctx);
+        } else if self.shared.config.fifo.is_on() {
+            // Under the FIFO gate a claim comes back short while rows wait behind their heads;
+            // the head just finalized may have unblocked the next row of its aggregate, so
+            // claim now rather than after a poll interval (a hot aggregate would otherwise
+            // move one row per poll interval).
+            if self.claiming {
+                self.claim_again = true;
+            } else {
+                self.claim(ctx);
+            }
         }
         self.answer_drain();
     }
