@@ -203,7 +203,7 @@ SELECT false AS reaped, id, aggregate_type, aggregate_id, event_type, payload, c
        attempts, lease_version, lease_until
 FROM claimed
 UNION ALL
-SELECT true, id, '', '', 'null'::jsonb, now(), 0, lease_version, NULL
+SELECT true, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL
 FROM reaped
 "#
         )
