@@ -4,4 +4,5 @@
 mod support;
 
 mod actors;
+mod fifo;
 mod store;
