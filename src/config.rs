@@ -294,10 +294,13 @@ pub enum ConfigError {
 /// Every dispatcher claiming from the table must use the same setting: a dispatcher with the
 /// gate off claims any ready row, whatever its aggregate.
 ///
-/// Cost: an aggregate's rows go out one at a time, one claim round trip each, so a hot
-/// aggregate is as fast as one worker's claim-publish-finalize loop. A claim reads pending rows
-/// in `(available_at, id)` order and skips those behind an unfinished row with one index probe
-/// each, so a long backlog of one aggregate ahead of the others makes every claim walk it.
+/// Cost: an aggregate's rows go out one at a time, one claim-publish-finalize round trip each,
+/// so a hot aggregate moves no faster than that loop. A claim reads pending rows in
+/// `(available_at, id)` order and skips each row that waits behind its aggregate with one index
+/// probe (about 5 µs), so a long backlog of one aggregate ahead of the others is walked by
+/// every claim: 5,000 such rows cost about 25 ms per claim, against about 1 ms without them
+/// (`examples/fifo_explain.rs` measures it on a million-row table). Gate only the event types
+/// that need order.
 ///
 /// ```
 /// use actix_outbox::{DispatcherConfig, Fifo};

@@ -225,16 +225,17 @@ const CLAIM_FIFO_SQL: &str = claim_sql!(
 );
 
 /// Rows of the types in $5 wait for the earlier unfinished rows of those types of their
-/// aggregate; other rows pass. The outer test sits inside the `NOT EXISTS` so that it stays an
-/// anti-join.
+/// aggregate; other rows pass without a probe. The `OR` keeps the probe a per-row subplan that
+/// runs only for gated rows and stops at the first match; written as an anti-join with the
+/// outer test inside, PostgreSQL evaluates that test as a join filter after the probe, and an
+/// unlisted row behind a long backlog of its aggregate then walks the whole backlog.
 const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
     r#"
-      AND NOT EXISTS (
+      AND (o.event_type <> ALL($5) OR NOT EXISTS (
           SELECT 1 FROM outbox AS prev
-          WHERE o.event_type = ANY($5)
-            AND prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
+          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
             AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead')
-            AND prev.event_type = ANY($5))"#
+            AND prev.event_type = ANY($5)))"#
 );
 
 #[derive(QueryableByName)]
