@@ -160,6 +160,16 @@ pub fn mask_password(url: &str) -> String {
     }
 }
 
+/// Maps pool errors onto the store's error type.
+impl From<RunError> for StoreError {
+    fn from(e: RunError) -> Self {
+        match e {
+            RunError::User(e) => StoreError::Pool(e.to_string()),
+            RunError::TimedOut => StoreError::Pool("timed out waiting for a connection".into()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,15 +189,5 @@ mod tests {
         assert_eq!(mask_password("amqp://guest:guest@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
         assert_eq!(mask_password("postgres://root@h/db"), "postgres://root@h/db");
         assert_eq!(mask_password("postgres://h:5432/db"), "postgres://h:5432/db");
-    }
-}
-
-/// Maps pool errors onto the store's error type.
-impl From<RunError> for StoreError {
-    fn from(e: RunError) -> Self {
-        match e {
-            RunError::User(e) => StoreError::Pool(e.to_string()),
-            RunError::TimedOut => StoreError::Pool("timed out waiting for a connection".into()),
-        }
     }
 }
