@@ -199,6 +199,32 @@ async fn thirty_rows_of_one_aggregate_through_four_workers_finalize_in_id_order(
     }
 }
 
+/// Under the gate a claim comes back short while rows wait behind their heads; the worker must
+/// not then sit out its poll interval once per row. With a 60 s poll interval, 10 rows of one
+/// aggregate arrive only if each finished publish triggers the next claim.
+#[actix_rt::test]
+async fn a_finished_head_triggers_the_next_claim_without_waiting_for_the_poll_interval() {
+    let db = TestDb::new().await;
+    let seeded = db.seed(10, "X").await;
+    let (sink, mut rx) = ChannelSink::new();
+    let config = DispatcherConfig::default()
+        .workers(2)
+        .poll_interval(Duration::from_secs(60))
+        .owner(format!("fifo-trigger-{}", db.name))
+        .fifo(Fifo::All);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    let mut received = Vec::new();
+    while received.len() < seeded.len() {
+        // Far below one poll interval: only the trigger can deliver the next row in time.
+        match tokio::time::timeout(Duration::from_secs(15), rx.recv()).await {
+            Ok(Some(m)) => received.push(m.id),
+            other => panic!("row {} of 10 did not follow ({other:?}): received {received:?}", received.len() + 1),
+        }
+    }
+    assert_eq!(received, seeded);
+    dispatcher.send(actix_outbox::Shutdown).await.unwrap();
+}
+
 async fn receive(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>, n: usize) -> Vec<Arc<OutboxMessage>> {
     let mut received = Vec::with_capacity(n);
     while received.len() < n {
