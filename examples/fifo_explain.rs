@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use actix_outbox::Fifo;
 use actix_outbox::store::{self, ClaimParams};
-use diesel_async::{AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection, TransactionManager};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
+};
 
 const DEFAULT_URL: &str = "postgres://root@127.0.0.1:5432/outbox_fifo_explain";
 const RUNS: usize = 30;
@@ -97,7 +99,8 @@ async fn scenario(conn: &mut AsyncPgConnection) -> Result<bool, Box<dyn std::err
         scanned |= plan.iter().any(|l| l.contains("Seq Scan on outbox"));
     }
     println!("\n--- claim of up to 50 rows, {RUNS} runs each, rolled back (client round trip) ---");
-    for (name, fifo) in [("no gate", &Fifo::Off), ("gate on all types", &Fifo::All), ("gate on order.changed", &types)] {
+    for (name, fifo) in [("no gate", &Fifo::Off), ("gate on all types", &Fifo::All), ("gate on order.changed", &types)]
+    {
         let (claimed, times) = time_claim(conn, &params(fifo)).await?;
         println!(
             "{name:<24} claimed {claimed:>2} rows   median {:>7.2} ms   min {:>7.2} ms   max {:>7.2} ms",
@@ -152,6 +155,8 @@ async fn table_summary(conn: &mut AsyncPgConnection) -> Result<String, Box<dyn s
         n: i64,
     }
     let counts: Vec<Count> =
-        diesel::sql_query("SELECT status, count(*) AS n FROM outbox GROUP BY status ORDER BY status").load(conn).await?;
+        diesel::sql_query("SELECT status, count(*) AS n FROM outbox GROUP BY status ORDER BY status")
+            .load(conn)
+            .await?;
     Ok(counts.iter().map(|c| format!("{}={}", c.status, c.n)).collect::<Vec<_>>().join("  "))
 }

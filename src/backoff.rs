@@ -7,9 +7,7 @@ use rand::RngExt;
 /// The upper bound of the retry delay after `attempts` claims: `min(cap, base × 2^attempts)`.
 pub fn backoff_ceiling(attempts: i32, base: Duration, cap: Duration) -> Duration {
     let exp = attempts.clamp(0, 62) as u32;
-    base.checked_mul(1u32.checked_shl(exp.min(31)).unwrap_or(u32::MAX))
-        .unwrap_or(cap)
-        .min(cap)
+    base.checked_mul(1u32.checked_shl(exp.min(31)).unwrap_or(u32::MAX)).unwrap_or(cap).min(cap)
 }
 
 /// A retry delay drawn uniformly from `[0, min(cap, base × 2^attempts)]`.

@@ -52,9 +52,9 @@ pub(crate) struct ClaimActor {
     claiming: bool,
     /// The last claim filled its batch: claim again as soon as the window has room.
     backlog: bool,
-    /// FIFO only: a publish finished while a claim was running, so that claim may have missed
-    /// the successor the finished row unblocked; claim again when it returns.
-    claim_again: bool,
+    /// A wake-up arrived while a claim was running (its snapshot may predate the new rows):
+    /// claim again as soon as it returns.
+    woken: bool,
     /// The pending poll timer.
     timer: Option<SpawnHandle>,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
@@ -78,7 +78,7 @@ impl ClaimActor {
             in_flight: 0,
             claiming: false,
             backlog: false,
-            claim_again: false,
+            woken: false,
             timer: None,
             draining: false,
             drain_waiters: Vec::new(),
@@ -144,14 +144,23 @@ impl ClaimActor {
                             last_id = claim.messages[n - 1].id, "claimed batch");
                     }
                     for message in claim.messages {
-                        debug!(outbox_id = message.id, lease_version = message.lease_version,
-                            attempt = message.attempts, "claimed");
+                        debug!(
+                            outbox_id = message.id,
+                            lease_version = message.lease_version,
+                            attempt = message.attempts,
+                            "claimed"
+                        );
                         act.in_flight += 1;
-                        PublishActor::new(message, act.shared.clone(), act.finalizer.clone(), ctx.address().recipient())
-                            .start();
+                        PublishActor::new(
+                            message,
+                            act.shared.clone(),
+                            act.finalizer.clone(),
+                            ctx.address().recipient(),
+                        )
+                        .start();
                     }
                     act.backlog = n == batch;
-                    if act.backlog || std::mem::take(&mut act.claim_again) {
+                    if act.backlog || std::mem::take(&mut act.woken) {
                         act.claim(ctx);
                     } else {
                         act.schedule_poll(ctx);
@@ -195,6 +204,9 @@ impl Handler<Wake> for ClaimActor {
     type Result = ();
 
     fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        if self.claiming {
+            self.woken = true;
+        }
         self.claim(ctx);
     }
 }
@@ -208,14 +220,14 @@ impl Handler<PublishFinished> for ClaimActor {
             self.claim(ctx);
         } else if self.shared.config.fifo.is_on() {
             // Under the FIFO gate a claim comes back short while rows wait behind their heads;
-            // the head just finalized may have unblocked the next row of its aggregate, so
-            // claim now rather than after a poll interval (a hot aggregate would otherwise
-            // move one row per poll interval).
+            // the row just finalized may have unblocked the next row of its aggregate, so claim
+            // now (or right after the running claim, whose snapshot may predate the finalize)
+            // rather than after a poll interval: a hot aggregate would otherwise move one row
+            // per poll interval.
             if self.claiming {
-                self.claim_again = true;
-            } else {
-                self.claim(ctx);
+                self.woken = true;
             }
+            self.claim(ctx);
         }
         self.answer_drain();
     }

@@ -77,6 +77,10 @@ pub struct DispatcherConfig {
     /// Per-aggregate ordering: which rows wait for the earlier rows of their aggregate.
     /// Default [`Fifo::Off`]. See [`Fifo`] for the rule and its cost.
     pub fifo: Fifo,
+    /// `LISTEN` on a dedicated connection for the outbox's insert trigger and wake a worker at
+    /// once, instead of waiting for the poll. Needs a session-capable connection (not a
+    /// transaction-mode PgBouncer). Default true.
+    pub listen_for_inserts: bool,
 }
 
 impl Default for DispatcherConfig {
@@ -95,6 +99,7 @@ impl Default for DispatcherConfig {
             owner: default_owner(),
             finalize_batch: 1000,
             fifo: Fifo::Off,
+            listen_for_inserts: true,
         }
     }
 }
@@ -149,6 +154,8 @@ impl DispatcherConfig {
         finalize_batch: usize,
         /// Sets [`DispatcherConfig::fifo`].
         fifo: Fifo,
+        /// Sets [`DispatcherConfig::listen_for_inserts`].
+        listen_for_inserts: bool,
     }
 
     /// Sets [`DispatcherConfig::max_in_flight`].

@@ -35,10 +35,9 @@ impl StoreError {
         match self {
             StoreError::Pool(_) | StoreError::Connect(_) => true,
             StoreError::Query(e) => match e {
-                E::DatabaseError(kind, _) => matches!(
-                    kind,
-                    K::SerializationFailure | K::ClosedConnection | K::ReadOnlyTransaction
-                ),
+                E::DatabaseError(kind, _) => {
+                    matches!(kind, K::SerializationFailure | K::ClosedConnection | K::ReadOnlyTransaction)
+                }
                 E::BrokenTransactionManager => true,
                 _ => false,
             },

@@ -12,61 +12,12 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
-use crate::backoff::full_jitter;
-use crate::error::{PublishError, StoreError};
+use crate::error::StoreError;
 use crate::metrics::Metrics;
-use crate::model::{Fence, OutboxMessage, Status};
-use crate::store::{self, Bury, Reschedule};
+use crate::model::{Fence, Status};
+use crate::step::Step;
+use crate::store;
 use crate::supervisor::Shared;
-
-/// The write a publish outcome calls for.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum FinalizeOp {
-    /// Published: `done`.
-    Done(Fence),
-    /// Back to `pending` after a backoff or a deferral.
-    Reschedule(Reschedule),
-    /// Given up: `dead`.
-    Dead(Bury),
-}
-
-impl FinalizeOp {
-    fn fence(&self) -> Fence {
-        match self {
-            FinalizeOp::Done(f) => *f,
-            FinalizeOp::Reschedule(r) => r.fence,
-            FinalizeOp::Dead(b) => b.fence,
-        }
-    }
-}
-
-/// Decides a row's next state from its publish outcome (DESIGN §3).
-pub(crate) fn plan(message: &OutboxMessage, outcome: &Result<(), PublishError>, shared: &Shared) -> FinalizeOp {
-    let config = &shared.config;
-    let fence = message.fence();
-    match outcome {
-        Ok(()) => FinalizeOp::Done(fence),
-        Err(PublishError::Permanent(e)) => FinalizeOp::Dead(Bury { fence, error: format!("permanent: {e}") }),
-        Err(PublishError::Retryable(e)) if message.attempts >= config.max_attempts => FinalizeOp::Dead(Bury {
-            fence,
-            error: format!("retries exhausted after {} attempts; last: {e}", message.attempts),
-        }),
-        Err(PublishError::Retryable(e)) => FinalizeOp::Reschedule(Reschedule {
-            fence,
-            delay: full_jitter(message.attempts, config.backoff_base, config.backoff_cap),
-            error: format!("retryable (attempt {}): {e}", message.attempts),
-            refund_attempt: false,
-            dead_if_older_than: None,
-        }),
-        Err(PublishError::Defer { delay, reason }) => FinalizeOp::Reschedule(Reschedule {
-            fence,
-            delay: *delay,
-            error: format!("deferred: {reason}"),
-            refund_attempt: true,
-            dead_if_older_than: Some(config.max_defer_age),
-        }),
-    }
-}
 
 /// Whether a fenced write took effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,7 +33,7 @@ pub(crate) enum Fenced {
 /// Apply one fenced write.
 #[derive(Debug, Message)]
 #[rtype(result = "Fenced")]
-pub(crate) struct Finalize(pub(crate) FinalizeOp);
+pub(crate) struct Finalize(pub(crate) Step);
 
 /// Extend one claim's lease (a publish running long).
 #[derive(Debug, Message)]
@@ -98,7 +49,7 @@ type Reply = oneshot::Sender<Fenced>;
 
 pub(crate) struct FinalizeActor {
     shared: Arc<Shared>,
-    queue: Vec<(FinalizeOp, Reply)>,
+    queue: Vec<(Step, Reply)>,
     heartbeats: Vec<Fence>,
     flushing: bool,
     idle_waiters: Vec<oneshot::Sender<()>>,
@@ -124,14 +75,10 @@ impl FinalizeActor {
         let batch: Vec<_> = self.queue.drain(..take).collect();
         let heartbeats = std::mem::take(&mut self.heartbeats);
         let shared = self.shared.clone();
-        ctx.spawn(
-            async move { apply(&shared, batch, heartbeats).await }
-                .into_actor(self)
-                .map(|(), act, ctx| {
-                    act.flushing = false;
-                    act.flush(ctx);
-                }),
-        );
+        ctx.spawn(async move { apply(&shared, batch, heartbeats).await }.into_actor(self).map(|(), act, ctx| {
+            act.flushing = false;
+            act.flush(ctx);
+        }));
     }
 }
 
@@ -203,7 +150,7 @@ where
     }
 }
 
-async fn apply(shared: &Shared, batch: Vec<(FinalizeOp, Reply)>, heartbeats: Vec<Fence>) {
+async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence>) {
     let metrics = &shared.metrics;
     let mut done = Vec::new();
     let mut resched = Vec::new();
@@ -213,23 +160,27 @@ async fn apply(shared: &Shared, batch: Vec<(FinalizeOp, Reply)>, heartbeats: Vec
         let fence = op.fence();
         replies.insert(fence, reply);
         match op {
-            FinalizeOp::Done(f) => done.push(f),
-            FinalizeOp::Reschedule(r) => resched.push(r),
-            FinalizeOp::Dead(b) => dead.push(b),
+            Step::Done(f) => done.push(f),
+            Step::Reschedule(r) => resched.push(r),
+            Step::Dead(b) => dead.push(b),
         }
     }
 
-    let mut answer = |fences: &mut dyn Iterator<Item = Fence>, result: &Result<Vec<i64>, StoreError>| {
+    // `won` is None when the statement failed: the rows' fate is unknown until lease expiry.
+    let mut answer = |fences: &mut dyn Iterator<Item = Fence>, won: Option<&[i64]>| {
         for fence in fences {
-            let fenced = match result {
-                Ok(won) if won.contains(&fence.id) => Fenced::Won,
-                Ok(_) => {
+            let fenced = match won {
+                Some(won) if won.contains(&fence.id) => Fenced::Won,
+                Some(_) => {
                     Metrics::add(&metrics.lost_leases, 1);
-                    warn!(outbox_id = fence.id, lease_version = fence.lease_version,
-                        "lost lease: the row was taken over or finalized by someone else; nothing written");
+                    warn!(
+                        outbox_id = fence.id,
+                        lease_version = fence.lease_version,
+                        "lost lease: the row was taken over or finalized by someone else; nothing written"
+                    );
                     Fenced::Lost
                 }
-                Err(_) => Fenced::Failed,
+                None => Fenced::Failed,
             };
             if let Some(reply) = replies.remove(&fence) {
                 let _ = reply.send(fenced);
@@ -243,14 +194,16 @@ async fn apply(shared: &Shared, batch: Vec<(FinalizeOp, Reply)>, heartbeats: Vec
             Ok(won) => Metrics::add(&metrics.done, won.len()),
             Err(e) => report_failure(shared, "mark done", done.len(), e),
         }
-        answer(&mut done.iter().copied(), &result);
+        answer(&mut done.iter().copied(), result.as_deref().ok());
     }
     if !resched.is_empty() {
         let result = with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
-        let ids = match &result {
+        let ids: Option<Vec<i64>> = match &result {
             Ok(rows) => {
+                let refunded: std::collections::HashSet<i64> =
+                    resched.iter().filter(|r| r.refund_attempt).map(|r| r.fence.id).collect();
                 for row in rows {
-                    let refund = resched.iter().any(|r| r.fence.id == row.id && r.refund_attempt);
+                    let refund = refunded.contains(&row.id);
                     let counter = match (row.status, refund) {
                         (Status::Dead, _) => &metrics.dead,
                         (_, true) => &metrics.deferred,
@@ -258,14 +211,14 @@ async fn apply(shared: &Shared, batch: Vec<(FinalizeOp, Reply)>, heartbeats: Vec
                     };
                     Metrics::add(counter, 1);
                 }
-                Ok(rows.iter().map(|r| r.id).collect())
+                Some(rows.iter().map(|r| r.id).collect())
             }
             Err(e) => {
                 report_failure(shared, "reschedule", resched.len(), e);
-                Err(StoreError::Pool(e.to_string()))
+                None
             }
         };
-        answer(&mut resched.iter().map(|r| r.fence), &ids);
+        answer(&mut resched.iter().map(|r| r.fence), ids.as_deref());
     }
     if !dead.is_empty() {
         let result = with_retry(shared, "mark dead", async |c| store::mark_dead(c, &dead).await).await;
@@ -278,15 +231,18 @@ async fn apply(shared: &Shared, batch: Vec<(FinalizeOp, Reply)>, heartbeats: Vec
             }
             Err(e) => report_failure(shared, "mark dead", dead.len(), e),
         }
-        answer(&mut dead.iter().map(|b| b.fence), &result);
+        answer(&mut dead.iter().map(|b| b.fence), result.as_deref().ok());
     }
     if !heartbeats.is_empty() {
         let lease = shared.config.lease;
         match with_retry(shared, "lease heartbeat", async |c| store::extend_leases(c, &heartbeats, lease).await).await {
             Ok(won) => {
                 for f in heartbeats.iter().filter(|f| !won.contains(&f.id)) {
-                    warn!(outbox_id = f.id, lease_version = f.lease_version,
-                        "lost lease during a slow publish: another worker owns the row now; this publish is a duplicate");
+                    warn!(
+                        outbox_id = f.id,
+                        lease_version = f.lease_version,
+                        "lost lease during a slow publish: another worker owns the row now; this publish is a duplicate"
+                    );
                 }
                 debug!(extended = won.len(), "lease heartbeat");
             }

@@ -61,13 +61,16 @@
 
 mod backoff;
 mod claim;
+pub mod cli;
 pub mod config;
 mod error;
 mod finalize;
+mod listener;
 mod metrics;
 mod model;
 mod publish;
 mod publisher;
+mod step;
 #[allow(missing_docs)]
 pub mod schema;
 pub mod sink;
@@ -80,7 +83,8 @@ pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
 pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher};
-pub use sink::{ChannelSink, SinkAction};
+pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
+pub use step::{Step, decide};
 pub use store::{
     BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, check_connection, connect_pool, enqueue, enqueue_many,
     enqueue_ordered, ensure_database, lock_aggregate, mask_password, migrate, migrate_blocking,

@@ -53,10 +53,7 @@ impl FromStr for Status {
     type Err = UnknownStatus;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Status::ALL
-            .into_iter()
-            .find(|status| status.as_str() == s)
-            .ok_or_else(|| UnknownStatus(s.to_owned()))
+        Status::ALL.into_iter().find(|status| status.as_str() == s).ok_or_else(|| UnknownStatus(s.to_owned()))
     }
 }
 

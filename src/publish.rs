@@ -9,9 +9,10 @@ use futures_util::FutureExt;
 use tracing::{Instrument, debug, error, info_span};
 
 use crate::error::PublishError;
-use crate::finalize::{Finalize, FinalizeActor, Fenced, Heartbeat, plan};
+use crate::finalize::{Fenced, Finalize, FinalizeActor, Heartbeat};
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
+use crate::step::decide;
 use crate::supervisor::Shared;
 
 /// Sent to the claim actor when a message no longer counts against its in-flight window.
@@ -91,8 +92,8 @@ impl Actor for PublishActor {
                         Metrics::add(&shared.metrics.published, 1);
                     }
                     debug!(outcome = ?result, "published");
-                    let op = plan(&message, &result, &shared);
-                    match finalizer.send(Finalize(op)).await {
+                    let step = decide(&message, &result, &shared.config);
+                    match finalizer.send(Finalize(step)).await {
                         Ok(Fenced::Won | Fenced::Lost | Fenced::Failed) => {}
                         Err(e) => error!(error = %e, "finalizer unavailable; the row waits for lease expiry"),
                     }

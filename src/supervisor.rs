@@ -33,7 +33,7 @@ const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
 ///
 /// It starts one claim actor per worker and one finalize actor on the current arbiter. Each
 /// claimed message gets a publish actor of its own. An actor that dies (a panic in its
-/// handler) is replaced within [`WATCHDOG_PERIOD`]; the rows it held stay `processing` until
+/// handler) is replaced within 200 ms; the rows it held stay `processing` until
 /// their lease expires, and are then reclaimed with a higher `lease_version`, so that any late
 /// write from the dead attempt is fenced off. A panicking sink kills only its own publish.
 ///
@@ -60,6 +60,10 @@ pub struct OutboxSupervisor {
     finalizer: Option<Addr<FinalizeActor>>,
     state: State,
     shutdown_waiters: Vec<oneshot::Sender<()>>,
+    /// The insert listener, cancelled at shutdown.
+    listener: Option<SpawnHandle>,
+    /// The worker the next wake-up goes to.
+    next_wake: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,7 +89,15 @@ impl OutboxSupervisor {
     pub fn new(config: DispatcherConfig, pool: PgPool, publisher: impl Publisher) -> Result<Self, Error> {
         config.validate()?;
         let shared = Arc::new(Shared { config, pool, publisher: Arc::new(publisher), metrics: Metrics::default() });
-        Ok(Self { shared, workers: Vec::new(), finalizer: None, state: State::Running, shutdown_waiters: Vec::new() })
+        Ok(Self {
+            shared,
+            workers: Vec::new(),
+            finalizer: None,
+            state: State::Running,
+            shutdown_waiters: Vec::new(),
+            listener: None,
+            next_wake: 0,
+        })
     }
 
     /// [`OutboxSupervisor::new`], started on the current arbiter.
@@ -138,6 +150,10 @@ impl Actor for OutboxSupervisor {
         self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
         self.finalizer = Some(finalizer);
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
+        if config.listen_for_inserts {
+            let listener = crate::listener::listen(self.shared.pool.clone(), ctx.address().downgrade());
+            self.listener = Some(ctx.spawn(listener.into_actor(self)));
+        }
     }
 }
 
@@ -154,8 +170,10 @@ impl Handler<GetMetrics> for OutboxSupervisor {
     }
 }
 
-/// Wake every idle worker to claim now (new rows were inserted). Cheap: a worker already
-/// claiming or waiting on a full window ignores it.
+/// New rows were inserted: wake one worker (in turn) to claim now rather than at its next
+/// poll. Cheap: a worker already claiming claims once more when its claim returns, one with a
+/// full window claims when the window opens. The insert listener sends it; applications that
+/// disable the listener can send it themselves after committing events.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
 pub struct WakeWorkers;
@@ -164,10 +182,9 @@ impl Handler<WakeWorkers> for OutboxSupervisor {
     type Result = ();
 
     fn handle(&mut self, _: WakeWorkers, _: &mut Context<Self>) {
-        if self.state == State::Running {
-            for w in &self.workers {
-                w.do_send(Wake);
-            }
+        if self.state == State::Running && !self.workers.is_empty() {
+            self.next_wake = (self.next_wake + 1) % self.workers.len();
+            self.workers[self.next_wake].do_send(Wake);
         }
     }
 }
@@ -197,6 +214,9 @@ impl Handler<Shutdown> for OutboxSupervisor {
             State::Running => {
                 self.state = State::Draining;
                 self.shutdown_waiters.push(tx);
+                if let Some(listener) = self.listener.take() {
+                    ctx.cancel_future(listener);
+                }
                 info!("outbox dispatcher shutting down: claiming stopped, draining in-flight publishes");
                 let drains: Vec<_> = self.workers.iter().map(|w| w.send(Drain)).collect();
                 let finalizer = self.finalizer.clone();

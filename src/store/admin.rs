@@ -162,4 +162,3 @@ pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batc
         }
     }
 }
-

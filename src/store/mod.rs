@@ -46,9 +46,7 @@ pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, Store
         let url = url.to_owned();
         Box::pin(async move {
             let mut conn = AsyncPgConnection::establish(&url).await?;
-            conn.batch_execute(SESSION_SETUP)
-                .await
-                .map_err(ConnectionError::CouldntSetupConfiguration)?;
+            conn.batch_execute(SESSION_SETUP).await.map_err(ConnectionError::CouldntSetupConfiguration)?;
             Ok(conn)
         })
     });
@@ -91,9 +89,7 @@ pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
     use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
     let mut conn: AsyncConnectionWrapper<AsyncPgConnection> =
         diesel::Connection::establish(database_url).map_err(StoreError::from)?;
-    let applied = conn
-        .run_pending_migrations(MIGRATIONS)
-        .map_err(|e| StoreError::Migration(e.to_string()))?;
+    let applied = conn.run_pending_migrations(MIGRATIONS).map_err(|e| StoreError::Migration(e.to_string()))?;
     Ok(applied.into_iter().map(|v| v.to_string()).collect())
 }
 
@@ -110,11 +106,10 @@ pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
         #[diesel(sql_type = diesel::sql_types::Bool)]
         exists: bool,
     }
-    let found: Exists =
-        diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
-            .bind::<diesel::sql_types::Text, _>(&name)
-            .get_result(&mut admin)
-            .await?;
+    let found: Exists = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
+        .bind::<diesel::sql_types::Text, _>(&name)
+        .get_result(&mut admin)
+        .await?;
     if found.exists {
         return Ok(false);
     }
@@ -127,10 +122,7 @@ pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
 /// Splits `postgres://user@host:port/db?opts` into (`postgres://user@host:port`, `db`).
 fn split_database_url(url: &str) -> Result<(String, String), StoreError> {
     let bad = || StoreError::BadUrl(mask_password(url));
-    let rest = url
-        .strip_prefix("postgres://")
-        .or_else(|| url.strip_prefix("postgresql://"))
-        .ok_or_else(bad)?;
+    let rest = url.strip_prefix("postgres://").or_else(|| url.strip_prefix("postgresql://")).ok_or_else(bad)?;
     let slash = rest.find('/').ok_or_else(bad)?;
     let name = rest[slash + 1..].split('?').next().unwrap_or_default();
     if name.is_empty() {

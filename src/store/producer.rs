@@ -27,11 +27,7 @@ use crate::schema::outbox;
 /// # Ok(()) }
 /// ```
 pub async fn enqueue(conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<i64, StoreError> {
-    Ok(diesel::insert_into(outbox::table)
-        .values(event)
-        .returning(outbox::id)
-        .get_result(conn)
-        .await?)
+    Ok(diesel::insert_into(outbox::table).values(event).returning(outbox::id).get_result(conn).await?)
 }
 
 /// Inserts several events in one statement; returns their ids in the order given.
@@ -40,11 +36,8 @@ pub async fn enqueue_many(conn: &mut AsyncPgConnection, events: &[NewEvent]) -> 
         return Ok(Vec::new());
     }
     // A multi-row INSERT assigns identity values in VALUES order.
-    let mut ids: Vec<i64> = diesel::insert_into(outbox::table)
-        .values(events)
-        .returning(outbox::id)
-        .get_results(conn)
-        .await?;
+    let mut ids: Vec<i64> =
+        diesel::insert_into(outbox::table).values(events).returning(outbox::id).get_results(conn).await?;
     ids.sort_unstable();
     Ok(ids)
 }

@@ -1,1 +1,370 @@
+//! The actor system against a real PostgreSQL, with the in-process sink standing in for the
+//! broker (this module is about the dispatcher; the RabbitMQ sink has its own tests).
 
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_outbox::{
+    ActorPublisher, ChannelSink, CrashWorker, DispatcherConfig, GetMetrics, OutboxMessage, OutboxSupervisor, Publish,
+    PublishError, PublishResult, Shutdown, SinkAction, Status,
+};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::support::{TestDb, eventually};
+
+const WITHIN: Duration = Duration::from_secs(20);
+
+fn config() -> DispatcherConfig {
+    DispatcherConfig::default()
+        .poll_interval(Duration::from_millis(50))
+        .backoff_base(Duration::from_millis(1))
+        .backoff_cap(Duration::from_millis(5))
+}
+
+async fn all_done(db: &TestDb, n: i64) {
+    eventually(WITHIN, &format!("{n} rows done"), || async { db.count_status("done").await == n }).await;
+}
+
+fn drain(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>) -> Vec<Arc<OutboxMessage>> {
+    std::iter::from_fn(|| rx.try_recv().ok()).collect()
+}
+
+/// Scenario 3: 4 workers dispatch 100 rows: each published exactly once, all done.
+#[actix_rt::test]
+async fn four_workers_publish_each_row_exactly_once() {
+    let db = TestDb::new().await;
+    let ids = db.seed(100, "a").await;
+    let (sink, mut rx) = ChannelSink::new();
+    let dispatcher = OutboxSupervisor::start(config().workers(4).batch(7), db.pool.clone(), sink).unwrap();
+    all_done(&db, 100).await;
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let mut published: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
+    published.sort();
+    assert_eq!(published, ids, "every row published once, none twice");
+    let rows = db.rows().await;
+    assert!(rows.iter().all(|r| r.status() == Status::Done && r.attempts == 1 && r.lease_version == 1));
+    assert!(rows.iter().all(|r| r.done_at.is_some() && r.lease_owner.is_none() && r.lease_until.is_none()));
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.claimed, m.published, m.done, m.lost_leases, m.retried, m.dead), (100, 100, 100, 0, 0, 0));
+}
+
+/// Many claims from several workers share the work: with 4 workers and small batches more
+/// than one worker claims.
+#[actix_rt::test]
+async fn workers_share_the_backlog_with_distinct_owner_ids() {
+    let db = TestDb::new().await;
+    db.seed(400, "a").await;
+    let owners = Arc::new(std::sync::Mutex::new(HashMap::<String, usize>::new()));
+    // A slow sink keeps rows processing long enough to see who holds them.
+    let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(20)));
+    let dispatcher =
+        OutboxSupervisor::start(config().workers(4).batch(10).owner("it-host:1".into()), db.pool.clone(), sink)
+            .unwrap();
+    eventually(WITHIN, "all done, watching owners", || {
+        let owners = owners.clone();
+        let db = &db;
+        async move {
+            for r in db.rows().await.iter().filter(|r| r.status() == Status::Processing) {
+                *owners.lock().unwrap().entry(r.lease_owner.clone().unwrap()).or_default() += 1;
+            }
+            db.count_status("done").await == 400
+        }
+    })
+    .await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let owners = owners.lock().unwrap();
+    assert!(owners.len() >= 2, "several workers claimed: {owners:?}");
+    assert!(owners.keys().all(|o| o.starts_with("it-host:1:worker-")), "{owners:?}");
+}
+
+/// A sink that panics on one message's first attempt: the panic kills only that publish; the
+/// row stays processing (version 1) while the dispatcher keeps serving every other row; after
+/// the lease expires it is reclaimed with version 2 and ends done; the dead attempt's late
+/// finalize is fenced off.
+#[actix_rt::test]
+async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
+    let db = TestDb::new().await;
+    let ids = db.seed(20, "a").await;
+    let victim = ids[7];
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink
+        .with_script(move |m| if m.id == victim && m.attempts == 1 { SinkAction::Panic } else { SinkAction::Deliver });
+    let lease = Duration::from_secs(3);
+    let dispatcher = OutboxSupervisor::start(
+        config().workers(2).batch(5).lease(lease).publish_timeout(Duration::from_secs(1)),
+        db.pool.clone(),
+        sink,
+    )
+    .unwrap();
+
+    all_done(&db, 19).await;
+    let row = db.row(victim).await;
+    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Processing, 1, 1), "held by the dead attempt");
+
+    // Rows inserted after the crash flow while the victim waits for its lease.
+    let more = db.seed(10, "b").await;
+    eventually(WITHIN, "new rows done while the victim is leased", || async {
+        let rows = db.rows().await;
+        more.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status() == Status::Done))
+    })
+    .await;
+    assert_eq!(db.row(victim).await.lease_version, 1, "victim still under its first lease");
+
+    all_done(&db, 30).await;
+    let row = db.row(victim).await;
+    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Done, 2, 2));
+    let late = actix_outbox::Fence { id: victim, lease_version: 1 };
+    let mut conn = db.conn().await;
+    assert!(actix_outbox::store::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "stale finalize fenced");
+
+    let published = drain(&mut rx);
+    assert_eq!(published.iter().filter(|m| m.id == victim).map(|m| m.attempts).collect::<Vec<_>>(), vec![2]);
+    assert_eq!(published.len(), 30);
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.publish_crashes, m.done, m.claimed), (1, 30, 31));
+    dispatcher.send(Shutdown).await.unwrap();
+}
+
+/// A claim actor that panics is replaced by the supervisor, and the replacement serves.
+#[actix_rt::test]
+async fn supervisor_restarts_a_crashed_claim_actor() {
+    let db = TestDb::new().await;
+    let (sink, mut rx) = ChannelSink::new();
+    let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
+    dispatcher.send(CrashWorker(0)).await.unwrap();
+    eventually(WITHIN, "restart counted", || async { dispatcher.send(GetMetrics).await.unwrap().restarts == 1 }).await;
+
+    let ids = db.seed(25, "a").await;
+    all_done(&db, 25).await;
+    let mut got: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
+    got.sort();
+    assert_eq!(got, ids, "the only worker is the restarted one, and it published everything");
+    assert_eq!(dispatcher.send(GetMetrics).await.unwrap().restarts, 1);
+    dispatcher.send(Shutdown).await.unwrap();
+}
+
+/// Scenario 6 through the actors: a sink that always fails retryably, max attempts 3: three
+/// publishes (attempts 1, 2, 3), then dead with attempts 3.
+#[actix_rt::test]
+async fn retryable_failures_end_dead_after_max_attempts() {
+    let db = TestDb::new().await;
+    let [id] = db.seed(1, "a").await[..] else { unreachable!() };
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script(move |m| {
+        log.lock().unwrap().push(m.attempts);
+        SinkAction::Fail(PublishError::Retryable("503 from broker".into()))
+    });
+    let dispatcher = OutboxSupervisor::start(config().max_attempts(3), db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "row dead", || async { db.row(id).await.status() == Status::Dead }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let row = db.row(id).await;
+    assert_eq!((row.attempts, row.lease_version), (3, 3));
+    assert!(row.last_error.unwrap().contains("503 from broker"));
+    assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.retried, m.dead, m.done), (2, 1, 0));
+}
+
+/// Transient failures, then success: the row ends done, attempts counting every try.
+#[actix_rt::test]
+async fn retryable_failure_then_success_ends_done() {
+    let db = TestDb::new().await;
+    let [id] = db.seed(1, "a").await[..] else { unreachable!() };
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(|m| {
+        if m.attempts < 3 { SinkAction::Fail(PublishError::Retryable("flaky".into())) } else { SinkAction::Deliver }
+    });
+    let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
+    all_done(&db, 1).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let row = db.row(id).await;
+    assert_eq!((row.attempts, row.lease_version, row.last_error), (3, 3, None));
+    assert_eq!(drain(&mut rx).iter().map(|m| (m.id, m.attempts)).collect::<Vec<_>>(), vec![(id, 3)]);
+}
+
+/// Permanent failures and deferrals through the actors.
+#[actix_rt::test]
+async fn permanent_goes_dead_and_defer_refunds() {
+    let db = TestDb::new().await;
+    let ids = db.seed(2, "a").await;
+    let (permanent, deferred) = (ids[0], ids[1]);
+    let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script(move |m| {
+        if m.id == permanent {
+            SinkAction::Fail(PublishError::Permanent("rejected".into()))
+        } else {
+            SinkAction::Fail(PublishError::Defer { delay: Duration::from_secs(3600), reason: "not yet".into() })
+        }
+    });
+    let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "both finalized", || async {
+        db.row(permanent).await.status() == Status::Dead && db.row(deferred).await.last_error.is_some()
+    })
+    .await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let row = db.row(deferred).await;
+    assert_eq!((row.status(), row.attempts, row.lease_version), (Status::Pending, 0, 1));
+    assert_eq!(db.row(permanent).await.attempts, 1);
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.dead, m.deferred, m.retried), (1, 1, 0));
+}
+
+/// A publish slower than the publish timeout is a retryable failure: the row goes back to
+/// pending with the timeout recorded, not stuck in processing.
+#[actix_rt::test]
+async fn publish_timeout_reschedules_the_row() {
+    let db = TestDb::new().await;
+    let [id] = db.seed(1, "a").await[..] else { unreachable!() };
+    let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_secs(60)));
+    let config = config()
+        .publish_timeout(Duration::from_millis(200))
+        .backoff_base(Duration::from_secs(3600))
+        .backoff_cap(Duration::from_secs(3600));
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "rescheduled", || async { db.row(id).await.last_error.is_some() }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let row = db.row(id).await;
+    assert_eq!((row.status(), row.attempts), (Status::Pending, 1));
+    assert!(row.last_error.unwrap().contains("publish timed out after 200ms"));
+}
+
+/// A user's own actix actor as the publish step.
+#[actix_rt::test]
+async fn a_users_actor_can_be_the_sink() {
+    struct Collector(Vec<i64>);
+    impl Actor for Collector {
+        type Context = Context<Self>;
+    }
+    impl Handler<Publish> for Collector {
+        type Result = PublishResult;
+        fn handle(&mut self, msg: Publish, _: &mut Context<Self>) -> PublishResult {
+            self.0.push(msg.message.id);
+            if msg.message.event_type == "bad" { Err(PublishError::Permanent("bad event".into())) } else { Ok(()) }
+        }
+    }
+    #[derive(Message)]
+    #[rtype(result = "Vec<i64>")]
+    struct Seen;
+    impl Handler<Seen> for Collector {
+        type Result = MessageResult<Seen>;
+        fn handle(&mut self, _: Seen, _: &mut Context<Self>) -> Self::Result {
+            MessageResult(self.0.clone())
+        }
+    }
+
+    let db = TestDb::new().await;
+    let ids = db.seed(5, "a").await;
+    let mut conn = db.conn().await;
+    let bad = actix_outbox::enqueue(&mut conn, &actix_outbox::NewEvent::new("t", "x", "bad", serde_json::json!(1)))
+        .await
+        .unwrap();
+    let collector = Collector(Vec::new()).start();
+    let sink = ActorPublisher::new(collector.clone().recipient());
+    let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
+    all_done(&db, 5).await;
+    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status() == Status::Dead }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let mut seen = collector.send(Seen).await.unwrap();
+    seen.sort();
+    let mut expected = ids.clone();
+    expected.push(bad);
+    assert_eq!(seen, expected);
+}
+
+/// Shutdown stops claiming, lets in-flight publishes finish and be finalized, leaves nothing
+/// processing, and is safe to send twice.
+#[actix_rt::test]
+async fn shutdown_drains_in_flight_and_leaves_nothing_processing() {
+    let db = TestDb::new().await;
+    db.seed(300, "a").await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let counter = started.clone();
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(move |_| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        SinkAction::Stall(Duration::from_millis(100))
+    });
+    let dispatcher = OutboxSupervisor::start(config().workers(2).batch(10), db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "publishing started", || async { started.load(Ordering::SeqCst) > 0 }).await;
+
+    let (first, second) = tokio::join!(dispatcher.send(Shutdown), dispatcher.send(Shutdown));
+    first.unwrap();
+    second.unwrap();
+    assert_eq!(db.count_status("processing").await, 0, "nothing left processing");
+    let done = db.count_status("done").await;
+    let published = drain(&mut rx).len() as i64;
+    assert!(done > 0 && done < 300, "stopped mid-run: {done} done");
+    assert_eq!(published, done, "every publish that started was finalized");
+    assert_eq!(db.count_status("pending").await, 300 - done, "the rest untouched");
+
+    // Stopped means stopped: new rows are not claimed, and a third Shutdown answers at once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(db.count_status("done").await, done);
+    dispatcher.send(Shutdown).await.unwrap();
+}
+
+/// An impossible configuration is refused before anything starts.
+#[actix_rt::test]
+async fn invalid_configuration_is_an_error_not_a_hang() {
+    let db = TestDb::new().await;
+    let (sink, _rx) = ChannelSink::new();
+    let bad = [
+        config().publish_timeout(Duration::from_secs(60)), // == lease
+        config().workers(0),
+        config().batch(0),
+        config().max_attempts(0),
+    ];
+    for c in bad {
+        let err = OutboxSupervisor::start(c.clone(), db.pool.clone(), sink.clone()).unwrap_err();
+        assert!(matches!(err, actix_outbox::Error::Config(_)), "{c:?} gave {err}");
+        assert!(!err.is_transient());
+    }
+}
+
+/// The insert trigger's NOTIFY wakes an idle worker at once: with a poll interval of an hour,
+/// rows inserted after the first (empty) claim are still published promptly — both by a plain
+/// SQL producer and by `enqueue`.
+#[actix_rt::test]
+async fn inserts_wake_an_idle_dispatcher_without_polling() {
+    let db = TestDb::new().await;
+    let (sink, mut rx) = ChannelSink::new();
+    let hour = Duration::from_secs(3600);
+    let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
+    // Let the start-up claims run and the workers go idle on their hour-long poll.
+    eventually(WITHIN, "listener connected", || async {
+        let mut conn = db.conn().await;
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let n: N = diesel_async::RunQueryDsl::get_result(
+            diesel::sql_query(
+                "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
+            ),
+            &mut conn,
+        )
+        .await
+        .unwrap();
+        n.n == 1
+    })
+    .await;
+    for round in 0..3 {
+        let ids = db.seed(3, &format!("r{round}")).await;
+        eventually(WITHIN, &format!("round {round} published"), || async {
+            let rows = db.rows().await;
+            ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status() == Status::Done))
+        })
+        .await;
+    }
+    assert_eq!(drain(&mut rx).len(), 9);
+    dispatcher.send(Shutdown).await.unwrap();
+}

@@ -4,5 +4,7 @@
 mod support;
 
 mod actors;
+mod cli;
 mod fifo;
+mod rabbit;
 mod store;

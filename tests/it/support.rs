@@ -28,12 +28,8 @@ static COUNTER: AtomicU32 = AtomicU32::new(0);
 
 impl TestDb {
     pub async fn new() -> Self {
-        let name = format!(
-            "outbox_it_{}_{}_{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed),
-            rand_suffix()
-        );
+        let name =
+            format!("outbox_it_{}_{}_{}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed), rand_suffix());
         let mut admin = AsyncPgConnection::establish(&format!("{}/postgres", server_url()))
             .await
             .expect("PostgreSQL must be running on 127.0.0.1:5432 (see README)");
@@ -50,9 +46,8 @@ impl TestDb {
 
     /// Inserts `n` events of aggregate `agg`, returning their ids.
     pub async fn seed(&self, n: usize, agg: &str) -> Vec<i64> {
-        let events: Vec<_> = (0..n)
-            .map(|i| NewEvent::new("test", agg, "test.happened", serde_json::json!({"n": i})))
-            .collect();
+        let events: Vec<_> =
+            (0..n).map(|i| NewEvent::new("test", agg, "test.happened", serde_json::json!({"n": i}))).collect();
         let mut conn = self.conn().await;
         let mut ids = Vec::new();
         for chunk in events.chunks(1000) {

@@ -1,0 +1,2 @@
+DROP TRIGGER outbox_notify_insert ON outbox;
+DROP FUNCTION outbox_notify_insert();

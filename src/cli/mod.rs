@@ -1,0 +1,376 @@
+//! The `actix-outbox` command line (DESIGN §7): the operator's face over this library.
+//!
+//! The binary is one line, `fn main() -> ExitCode { actix_outbox::cli::main() }`. Every command
+//! goes through the crate's public API ([`store`](crate::store), [`migrate`](crate::migrate),
+//! [`OutboxSupervisor`](crate::OutboxSupervisor)), so whatever an operator does here an
+//! application can do from Rust. An application with its own clap CLI can also embed [`Command`]
+//! as a subcommand and call [`Command::execute`].
+//!
+//! | command | what it does |
+//! | --- | --- |
+//! | `migrate` | create the database if missing, apply pending migrations |
+//! | `run` | the dispatcher, publishing to RabbitMQ until SIGINT/SIGTERM |
+//! | `stats [--json]` | rows by status, oldest unfinished row, expired leases, attempts |
+//! | `dead list` / `dead retry` / `dead skip` | inspect and repair dead rows |
+//! | `purge --older-than` | delete old `done` rows in short batches |
+//! | `enqueue` | insert one event (demos, scripts) |
+//!
+//! Exit codes are part of the interface: [`EXIT_OK`], [`EXIT_FAILURE`] (a service failed or
+//! could not be reached), [`EXIT_USAGE`] (usage error or bad input; nothing was changed) and
+//! [`EXIT_ABORTED`] (a second signal interrupted a graceful shutdown). Every error is one line
+//! on stderr; results go to stdout; logs go to stderr through `tracing` (`RUST_LOG`).
+
+mod dead;
+mod enqueue;
+mod migrate;
+mod purge;
+mod run;
+mod stats;
+
+use std::collections::BTreeSet;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use diesel_async::AsyncPgConnection;
+
+pub use dead::{DeadCommand, DeadListArgs, DeadRetryArgs, DeadSkipArgs};
+pub use enqueue::EnqueueArgs;
+pub use migrate::MigrateArgs;
+pub use purge::PurgeArgs;
+pub use run::{DEFAULT_AMQP_URL, RunArgs};
+pub use stats::StatsArgs;
+
+use crate::error::StoreError;
+use crate::store::mask_password;
+
+/// Success.
+pub const EXIT_OK: u8 = 0;
+/// A runtime failure: a service was unreachable or failed. The message names which and where.
+pub const EXIT_FAILURE: u8 = 1;
+/// A usage error or bad input (unknown flag, malformed duration, URL or JSON, an id that is not
+/// a dead row, an impossible configuration). Nothing was changed.
+pub const EXIT_USAGE: u8 = 2;
+/// A second SIGINT/SIGTERM cut a graceful shutdown short: the process exited at once, and rows
+/// it still held stay `processing` until their lease expires (then another worker reclaims them).
+pub const EXIT_ABORTED: u8 = 130;
+
+/// How long a command waits for PostgreSQL to accept a connection before giving up.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `actix-outbox` command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "actix-outbox",
+    version,
+    about = "Transactional outbox dispatcher: PostgreSQL outbox table to RabbitMQ",
+    long_about = "Transactional outbox dispatcher: moves rows of a PostgreSQL `outbox` table to RabbitMQ, \
+                  with leases and fencing tokens, and gives operators the tools to inspect and repair it.\n\n\
+                  Every command reads the database URL from --database-url or DATABASE_URL.\n\
+                  Exit codes: 0 success, 1 a service failed or was unreachable, 2 usage error or bad input \
+                  (nothing changed), 130 a second signal interrupted a graceful shutdown.",
+    after_help = "Example:\n  export DATABASE_URL=postgres://app:secret@db:5432/app\n  actix-outbox migrate\n  \
+                  actix-outbox run --amqp-url amqp://guest:guest@rabbit:5672/%2f\n  actix-outbox stats"
+)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// One `actix-outbox` command.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create the database if it does not exist and apply pending migrations.
+    #[command(long_about = migrate::LONG_ABOUT)]
+    Migrate(MigrateArgs),
+    /// Run the dispatcher, publishing to RabbitMQ, until SIGINT or SIGTERM.
+    #[command(long_about = run::LONG_ABOUT)]
+    Run(RunArgs),
+    /// Show rows by status, the oldest unfinished row, expired leases and attempts.
+    #[command(long_about = stats::LONG_ABOUT)]
+    Stats(StatsArgs),
+    /// Inspect and repair dead rows.
+    #[command(subcommand)]
+    Dead(DeadCommand),
+    /// Delete `done` rows older than a given age, in short batches.
+    #[command(long_about = purge::LONG_ABOUT)]
+    Purge(PurgeArgs),
+    /// Insert one event into the outbox and print its id.
+    #[command(long_about = enqueue::LONG_ABOUT)]
+    Enqueue(EnqueueArgs),
+}
+
+impl Cli {
+    /// Runs the command. See [`Command::execute`].
+    pub async fn execute(self) -> Result<(), CliError> {
+        self.command.execute().await
+    }
+}
+
+impl Command {
+    /// Runs the command, printing its result to stdout. Must be awaited inside an actix
+    /// `System` (the `run` command starts actors).
+    pub async fn execute(self) -> Result<(), CliError> {
+        match self {
+            Command::Migrate(args) => migrate::migrate(args).await,
+            Command::Run(args) => run::run(args).await,
+            Command::Stats(args) => stats::stats(args).await,
+            Command::Dead(DeadCommand::List(args)) => dead::list(args).await,
+            Command::Dead(DeadCommand::Retry(args)) => dead::retry(args).await,
+            Command::Dead(DeadCommand::Skip(args)) => dead::skip(args).await,
+            Command::Purge(args) => purge::purge(args).await,
+            Command::Enqueue(args) => enqueue::enqueue(args).await,
+        }
+    }
+
+    /// The log filter when `RUST_LOG` is unset: the dispatcher reports its batches at `info`;
+    /// one-shot commands stay quiet unless something is wrong. lapin's own dump of every
+    /// returned (unroutable) message is left out: the dispatcher logs those rows going dead.
+    fn default_log_filter(&self) -> &'static str {
+        match self {
+            Command::Run(_) => "info,lapin::returned_messages=off",
+            _ => "warn",
+        }
+    }
+}
+
+/// The entry point of the `actix-outbox` binary: parses the process arguments, runs the
+/// command on an actix system, prints any error as one line on stderr and returns the exit code.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(&e),
+    };
+    init_logging(cli.command.default_log_filter());
+    match actix::System::new().block_on(cli.execute()) {
+        Ok(()) => ExitCode::from(EXIT_OK),
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e.to_string()));
+            ExitCode::from(e.exit_code())
+        }
+    }
+}
+
+/// Prints a clap error. Help and version go to stdout as clap renders them; a real usage error
+/// is squeezed onto one line (its first paragraph), because operators grep stderr and log
+/// collectors split it by line. Clap's exit code (2 for usage errors) is kept.
+fn usage_error(e: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    let code = u8::try_from(e.exit_code()).unwrap_or(EXIT_USAGE);
+    if !e.use_stderr() || e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        let _ = e.print();
+        return ExitCode::from(code);
+    }
+    let rendered = e.render().to_string();
+    let first_paragraph = rendered.split("\n\n").next().unwrap_or_default();
+    eprintln!("{} (see --help)", one_line(first_paragraph));
+    ExitCode::from(code)
+}
+
+/// Logs to stderr; `RUST_LOG` overrides the command's default level.
+fn init_logging(default_filter: &str) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+/// Joins the lines of `text`, each trimmed, with single spaces.
+fn one_line(text: &str) -> String {
+    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" ")
+}
+
+/// Why a command failed, classified by exit code.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CliError {
+    /// The input cannot be used (malformed URL, duration or JSON, an id that is not a dead row,
+    /// an impossible configuration). Nothing was changed. Exit code [`EXIT_USAGE`].
+    #[error("{0}")]
+    BadInput(String),
+    /// A service (PostgreSQL, RabbitMQ) failed or could not be reached; the message names which
+    /// and where, password masked. Exit code [`EXIT_FAILURE`].
+    #[error("{0}")]
+    Failed(String),
+    /// A second signal interrupted a graceful shutdown. Exit code [`EXIT_ABORTED`].
+    #[error("{0}")]
+    Aborted(String),
+}
+
+impl CliError {
+    /// The process exit code for this error.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CliError::BadInput(_) => EXIT_USAGE,
+            CliError::Failed(_) => EXIT_FAILURE,
+            CliError::Aborted(_) => EXIT_ABORTED,
+        }
+    }
+
+    /// A store failure while talking to the database at `url`.
+    fn store(url: &DatabaseUrl, e: StoreError) -> Self {
+        match e {
+            StoreError::BadUrl(_) => CliError::BadInput(e.to_string()),
+            e => CliError::Failed(format!("PostgreSQL at {url}: {e}")),
+        }
+    }
+}
+
+/// `--database-url` / `DATABASE_URL`, shared by every command.
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// PostgreSQL URL, postgres://user:password@host:port/database (password masked in every message)
+    #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
+    pub database_url: String,
+}
+
+impl DatabaseArgs {
+    fn url(&self) -> Result<DatabaseUrl, CliError> {
+        DatabaseUrl::parse(&self.database_url)
+    }
+}
+
+/// A database URL that parsed. Its `Display` and `Debug` mask the password, so it can go into
+/// any message; [`DatabaseUrl::expose`] gives the real one to the library.
+#[derive(Clone)]
+struct DatabaseUrl {
+    raw: String,
+    config: tokio_postgres::Config,
+}
+
+impl DatabaseUrl {
+    /// Accepts the URL form only (a key=value string would escape password masking), checked
+    /// by the parser the driver itself uses.
+    fn parse(raw: &str) -> Result<Self, CliError> {
+        if !(raw.starts_with("postgres://") || raw.starts_with("postgresql://")) {
+            // Not echoed: outside the URL form there is no telling where a password would be.
+            return Err(CliError::BadInput(
+                "malformed database URL: expected postgres://user:password@host:port/database".into(),
+            ));
+        }
+        let masked = mask_password(raw);
+        let mut config = raw
+            .parse::<tokio_postgres::Config>()
+            .map_err(|e| CliError::BadInput(format!("malformed database URL {masked:?}: {}", with_causes(&e))))?;
+        config.connect_timeout(CONNECT_TIMEOUT);
+        Ok(Self { raw: raw.to_owned(), config })
+    }
+
+    fn expose(&self) -> &str {
+        &self.raw
+    }
+}
+
+impl std::fmt::Display for DatabaseUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&mask_password(&self.raw))
+    }
+}
+
+impl std::fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DatabaseUrl({self})")
+    }
+}
+
+/// Why a connection could not be made.
+#[derive(Debug)]
+enum ConnectError {
+    /// The driver's error, with its cause (refused, unknown database, bad password...).
+    Driver(tokio_postgres::Error),
+    /// The connection was made but could not be set up for diesel.
+    Setup(diesel::ConnectionError),
+    /// Nothing answered in time.
+    Timeout,
+}
+
+impl ConnectError {
+    /// The server is up but the database does not exist (SQLSTATE 3D000).
+    fn is_missing_database(&self) -> bool {
+        matches!(self, ConnectError::Driver(e) if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME))
+    }
+
+    fn into_cli(self, url: &DatabaseUrl) -> CliError {
+        let why = match self {
+            ConnectError::Driver(e) => with_causes(&e),
+            ConnectError::Setup(e) => e.to_string(),
+            ConnectError::Timeout => format!("no answer within {}", humantime::format_duration(CONNECT_TIMEOUT)),
+        };
+        CliError::Failed(format!("cannot connect to PostgreSQL at {url}: {why}"))
+    }
+}
+
+/// One connection for a one-shot command. It is made by tokio-postgres directly (whose errors
+/// keep their cause, e.g. "connection refused") and handed to diesel-async.
+async fn try_connect(url: &DatabaseUrl) -> Result<AsyncPgConnection, ConnectError> {
+    let connecting = async {
+        let (client, connection) = url.config.connect(tokio_postgres::NoTls).await.map_err(ConnectError::Driver)?;
+        AsyncPgConnection::try_from_client_and_connection(client, connection).await.map_err(ConnectError::Setup)
+    };
+    tokio::time::timeout(CONNECT_TIMEOUT, connecting).await.unwrap_or(Err(ConnectError::Timeout))
+}
+
+/// [`try_connect`], an unreachable database being a one-line [`CliError::Failed`] naming the
+/// (masked) URL.
+async fn connect(url: &DatabaseUrl) -> Result<AsyncPgConnection, CliError> {
+    try_connect(url).await.map_err(|e| e.into_cli(url))
+}
+
+/// `error: cause: cause's cause`, for errors whose `Display` leaves the detail to `source()`.
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text += &format!(": {cause}");
+        source = cause.source();
+    }
+    text
+}
+
+/// Parses a JSON document (`--payload`).
+fn parse_json(s: &str) -> Result<serde_json::Value, String> {
+    serde_json::from_str(s).map_err(|e| format!("not JSON: {e}"))
+}
+
+/// Ids given once each, in ascending order.
+fn distinct(ids: &[i64]) -> Vec<i64> {
+    ids.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
+}
+
+/// `1, 2, 3`.
+fn id_list(ids: &[i64]) -> String {
+    ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn database_urls_are_checked_and_masked() {
+        let url = DatabaseUrl::parse("postgres://app:s3cret@db:5432/app").unwrap();
+        assert_eq!(url.to_string(), "postgres://app:***@db:5432/app");
+        assert!(!format!("{url:?}").contains("s3cret"));
+        for bad in ["not a url", "mysql://db/app", "postgres://app:s3cret@db:port/app", "host=db dbname=app"] {
+            let e = DatabaseUrl::parse(bad).unwrap_err();
+            assert_eq!(e.exit_code(), EXIT_USAGE, "{bad}");
+            assert!(!e.to_string().contains("s3cret"), "{e}");
+        }
+    }
+
+    #[test]
+    fn one_line_joins_lines() {
+        assert_eq!(one_line("error: missing:\n  --reason <TEXT>\n"), "error: missing: --reason <TEXT>");
+    }
+}

@@ -1,0 +1,247 @@
+//! `actix-outbox run`: the dispatcher, publishing to RabbitMQ, until SIGINT or SIGTERM.
+//!
+//! Start-up order: every flag is checked first (bad input exits 2 before anything is touched),
+//! then PostgreSQL (unreachable: exit 1 at once, it is a configuration or outage the operator
+//! must see), then RabbitMQ (unreachable: retried with capped backoff and logged, so that the
+//! dispatcher simply starts once the broker is up, instead of a restart loop).
+//!
+//! Shutdown protocol: the first SIGINT/SIGTERM sends [`Shutdown`] to the supervisor, which stops
+//! claiming, lets every publish already started finish and be finalized (bounded by the publish
+//! timeout), and answers; then the broker connection is closed and the process exits 0 with no
+//! row left `processing` under its owner. A second signal while draining exits at once with
+//! [`EXIT_ABORTED`](super::EXIT_ABORTED); the rows still held are reclaimed by other workers
+//! when their lease expires.
+
+use std::time::Duration;
+
+use clap::Args;
+use rand::RngExt;
+use tracing::{info, warn};
+
+use super::{CliError, DatabaseArgs, connect};
+use crate::config::{self, DispatcherConfig};
+use crate::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
+use crate::supervisor::{OutboxSupervisor, Shutdown};
+
+/// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// First pause before connecting to an unreachable broker again; it doubles up to
+/// [`BROKER_RETRY_MAX`].
+const BROKER_RETRY_MIN: Duration = Duration::from_millis(500);
+/// Longest pause between two attempts to reach the broker at start.
+const BROKER_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Database connections beyond one per worker: the finalizer's and a spare.
+const EXTRA_CONNECTIONS: usize = 2;
+
+/// `--help` text.
+pub(super) const LONG_ABOUT: &str = "Run the dispatcher: claim pending outbox rows under a lease, publish each to the RabbitMQ \
+    exchange with publisher confirms, and record the outcome with fenced writes. Logs go to \
+    stderr (RUST_LOG, default info), one line a claimed batch.\n\n\
+    PostgreSQL must be reachable at start (otherwise exit 1). An unreachable broker at start is \
+    retried with backoff and logged until it comes up; once connected, the sink reconnects by \
+    itself.\n\n\
+    SIGINT or SIGTERM: stop claiming at once, let publishes already started finish and be \
+    finalized (within the publish timeout), exit 0 with no row left processing by this \
+    process. A second signal exits at once with code 130; the rows still held are reclaimed \
+    by other workers when their lease expires.";
+
+/// Arguments of `actix-outbox run`.
+#[derive(Debug, Clone, Args)]
+#[command(
+    after_help = "Example:\n  DATABASE_URL=postgres://app:secret@db:5432/app AMQP_URL=amqp://app:secret@rabbit:5672/%2f \\\n    \
+                  actix-outbox run --workers 4 --batch 100 --lease 60s --publish-timeout 10s --exchange outbox"
+)]
+pub struct RunArgs {
+    /// Where the outbox lives.
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// RabbitMQ URL (password masked in every message)
+    #[arg(long, env = "AMQP_URL", value_name = "URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
+    pub amqp_url: String,
+    /// Exchange every message is published to (routing key: the event type)
+    #[arg(long, value_name = "NAME", default_value = DEFAULT_EXCHANGE)]
+    pub exchange: String,
+    /// Do not declare the exchange (durable topic) at connect; it must exist already
+    #[arg(long)]
+    pub no_declare: bool,
+    /// Claim actors, each with its own owner id
+    #[arg(long, value_name = "N", default_value_t = config::DEFAULT_WORKERS)]
+    pub workers: usize,
+    /// Rows one claim takes at most
+    #[arg(long, value_name = "N", default_value_t = config::DEFAULT_BATCH)]
+    pub batch: usize,
+    /// How long a claim owns its rows; a dead worker's rows are reclaimed after it
+    #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_LEASE.into())]
+    pub lease: humantime::Duration,
+    /// Claims a row gets before it goes dead
+    #[arg(long, value_name = "N", default_value_t = config::DEFAULT_MAX_ATTEMPTS)]
+    pub max_attempts: i32,
+    /// Bound on one publish (must be shorter than the lease); also bounds the shutdown drain
+    #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_PUBLISH_TIMEOUT.into())]
+    pub publish_timeout: humantime::Duration,
+    /// Pause after a claim that found fewer rows than a batch
+    #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_POLL_INTERVAL.into())]
+    pub poll_interval: humantime::Duration,
+    /// Prefix of the lease_owner written on claimed rows [default: <hostname>:<pid>]
+    #[arg(long, value_name = "ID")]
+    pub owner: Option<String>,
+    /// Per-aggregate FIFO: for the listed event types (comma-separated), or for all when none is listed
+    #[arg(long, value_name = "EVENT_TYPE", num_args = 0.., value_delimiter = ',')]
+    pub fifo: Option<Vec<String>>,
+}
+
+impl RunArgs {
+    /// The dispatcher configuration these flags describe, validated.
+    fn dispatcher_config(&self) -> Result<DispatcherConfig, CliError> {
+        let mut config = DispatcherConfig::default()
+            .workers(self.workers)
+            .batch(self.batch)
+            .lease(self.lease.into())
+            .max_attempts(self.max_attempts)
+            .publish_timeout(self.publish_timeout.into())
+            .poll_interval(self.poll_interval.into());
+        if let Some(owner) = &self.owner {
+            config = config.owner(owner.clone());
+        }
+        // TODO(fifo): pass `self.fifo_event_types()` into the dispatcher configuration once the
+        // FIFO gate lands in `DispatcherConfig`; until then `--fifo` is parsed and validated only.
+        config.validate().map_err(|e| CliError::BadInput(format!("invalid dispatcher configuration: {e}")))?;
+        Ok(config)
+    }
+
+    /// `--fifo`: `None` off, `Some([])` every event type, `Some(types)` those types.
+    fn fifo_event_types(&self) -> Result<Option<Vec<String>>, CliError> {
+        let Some(types) = &self.fifo else { return Ok(None) };
+        if types.iter().any(|t| t.trim().is_empty()) {
+            return Err(CliError::BadInput(format!(
+                "--fifo: empty event type in {:?}; list event types separated by commas, or give none for all",
+                types.join(",")
+            )));
+        }
+        Ok(Some(types.clone()))
+    }
+
+    /// The sink configuration these flags describe, validated (a malformed AMQP URL is bad input).
+    fn rabbit_config(&self) -> Result<RabbitConfig, CliError> {
+        let config =
+            RabbitConfig::new(self.amqp_url.clone()).exchange(self.exchange.clone()).declare_exchange(!self.no_declare);
+        config.validate().map_err(|e| CliError::BadInput(e.to_string()))?;
+        Ok(config)
+    }
+}
+
+pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
+    let url = args.database.url()?;
+    let config = args.dispatcher_config()?;
+    let fifo = args.fifo_event_types()?;
+    let rabbit = args.rabbit_config()?;
+    // Registered before anything slow, so that a signal during start-up is not lost.
+    let mut signals = Signals::register()?;
+
+    connect(&url).await?;
+    let pool = crate::connect_pool(url.expose(), (config.workers + EXTRA_CONNECTIONS) as u32)
+        .await
+        .map_err(|e| CliError::store(&url, e))?;
+
+    let sink = tokio::select! {
+        sink = connect_broker(rabbit) => sink?,
+        signal = signals.recv() => {
+            info!(signal, "stopping before the dispatcher started; nothing was claimed");
+            return Ok(());
+        }
+    };
+    info!(database = %url, fifo = ?fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
+    let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
+        .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
+
+    let signal = signals.recv().await;
+    info!(
+        signal,
+        "stopping: claiming stopped, publishes in flight finish and are finalized; signal again to exit at once"
+    );
+    tokio::select! {
+        answered = supervisor.send(Shutdown) => {
+            answered.map_err(|e| CliError::Failed(format!("the dispatcher did not answer the shutdown: {e}")))?;
+        }
+        signal = signals.recv() => {
+            return Err(CliError::Aborted(format!(
+                "{signal} again: exiting at once; rows still processing are reclaimed when their lease expires"
+            )));
+        }
+    }
+    sink.close().await;
+    // The supervisor has logged its final counters; this line says the exit is the clean one.
+    info!("dispatcher stopped cleanly; exiting 0");
+    Ok(())
+}
+
+/// Connects the RabbitMQ sink, retrying with capped, jittered exponential backoff while the
+/// broker is unreachable. A broker that answers but refuses (credentials, vhost, an exchange of
+/// another type) is a failure: retrying would not help.
+async fn connect_broker(config: RabbitConfig) -> Result<RabbitSink, CliError> {
+    let mut ceiling = BROKER_RETRY_MIN;
+    loop {
+        match RabbitSink::connect(config.clone()).await {
+            // The sink logs the connection itself.
+            Ok(sink) => return Ok(sink),
+            Err(e) if e.is_transient() => {
+                // Half fixed, half jitter: never hammers the broker, and many dispatchers
+                // started together do not reconnect in step.
+                let delay = ceiling / 2 + ceiling.mul_f64(rand::rng().random_range(0.0..0.5));
+                warn!(error = %e, retry_in = %humantime::format_duration(round_ms(delay)),
+                    "RabbitMQ unreachable; retrying");
+                tokio::time::sleep(delay).await;
+                ceiling = (ceiling * 2).min(BROKER_RETRY_MAX);
+            }
+            Err(e @ RabbitError::Config(_)) => return Err(CliError::BadInput(e.to_string())),
+            Err(e) => return Err(CliError::Failed(e.to_string())),
+        }
+    }
+}
+
+fn round_ms(d: Duration) -> Duration {
+    Duration::from_millis(d.as_millis() as u64)
+}
+
+/// SIGTERM and SIGINT, registered once for the life of the command (the second of either ends
+/// a graceful shutdown at once).
+struct Signals {
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn register() -> Result<Self, CliError> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            let failed = |e: std::io::Error| CliError::Failed(format!("cannot install the signal handlers: {e}"));
+            Ok(Self {
+                terminate: signal(SignalKind::terminate()).map_err(failed)?,
+                interrupt: signal(SignalKind::interrupt()).map_err(failed)?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Self {})
+    }
+
+    /// The name of the next signal received.
+    async fn recv(&mut self) -> &'static str {
+        #[cfg(unix)]
+        {
+            tokio::select! {
+                _ = self.terminate.recv() => "SIGTERM",
+                _ = self.interrupt.recv() => "SIGINT",
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
+            "Ctrl-C"
+        }
+    }
+}

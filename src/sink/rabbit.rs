@@ -1,0 +1,828 @@
+//! The RabbitMQ sink (DESIGN §6): one lapin connection with publisher confirms, shared by every
+//! publish, re-established by the sink itself when it is lost.
+//!
+//! The user-facing notes (where the connection lives, how broker answers become outcomes) are
+//! on [`RabbitSink`]; the mapping itself is [`classify`], the only place that does it.
+
+use std::future::{Future, poll_fn};
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Event};
+use rand::RngExt;
+use tokio::sync::{Notify, oneshot, watch};
+use tracing::{debug, info, warn};
+
+pub use lapin::ExchangeKind;
+
+use crate::backoff::backoff_ceiling;
+use crate::error::PublishError;
+use crate::model::OutboxMessage;
+use crate::publisher::{PublishFuture, PublishResult, Publisher};
+use crate::store::mask_password;
+
+/// The exchange published to by default.
+pub const DEFAULT_EXCHANGE: &str = "outbox";
+/// The `app_id` property set on every message by default.
+pub const DEFAULT_APP_ID: &str = "actix-outbox";
+/// How long one attempt to connect (TCP, handshake, confirms, exchange declaration) may take by
+/// default.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// First delay before reconnecting after the link is lost, by default.
+pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
+/// Longest delay between two reconnection attempts, by default.
+pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
+
+/// How often the connection manager looks at the connection's and channel's status, on top of
+/// reacting at once to connection events and failed publishes. Catches a channel the broker
+/// closed while nothing was being published.
+const LINK_CHECK_PERIOD: Duration = Duration::from_millis(250);
+/// How long a graceful close of the connection may take when the sink stops.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Computes a message's routing key; see [`RabbitConfig::routing_key`].
+pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
+
+/// How a [`RabbitSink`] connects and what it publishes.
+///
+/// Start from [`RabbitConfig::new`] (every default set there) and chain setters:
+///
+/// ```
+/// use std::time::Duration;
+/// use actix_outbox::sink::{ExchangeKind, RabbitConfig};
+///
+/// let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+///     .exchange("orders")
+///     .exchange_kind(ExchangeKind::Direct)
+///     .app_id("billing")
+///     .routing_key(|m| format!("{}.{}", m.aggregate_type, m.event_type))
+///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(5));
+/// config.validate().unwrap();
+/// assert!(format!("{config:?}").contains("guest:***@"), "the password never reaches a log");
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct RabbitConfig {
+    /// The AMQP URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (the `%2f` is the vhost `/`).
+    /// Query options are honoured by lapin; `?heartbeat=10` bounds how long a broker that went
+    /// silent without closing the TCP connection (a dead host, a stuck network path) looks
+    /// alive: the link is rebuilt after about two missed heartbeats. Until then publishes time
+    /// out and are retried, which loses nothing.
+    pub url: String,
+    /// The exchange every message is published to. Default [`DEFAULT_EXCHANGE`] (`outbox`).
+    pub exchange: String,
+    /// The exchange's type, used when the sink declares it. Default [`ExchangeKind::Topic`].
+    pub exchange_kind: ExchangeKind,
+    /// Whether the sink declares the exchange (durable, of [`RabbitConfig::exchange_kind`]) each
+    /// time it connects. Turn it off when the exchange is managed elsewhere; publishing to an
+    /// exchange that does not exist then fails retryably (the broker closes the channel with
+    /// 404) until someone creates it. Default `true`.
+    pub declare_exchange: bool,
+    /// The `app_id` property of every message. Default [`DEFAULT_APP_ID`].
+    pub app_id: String,
+    /// Bound on one connection attempt (TCP connect, AMQP handshake, confirm mode, exchange
+    /// declaration). Default 10 s.
+    pub connect_timeout: Duration,
+    /// Delay before the first reconnection attempt after the link is lost; it doubles on every
+    /// failed attempt up to [`RabbitConfig::reconnect_max`], with jitter. Default 100 ms.
+    pub reconnect_min: Duration,
+    /// Longest delay between reconnection attempts. Default 10 s.
+    pub reconnect_max: Duration,
+    /// The connection name shown in RabbitMQ's management UI. Default: the `app_id`.
+    pub connection_name: Option<String>,
+    routing_key: Option<Arc<RoutingKeyFn>>,
+}
+
+impl std::fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("url", &mask_password(&self.url))
+            .field("exchange", &self.exchange)
+            .field("exchange_kind", &self.exchange_kind)
+            .field("declare_exchange", &self.declare_exchange)
+            .field("app_id", &self.app_id)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("reconnect_min", &self.reconnect_min)
+            .field("reconnect_max", &self.reconnect_max)
+            .field("connection_name", &self.connection_name)
+            .field("routing_key", &if self.routing_key.is_some() { "custom" } else { "event_type" })
+            .finish()
+    }
+}
+
+impl RabbitConfig {
+    /// A configuration for the broker at `url`, with every other setting at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            exchange: DEFAULT_EXCHANGE.to_owned(),
+            exchange_kind: ExchangeKind::Topic,
+            declare_exchange: true,
+            app_id: DEFAULT_APP_ID.to_owned(),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            reconnect_min: DEFAULT_RECONNECT_MIN,
+            reconnect_max: DEFAULT_RECONNECT_MAX,
+            connection_name: None,
+            routing_key: None,
+        }
+    }
+
+    /// Sets [`RabbitConfig::exchange`].
+    #[must_use]
+    pub fn exchange(mut self, name: impl Into<String>) -> Self {
+        self.exchange = name.into();
+        self
+    }
+
+    /// Sets [`RabbitConfig::exchange_kind`].
+    #[must_use]
+    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
+        self.exchange_kind = kind;
+        self
+    }
+
+    /// Sets [`RabbitConfig::declare_exchange`].
+    #[must_use]
+    pub fn declare_exchange(mut self, declare: bool) -> Self {
+        self.declare_exchange = declare;
+        self
+    }
+
+    /// Sets [`RabbitConfig::app_id`].
+    #[must_use]
+    pub fn app_id(mut self, app_id: impl Into<String>) -> Self {
+        self.app_id = app_id.into();
+        self
+    }
+
+    /// Sets [`RabbitConfig::connect_timeout`].
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets [`RabbitConfig::reconnect_min`] and [`RabbitConfig::reconnect_max`].
+    #[must_use]
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Sets [`RabbitConfig::connection_name`].
+    #[must_use]
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    /// Replaces the routing key (by default the message's `event_type`) with `f(message)`.
+    /// A key longer than 255 bytes makes that message fail permanently.
+    #[must_use]
+    pub fn routing_key(mut self, f: impl Fn(&OutboxMessage) -> String + Send + Sync + 'static) -> Self {
+        self.routing_key = Some(Arc::new(f));
+        self
+    }
+
+    /// The routing key of `message` under this configuration.
+    pub fn routing_key_of(&self, message: &OutboxMessage) -> String {
+        match &self.routing_key {
+            Some(f) => f(message),
+            None => message.event_type.clone(),
+        }
+    }
+
+    /// Checks the URL and the rules that span fields. [`RabbitSink::connect`] calls it first.
+    pub fn validate(&self) -> Result<(), RabbitError> {
+        let invalid = |why: String| Err(RabbitError::Config(why));
+        if let Err(e) = self.url.parse::<lapin::uri::AMQPUri>() {
+            return invalid(format!("malformed AMQP URL {:?}: {e}", mask_password(&self.url)));
+        }
+        if ShortString::try_new(self.exchange.as_str()).is_err() {
+            return invalid(format!("exchange name is {} bytes long; AMQP allows 255", self.exchange.len()));
+        }
+        if ShortString::try_new(self.app_id.as_str()).is_err() {
+            return invalid(format!("app_id is {} bytes long; AMQP allows 255", self.app_id.len()));
+        }
+        if self.exchange.is_empty() && self.declare_exchange {
+            return invalid("the default exchange (\"\") cannot be declared; set declare_exchange(false)".into());
+        }
+        if self.connect_timeout.is_zero() {
+            return invalid("connect timeout must be above zero".into());
+        }
+        if self.reconnect_min.is_zero() || self.reconnect_min > self.reconnect_max {
+            return invalid(format!(
+                "reconnect backoff must satisfy 0 < min ({:?}) <= max ({:?})",
+                self.reconnect_min, self.reconnect_max
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a [`RabbitSink`] could not start. Once started, the sink never fails as a whole: a lost
+/// broker turns into retryable publishes while it reconnects.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RabbitError {
+    /// The configuration breaks a rule; retrying will not help.
+    #[error("invalid RabbitMQ sink configuration: {0}")]
+    Config(String),
+    /// Nothing answered as a broker at the URL (refused, reset, or no handshake within the
+    /// connect timeout). The URL's password is masked.
+    #[error("RabbitMQ is unreachable at {url}: {reason}")]
+    Unreachable {
+        /// The URL, password masked.
+        url: String,
+        /// What failed.
+        reason: String,
+    },
+    /// A broker answered but refused the connection (bad credentials, unknown vhost) or the
+    /// sink's setup (confirm mode, the exchange declaration — e.g. an existing exchange of
+    /// another type).
+    #[error("RabbitMQ at {url} refused the sink: {reason}")]
+    Refused {
+        /// The URL, password masked.
+        url: String,
+        /// The broker's reason.
+        reason: String,
+    },
+    /// The sink's connection thread could not be started.
+    #[error("could not start the RabbitMQ sink's connection thread: {0}")]
+    Thread(String),
+}
+
+impl RabbitError {
+    /// Whether connecting again later may succeed (the broker may come up), as opposed to a
+    /// configuration the broker or the sink will reject again.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            RabbitError::Unreachable { .. } | RabbitError::Thread(_) => true,
+            RabbitError::Config(_) | RabbitError::Refused { .. } => false,
+        }
+    }
+}
+
+/// A [`Publisher`] that publishes each outbox message to a RabbitMQ exchange with publisher
+/// confirms, in the format of DESIGN §6:
+///
+/// - `delivery_mode = 2` (persistent), `mandatory = true`;
+/// - properties `message_id` = the outbox id in decimal, `type` = the event type,
+///   `content_type = application/json`, `timestamp` = `created_at` (Unix seconds), `app_id`;
+/// - headers `x-outbox-id` (the id, a signed 64-bit integer), `x-deduplication-header` (the id
+///   as a string, for RabbitMQ's message-deduplication plugin), `x-aggregate-type`,
+///   `x-aggregate-id`, `x-attempt` (the claim's attempt number, 1 on the first);
+/// - body = the payload's JSON bytes; routing key = the event type unless
+///   [`RabbitConfig::routing_key`] says otherwise.
+///
+/// Delivery is at-least-once: a message whose confirm was lost (connection cut, publish timeout)
+/// is published again on a later attempt with the same `message_id`, on which consumers
+/// deduplicate.
+///
+/// Clones share one connection and one channel.
+///
+/// # Where the connection lives
+///
+/// A lapin connection is bound to the tokio runtime that created it: its socket is registered
+/// with that runtime's reactor and its heartbeats use that runtime's timers. If that runtime
+/// stops (an actix arbiter that is stopped, a test's runtime that ends) the connection hangs
+/// silently: publishes never complete while its status still says connected.
+///
+/// So the sink does not borrow the caller's runtime. [`RabbitSink::connect`] starts a thread of
+/// its own (`actix-outbox-amqp`) running a small current-thread tokio runtime, and the
+/// connection manager runs there: it connects, enables confirms, declares the exchange, watches
+/// the link, and reconnects with backoff when the connection or channel is lost. The thread
+/// lives exactly as long as the sink: it closes the connection and ends when the last clone of
+/// the [`RabbitSink`] is dropped or [`RabbitSink::close`] is called. That makes the sink safe to
+/// create from any arbiter (or from plain tokio) and to use from any other.
+///
+/// Publishes themselves do not hop threads: each one calls `basic_publish` on the shared channel
+/// from the dispatcher's arbiter and awaits its own [`PublisherConfirm`](lapin::PublisherConfirm),
+/// so many publishes are in flight on the channel at once. lapin's channel and confirm futures
+/// are runtime-agnostic; only the connection's I/O is tied to the sink's runtime.
+///
+/// # Outcomes
+///
+/// The broker's answer maps onto a [`PublishResult`] in exactly one place:
+///
+/// | broker / client says | outcome |
+/// | --- | --- |
+/// | `Ack` without a returned message | `Ok` (row done) |
+/// | `Ack` with a returned message (312 `NO_ROUTE` for a `mandatory` publish) | [`PublishError::Permanent`], "unroutable", naming exchange and routing key |
+/// | `Nack` | [`PublishError::Retryable`] |
+/// | channel or connection error, or no link while reconnecting | [`PublishError::Retryable`], and the link is rebuilt |
+/// | no confirm within the publish timeout | [`PublishError::Retryable`] (applied by the dispatcher) |
+///
+/// lapin reports a returned message as an *ack* that carries it: the broker did accept the
+/// message, it simply had nowhere to put it. lapin also logs every returned message, payload
+/// included, at WARN under the target `lapin::returned_messages`; filter that target if
+/// payloads must not reach the logs (the dead row's `last_error` says what happened anyway).
+///
+/// # Example
+///
+/// ```no_run
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool};
+/// use actix_outbox::sink::{RabbitConfig, RabbitSink};
+///
+/// #[actix::main]
+/// async fn main() -> Result<(), Box<dyn std::error::Error>> {
+///     let pool = connect_pool("postgres://root@127.0.0.1:5432/app", 8).await?;
+///     let sink = RabbitSink::connect(RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")).await?;
+///     let dispatcher = OutboxSupervisor::start(DispatcherConfig::default(), pool, sink.clone())?;
+///     // ... until the application stops:
+///     dispatcher.send(Shutdown).await?;
+///     sink.close().await;
+///     Ok(())
+/// }
+/// ```
+#[derive(Clone)]
+pub struct RabbitSink {
+    handle: Arc<Handle>,
+}
+
+impl std::fmt::Debug for RabbitSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitSink")
+            .field("url", &self.handle.link.url)
+            .field("exchange", &self.handle.link.exchange.as_str())
+            .field("connected", &self.is_connected())
+            .field("reconnects", &self.reconnects())
+            .finish()
+    }
+}
+
+/// Owned by the sink's clones; dropping the last one stops the connection thread.
+struct Handle {
+    link: Arc<LinkState>,
+    /// Dropping (or setting) it tells the connection manager to close and end.
+    stop: watch::Sender<bool>,
+    /// Becomes true when the connection manager has closed the connection and ended.
+    finished: watch::Receiver<bool>,
+}
+
+impl RabbitSink {
+    /// Validates `config`, starts the sink's connection thread and waits for the first
+    /// connection (bounded by [`RabbitConfig::connect_timeout`]): connected, confirm mode on,
+    /// exchange declared. Fails if the broker cannot be reached or refuses the setup; after this
+    /// first success, the sink reconnects by itself whenever the link is lost.
+    pub async fn connect(config: RabbitConfig) -> Result<Self, RabbitError> {
+        config.validate()?;
+        let link = Arc::new(LinkState::new(&config));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let (finished_tx, finished_rx) = watch::channel(false);
+        let (first_tx, first_rx) = oneshot::channel();
+        let manager = Manager { config, link: link.clone(), stop: stop_rx, finished: finished_tx };
+        std::thread::Builder::new()
+            .name("actix-outbox-amqp".to_owned())
+            .spawn(move || {
+                // A runtime of its own, so that no arbiter's shutdown can strand the connection.
+                match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime.block_on(manager.run(first_tx)),
+                    Err(e) => {
+                        let _ = first_tx.send(Err(RabbitError::Thread(e.to_string())));
+                    }
+                }
+            })
+            .map_err(|e| RabbitError::Thread(e.to_string()))?;
+        let handle = Arc::new(Handle { link, stop: stop_tx, finished: finished_rx });
+        match first_rx.await {
+            Ok(Ok(())) => Ok(Self { handle }),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(RabbitError::Thread("the connection thread ended before connecting".into())),
+        }
+    }
+
+    /// Whether the sink has a usable channel right now. While it is false, publishes fail at
+    /// once as retryable.
+    pub fn is_connected(&self) -> bool {
+        self.handle.link.current().link.is_some()
+    }
+
+    /// How many times the sink re-established its link (a new channel, or a new connection)
+    /// after losing it.
+    pub fn reconnects(&self) -> u64 {
+        self.handle.link.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// The exchange this sink publishes to.
+    pub fn exchange(&self) -> &str {
+        self.handle.link.exchange.as_str()
+    }
+
+    /// Closes the connection gracefully and stops the connection thread, for every clone of
+    /// this sink; later publishes fail as retryable. Shut the dispatcher down first so that no
+    /// publish is in flight. Safe to call more than once. Dropping the last clone does the same
+    /// without waiting.
+    pub async fn close(&self) {
+        let _ = self.handle.stop.send(true);
+        let mut finished = self.handle.finished.clone();
+        // An error means the manager is gone, which is what we wait for.
+        let _ = finished.wait_for(|done| *done).await;
+    }
+}
+
+impl Publisher for RabbitSink {
+    fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+        let link = self.handle.link.clone();
+        Box::pin(async move { link.publish(&message).await })
+    }
+}
+
+/// What publishes and the connection manager share.
+struct LinkState {
+    url: String,
+    exchange: ShortString,
+    app_id: ShortString,
+    routing_key: Option<Arc<RoutingKeyFn>>,
+    current: Mutex<Current>,
+    /// Highest link generation a publish found broken.
+    broken: AtomicU64,
+    /// Wakes the manager when a publish finds the link broken.
+    broken_notify: Notify,
+    reconnects: AtomicU64,
+    /// Serialises the first poll of `basic_publish` (see [`LinkState::publish`]).
+    publish_order: Mutex<()>,
+}
+
+struct Current {
+    link: Option<Link>,
+    /// Why there is no link (shown in the retryable error of publishes meanwhile).
+    down_reason: String,
+}
+
+/// One channel in confirm mode; `generation` tells a failure on it from one on its successor.
+#[derive(Clone)]
+struct Link {
+    channel: Channel,
+    generation: u64,
+}
+
+/// What a failed publish means for the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LinkHealth {
+    Healthy,
+    Broken,
+}
+
+impl LinkState {
+    fn new(config: &RabbitConfig) -> Self {
+        Self {
+            url: mask_password(&config.url),
+            // validate() checked both lengths.
+            exchange: ShortString::try_new(config.exchange.as_str()).unwrap_or_default(),
+            app_id: ShortString::try_new(config.app_id.as_str()).unwrap_or_default(),
+            routing_key: config.routing_key.clone(),
+            current: Mutex::new(Current { link: None, down_reason: "not connected yet".into() }),
+            broken: AtomicU64::new(0),
+            broken_notify: Notify::new(),
+            reconnects: AtomicU64::new(0),
+            publish_order: Mutex::new(()),
+        }
+    }
+
+    fn current(&self) -> MutexGuard<'_, Current> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set_link(&self, link: Link) {
+        self.current().link = Some(link);
+    }
+
+    fn clear_link(&self, reason: String) {
+        let mut current = self.current();
+        current.link = None;
+        current.down_reason = reason;
+    }
+
+    fn report_broken(&self, generation: u64) {
+        self.broken.fetch_max(generation, Ordering::AcqRel);
+        self.broken_notify.notify_one();
+    }
+
+    async fn publish(&self, message: &OutboxMessage) -> PublishResult {
+        let routing_key = match &self.routing_key {
+            Some(f) => f(message),
+            None => message.event_type.clone(),
+        };
+        let key = ShortString::try_new(routing_key.as_str()).map_err(|e| {
+            PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
+        })?;
+        let properties = properties(message, &self.app_id)?;
+        let body = serde_json::to_vec(&message.payload)
+            .map_err(|e| PublishError::Permanent(format!("payload cannot be serialised as JSON: {e}")))?;
+
+        let link = {
+            let current = self.current();
+            match &current.link {
+                Some(link) => link.clone(),
+                None => {
+                    return Err(PublishError::Retryable(format!(
+                        "RabbitMQ link to {} is down: {}",
+                        self.url, current.down_reason
+                    )));
+                }
+            }
+        };
+        let options = BasicPublishOptions { mandatory: true, immediate: false };
+        let sent = async {
+            let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, &body, properties));
+            // lapin takes the delivery tag and queues the frames in the first poll, under two
+            // separate locks. Clones publishing from several threads at once could interleave
+            // them, and then a confirm would answer another message: take the first poll under
+            // a lock of ours so that tags follow the order of the frames.
+            let first = poll_fn(|cx| {
+                let _order = self.publish_order.lock().unwrap_or_else(|e| e.into_inner());
+                Poll::Ready(publish.as_mut().poll(cx))
+            })
+            .await;
+            let confirm = match first {
+                Poll::Ready(confirm) => confirm?,
+                Poll::Pending => publish.await?,
+            };
+            confirm.await
+        }
+        .await;
+        let (result, health) = classify(sent, self.exchange.as_str(), &routing_key);
+        if health == LinkHealth::Broken {
+            self.report_broken(link.generation);
+        }
+        result
+    }
+}
+
+/// The AMQP properties and headers of `message` (DESIGN §6).
+fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProperties, PublishError> {
+    let event_type = ShortString::try_new(message.event_type.as_str())
+        .map_err(|e| PublishError::Permanent(format!("event type cannot be sent as the AMQP `type` property: {e}")))?;
+    let id = message.id.to_string();
+    let mut headers = FieldTable::default();
+    headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(message.id));
+    headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.as_str().into()));
+    headers.insert("x-aggregate-type".into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
+    headers.insert("x-aggregate-id".into(), AMQPValue::LongString(message.aggregate_id.as_str().into()));
+    headers.insert("x-attempt".into(), AMQPValue::LongInt(message.attempts));
+    Ok(BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(id.into())
+        .with_type(event_type)
+        .with_timestamp(u64::try_from(message.created_at.timestamp()).unwrap_or(0))
+        .with_app_id(app_id.clone())
+        .with_headers(headers))
+}
+
+/// The one place where the broker's answer (or the client's failure) becomes an outcome, and
+/// where we decide whether the link must be rebuilt.
+fn classify(
+    sent: Result<Confirmation, lapin::Error>,
+    exchange: &str,
+    routing_key: &str,
+) -> (PublishResult, LinkHealth) {
+    match sent {
+        Ok(Confirmation::Ack(None)) => (Ok(()), LinkHealth::Healthy),
+        Ok(Confirmation::Ack(Some(returned))) => (
+            Err(PublishError::Permanent(format!(
+                "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} \
+                 (broker returned the message: {} {})",
+                returned.reply_code, returned.reply_text
+            ))),
+            LinkHealth::Healthy,
+        ),
+        Ok(Confirmation::Nack(returned)) => (
+            Err(PublishError::Retryable(match returned {
+                Some(r) => format!("broker nacked the message ({} {})", r.reply_code, r.reply_text),
+                None => format!(
+                    "broker nacked the message on exchange {exchange:?} with routing key {routing_key:?} \
+                     (e.g. a full queue with overflow=reject-publish)"
+                ),
+            })),
+            LinkHealth::Healthy,
+        ),
+        // The channel lost confirm mode: only a new channel can restore it.
+        Ok(Confirmation::NotRequested) => {
+            (Err(PublishError::Retryable("channel is not in confirm mode; reopening it".into())), LinkHealth::Broken)
+        }
+        Err(e) => {
+            (Err(PublishError::Retryable(format!("RabbitMQ channel or connection failed: {e}"))), LinkHealth::Broken)
+        }
+    }
+}
+
+/// Why a link stopped being watched.
+enum Ended {
+    /// The sink is stopping.
+    Stop,
+    /// The link broke; the reason is logged and shown to publishes until it is rebuilt.
+    Broken(String),
+}
+
+/// The connection manager: runs on the sink's own thread and runtime.
+struct Manager {
+    config: RabbitConfig,
+    link: Arc<LinkState>,
+    stop: watch::Receiver<bool>,
+    finished: watch::Sender<bool>,
+}
+
+impl Manager {
+    async fn run(mut self, first: oneshot::Sender<Result<(), RabbitError>>) {
+        let mut first = Some(first);
+        let mut generation = 0_u64;
+        let mut failures = 0_i32;
+        let mut connection: Option<Connection> = None;
+        loop {
+            let attempt = tokio::time::timeout(self.config.connect_timeout, self.establish(connection.take())).await;
+            let attempt = attempt.unwrap_or_else(|_| {
+                Err(RabbitError::Unreachable {
+                    url: self.link.url.clone(),
+                    reason: format!(
+                        "no answer within the connect timeout ({})",
+                        humantime::format_duration(self.config.connect_timeout)
+                    ),
+                })
+            });
+            match attempt {
+                Ok((conn, channel)) => {
+                    generation += 1;
+                    self.link.set_link(Link { channel: channel.clone(), generation });
+                    if let Some(first) = first.take() {
+                        info!(url = %self.link.url, exchange = %self.link.exchange, "connected to RabbitMQ");
+                        if first.send(Ok(())).is_err() {
+                            // Whoever called connect() is gone: nobody will ever publish.
+                            break self.shut(Some(conn)).await;
+                        }
+                    } else {
+                        self.link.reconnects.fetch_add(1, Ordering::Relaxed);
+                        info!(url = %self.link.url, exchange = %self.link.exchange, "reconnected to RabbitMQ");
+                    }
+                    let since = Instant::now();
+                    match self.watch(&conn, &channel, generation).await {
+                        Ended::Stop => break self.shut(Some(conn)).await,
+                        Ended::Broken(reason) => {
+                            warn!(url = %self.link.url, reason = %reason,
+                                "RabbitMQ link lost; publishes fail as retryable until it is back");
+                            self.link.clear_link(format!("{reason} (reconnecting)"));
+                            // A link that held for a while starts the backoff afresh.
+                            if since.elapsed() >= self.config.reconnect_max {
+                                failures = 0;
+                            }
+                            if channel.status().connected() {
+                                let _ =
+                                    tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "replaced".into())).await;
+                            }
+                            // Only the channel may be gone: keep a healthy connection for the next channel.
+                            if conn.status().connected() {
+                                connection = Some(conn);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    if let Some(first) = first.take() {
+                        let _ = first.send(Err(e));
+                        break self.shut(None).await;
+                    }
+                    warn!(error = %e, "reconnecting to RabbitMQ failed");
+                    self.link.clear_link(format!("{e} (reconnecting)"));
+                }
+            }
+            failures = failures.saturating_add(1);
+            let ceiling = backoff_ceiling(failures - 1, self.config.reconnect_min, self.config.reconnect_max);
+            let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+            debug!(delay = ?delay, "waiting before reconnecting to RabbitMQ");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                _ = self.stop.changed() => break self.shut(connection.take()).await,
+            }
+        }
+    }
+
+    /// A channel in confirm mode with the exchange declared, on `reuse` if it is still
+    /// connected, else on a new connection.
+    async fn establish(&self, reuse: Option<Connection>) -> Result<(Connection, Channel), RabbitError> {
+        let url = &self.link.url;
+        let conn = match reuse.filter(|c| c.status().connected()) {
+            Some(conn) => conn,
+            None => {
+                let name = self.config.connection_name.as_deref().unwrap_or(&self.config.app_id);
+                let properties = ConnectionProperties::default().with_connection_name(name.into());
+                Connection::connect(&self.config.url, properties).await.map_err(|e| connect_error(url, &e))?
+            }
+        };
+        let refused =
+            |what: &str, e: lapin::Error| RabbitError::Refused { url: url.clone(), reason: format!("{what}: {e}") };
+        let channel = conn.create_channel().await.map_err(|e| refused("opening a channel", e))?;
+        channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|e| refused("enabling confirms", e))?;
+        if self.config.declare_exchange {
+            let options = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+            channel
+                .exchange_declare(
+                    self.link.exchange.clone(),
+                    self.config.exchange_kind.clone(),
+                    options,
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| refused(&format!("declaring exchange {:?}", self.config.exchange), e))?;
+        }
+        Ok((conn, channel))
+    }
+
+    /// Waits until the link breaks or the sink stops.
+    async fn watch(&mut self, conn: &Connection, channel: &Channel, generation: u64) -> Ended {
+        let mut events = Box::pin(conn.events_listener());
+        let mut check = tokio::time::interval(LINK_CHECK_PERIOD);
+        loop {
+            tokio::select! {
+                _ = self.stop.changed() => return Ended::Stop,
+                () = self.link.broken_notify.notified() => {
+                    if self.link.broken.load(Ordering::Acquire) >= generation {
+                        return Ended::Broken("a publish failed on the channel".into());
+                    }
+                }
+                event = events.next() => match event {
+                    Some(Event::Error(e)) => return Ended::Broken(format!("connection error: {e}")),
+                    Some(Event::ConnectionBlocked(reason)) => {
+                        warn!(reason = %reason, "RabbitMQ blocked the connection; publishes wait (and time out)");
+                    }
+                    Some(Event::ConnectionUnblocked) => info!("RabbitMQ unblocked the connection"),
+                    Some(_) => {}
+                    None => return Ended::Broken("connection event stream ended".into()),
+                },
+                _ = check.tick() => {
+                    if !conn.status().connected() {
+                        return Ended::Broken(format!("connection is no longer connected: {:?}", conn.status()));
+                    }
+                    if !channel.status().connected() {
+                        return Ended::Broken(format!("channel is no longer open: {:?}", channel.status()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Closes the connection (if any) and tells publishes and `close()` that the sink is over.
+    async fn shut(&self, connection: Option<Connection>) {
+        self.link.clear_link("the RabbitMQ sink is closed".into());
+        if let Some(conn) = connection
+            && conn.status().connected()
+        {
+            match tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await {
+                Ok(Ok(())) => debug!("RabbitMQ connection closed"),
+                Ok(Err(e)) => debug!(error = %e, "closing the RabbitMQ connection failed"),
+                Err(_) => debug!("closing the RabbitMQ connection timed out"),
+            }
+        }
+        let _ = self.finished.send(true);
+    }
+}
+
+/// Classifies a failed connection attempt: I/O trouble means nobody answered; a protocol error
+/// means a broker answered and said no.
+fn connect_error(url: &str, e: &lapin::Error) -> RabbitError {
+    if e.is_amqp_error() {
+        RabbitError::Refused { url: url.to_owned(), reason: e.to_string() }
+    } else {
+        RabbitError::Unreachable { url: url.to_owned(), reason: e.to_string() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validates() {
+        assert!(RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f").validate().is_ok());
+        let bad = RabbitConfig::new("http://nope").validate().unwrap_err();
+        assert!(matches!(bad, RabbitError::Config(_)), "{bad}");
+        let long = RabbitConfig::new("amqp://h").exchange("x".repeat(256)).validate().unwrap_err();
+        assert!(long.to_string().contains("256 bytes"), "{long}");
+        let backoff = RabbitConfig::new("amqp://h")
+            .reconnect_backoff(Duration::from_secs(2), Duration::from_secs(1))
+            .validate()
+            .unwrap_err();
+        assert!(backoff.to_string().contains("reconnect backoff"), "{backoff}");
+        assert!(RabbitConfig::new("amqp://h").exchange("").validate().is_err());
+        assert!(RabbitConfig::new("amqp://h").exchange("").declare_exchange(false).validate().is_ok());
+    }
+
+    #[test]
+    fn classifies_errors_as_retryable_and_broken() {
+        let err: lapin::Error = lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed).into();
+        let (result, health) = classify(Err(err), "outbox", "a.b");
+        assert!(matches!(result, Err(PublishError::Retryable(_))));
+        assert_eq!(health, LinkHealth::Broken);
+        let (result, health) = classify(Ok(Confirmation::Nack(None)), "outbox", "a.b");
+        assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");
+        assert_eq!(health, LinkHealth::Healthy);
+        assert_eq!(classify(Ok(Confirmation::Ack(None)), "outbox", "a.b").0, Ok(()));
+    }
+}

@@ -1,0 +1,75 @@
+//! The state machine's publish edges (DESIGN §3): from a publish outcome to the row's next
+//! state. One pure function, shared by the finalize actor and by anyone driving the store by
+//! hand.
+
+use crate::backoff::full_jitter;
+use crate::config::DispatcherConfig;
+use crate::error::PublishError;
+use crate::model::{Fence, OutboxMessage};
+use crate::publisher::PublishResult;
+use crate::store::{Bury, Reschedule};
+
+/// The fenced write a publish outcome calls for.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Published: `done`.
+    Done(Fence),
+    /// Back to `pending` after a backoff (attempt spent) or a deferral (attempt refunded).
+    Reschedule(Reschedule),
+    /// Given up: `dead`.
+    Dead(Bury),
+}
+
+impl Step {
+    /// The claim this write is fenced on.
+    pub fn fence(&self) -> Fence {
+        match self {
+            Step::Done(f) => *f,
+            Step::Reschedule(r) => r.fence,
+            Step::Dead(b) => b.fence,
+        }
+    }
+}
+
+/// Decides a claimed row's next state from its publish outcome:
+/// - `Ok` → done;
+/// - [`PublishError::Permanent`] → dead;
+/// - [`PublishError::Retryable`] → pending after a full-jitter backoff, or dead when the row's
+///   attempts have reached `max_attempts`;
+/// - [`PublishError::Defer`] → pending after the delay with the attempt refunded, or dead when
+///   the row is older than `max_defer_age` (decided in SQL, on the database clock).
+///
+/// ```
+/// # use actix_outbox::{decide, DispatcherConfig, OutboxMessage, PublishError, Step};
+/// # let message = OutboxMessage { id: 7, aggregate_type: "order".into(), aggregate_id: "1".into(),
+/// #     event_type: "order.paid".into(), payload: serde_json::json!({}), created_at: chrono::Utc::now(),
+/// #     attempts: 12, lease_version: 12, lease_until: None };
+/// let config = DispatcherConfig::default(); // max_attempts 12
+/// let step = decide(&message, &Err(PublishError::Retryable("broker away".into())), &config);
+/// assert!(matches!(step, Step::Dead(_)), "the 12th failed attempt is the last");
+/// ```
+pub fn decide(message: &OutboxMessage, outcome: &PublishResult, config: &DispatcherConfig) -> Step {
+    let fence = message.fence();
+    match outcome {
+        Ok(()) => Step::Done(fence),
+        Err(PublishError::Permanent(e)) => Step::Dead(Bury { fence, error: format!("permanent: {e}") }),
+        Err(PublishError::Retryable(e)) if message.attempts >= config.max_attempts => Step::Dead(Bury {
+            fence,
+            error: format!("retries exhausted after {} attempts; last: {e}", message.attempts),
+        }),
+        Err(PublishError::Retryable(e)) => Step::Reschedule(Reschedule {
+            fence,
+            delay: full_jitter(message.attempts, config.backoff_base, config.backoff_cap),
+            error: format!("retryable (attempt {}): {e}", message.attempts),
+            refund_attempt: false,
+            dead_if_older_than: None,
+        }),
+        Err(PublishError::Defer { delay, reason }) => Step::Reschedule(Reschedule {
+            fence,
+            delay: *delay,
+            error: format!("deferred: {reason}"),
+            refund_attempt: true,
+            dead_if_older_than: Some(config.max_defer_age),
+        }),
+    }
+}

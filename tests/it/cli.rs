@@ -1,0 +1,893 @@
+//! The `actix-outbox` binary, run as an operator runs it: the real executable, a fresh database
+//! per test, the real RabbitMQ (a uniquely named exchange and queue per test, deleted at the
+//! end). Every test checks the exit code, what was printed, and the rows afterwards.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use actix_outbox::store::SKIPPED_PREFIX;
+use actix_outbox::{OutboxRow, Status};
+use diesel::sql_types::Text;
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use serde_json::{Value, json};
+
+use crate::support::{TestDb, eventually, server_url};
+
+// The RabbitMQ tests' stallable proxy, compiled again here rather than shared, so that this
+// module does not depend on the rabbit module's internals.
+#[path = "rabbit/proxy.rs"]
+#[allow(dead_code, clippy::duplicate_mod)]
+mod proxy;
+
+const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
+const WITHIN: Duration = Duration::from_secs(60);
+
+/// What one finished command printed and returned.
+#[derive(Debug)]
+struct Ran {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ran {
+    /// The one line an error must fit in.
+    fn error_line(&self) -> &str {
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "expected exactly one line on stderr, got {:?}", self.stderr);
+        lines[0]
+    }
+}
+
+/// The binary with a clean environment: only what the test passes reaches it.
+fn command(database_url: &str) -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env_remove("AMQP_URL").env_remove("RUST_LOG").env("DATABASE_URL", database_url);
+    cmd
+}
+
+/// Runs `actix-outbox <args>` against `database_url` to completion.
+async fn cli(database_url: &str, args: &[&str]) -> Ran {
+    let mut cmd = command(database_url);
+    cmd.args(args);
+    let output = tokio::task::spawn_blocking(move || cmd.output()).await.unwrap().expect("run the binary");
+    Ran {
+        code: output.status.code().expect("exited, not killed"),
+        stdout: String::from_utf8(output.stdout).unwrap(),
+        stderr: String::from_utf8(output.stderr).unwrap(),
+    }
+}
+
+/// Runs it and insists on success.
+async fn ok(database_url: &str, args: &[&str]) -> String {
+    let ran = cli(database_url, args).await;
+    assert_eq!(ran.code, 0, "actix-outbox {args:?} failed: {ran:?}");
+    ran.stdout
+}
+
+async fn execute(db: &TestDb, sql: &str) {
+    db.conn().await.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+}
+
+/// Makes `ids` dead as the dispatcher would leave them.
+async fn make_dead(db: &TestDb, ids: &[i64]) {
+    for id in ids {
+        execute(
+            db,
+            &format!(
+                "UPDATE outbox SET status = 'dead', attempts = 12, lease_version = 12, lease_owner = 'host:1:worker-0',
+                 last_error = 'retryable: nack {id}' WHERE id = {id}"
+            ),
+        )
+        .await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// migrate
+
+/// A database that does not exist yet, dropped at the end.
+struct MissingDb {
+    name: String,
+    url: String,
+}
+
+impl MissingDb {
+    fn new() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "outbox_cli_{}_{}_{:08x}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed),
+            rand::random::<u32>()
+        );
+        let url = format!("{}/{name}", server_url());
+        MissingDb { name, url }
+    }
+}
+
+impl Drop for MissingDb {
+    fn drop(&mut self) {
+        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        let admin = format!("{}/postgres", server_url());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                use diesel_async::AsyncConnection;
+                if let Ok(mut conn) = diesel_async::AsyncPgConnection::establish(&admin).await {
+                    let _ = conn.batch_execute(&sql).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+#[tokio::test]
+async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
+    let db = MissingDb::new();
+    let first = ok(&db.url, &["migrate"]).await;
+    assert!(first.contains(&format!("created database {}", db.name)), "{first}");
+    let applied: Vec<&str> = first.lines().filter(|l| l.starts_with("applied migration ")).collect();
+    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    assert_eq!(applied.len(), embedded.len(), "{first}");
+
+    let second = ok(&db.url, &["migrate"]).await;
+    assert_eq!(second.trim(), format!("database {} is up to date: no pending migrations", db.name));
+
+    // The table is there and usable.
+    let id: i64 = ok(
+        &db.url,
+        &["enqueue", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
+    )
+    .await
+    .trim()
+    .parse()
+    .unwrap();
+    assert_eq!(id, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// enqueue
+
+#[tokio::test]
+async fn enqueue_inserts_one_event_and_prints_its_id() {
+    let db = TestDb::new().await;
+    db.seed(2, "other").await;
+    let out = ok(
+        &db.url,
+        &[
+            "enqueue",
+            "--aggregate-type",
+            "order",
+            "--aggregate-id",
+            "42",
+            "--event-type",
+            "order.created",
+            "--payload",
+            r#"{"total": 10, "lines": [1, 2]}"#,
+        ],
+    )
+    .await;
+    assert_eq!(out.lines().count(), 1, "only the id, for scripts: {out:?}");
+    let id: i64 = out.trim().parse().unwrap();
+    assert_eq!(id, 3);
+    let row = db.row(id).await;
+    assert_eq!(
+        (row.aggregate_type.as_str(), row.aggregate_id.as_str(), row.event_type.as_str(), row.status()),
+        ("order", "42", "order.created", Status::Pending)
+    );
+    assert_eq!(row.payload, json!({"total": 10, "lines": [1, 2]}));
+    assert_eq!((row.attempts, row.lease_version), (0, 0));
+}
+
+#[tokio::test]
+async fn enqueue_refuses_a_payload_that_is_not_json_and_inserts_nothing() {
+    let db = TestDb::new().await;
+    db.seed(2, "agg").await;
+    let before = db.rows().await;
+    for payload in [r#"{"total": 10"#, "hello", ""] {
+        let ran = cli(
+            &db.url,
+            &[
+                "enqueue",
+                "--aggregate-type",
+                "order",
+                "--aggregate-id",
+                "42",
+                "--event-type",
+                "order.created",
+                "--payload",
+                payload,
+            ],
+        )
+        .await;
+        assert_eq!(ran.code, 2, "{ran:?}");
+        let line = ran.error_line();
+        assert!(line.contains("--payload") && line.contains("not JSON"), "{line}");
+        assert_eq!(ran.stdout, "");
+    }
+    let ran = cli(
+        &db.url,
+        &["enqueue", "--aggregate-type", " ", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
+    )
+    .await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    assert!(ran.error_line().contains("--aggregate-type must not be empty"), "{ran:?}");
+    assert_eq!(db.rows().await, before);
+}
+
+// ---------------------------------------------------------------------------------------------
+// stats
+
+/// Rows in every state: pending with 0 and 1 attempts, processing with a live and an expired
+/// lease, done, dead.
+async fn mixed_table(db: &TestDb) {
+    db.seed(12, "agg").await;
+    execute(
+        db,
+        "UPDATE outbox SET attempts = 1 WHERE id IN (1, 2);
+         UPDATE outbox SET status = 'processing', attempts = 2, lease_version = 2, lease_owner = 'h:1:worker-0',
+             lease_until = now() + interval '1 minute' WHERE id = 3;
+         UPDATE outbox SET status = 'processing', attempts = 3, lease_version = 3, lease_owner = 'h:1:worker-1',
+             lease_until = now() - interval '5 seconds' WHERE id IN (4, 5);
+         UPDATE outbox SET status = 'done', attempts = 1, lease_version = 1, done_at = now() WHERE id IN (6, 7, 8);
+         UPDATE outbox SET status = 'dead', attempts = 12, lease_version = 12, last_error = 'permanent: unroutable'
+             WHERE id = 9;
+         UPDATE outbox SET created_at = now() - interval '90 seconds' WHERE id = 10;",
+    )
+    .await;
+}
+
+#[derive(diesel::QueryableByName)]
+struct Doc {
+    #[diesel(sql_type = Text)]
+    doc: String,
+}
+
+#[tokio::test]
+async fn stats_json_matches_counts_computed_with_sql() {
+    let db = TestDb::new().await;
+    mixed_table(&db).await;
+
+    let out = ok(&db.url, &["stats", "--json"]).await;
+    assert_eq!(out.lines().count(), 1, "one object: {out}");
+    let mut stats: Value = serde_json::from_str(&out).unwrap();
+    let age = stats.as_object_mut().unwrap().remove("oldest_unfinished_age_s").unwrap();
+
+    // The same facts, computed independently of the store's queries.
+    let expected: Doc = diesel::sql_query(
+        "SELECT json_build_object(
+            'by_status', (SELECT json_object_agg(s, (SELECT count(*) FROM outbox WHERE status = s))
+                          FROM unnest(ARRAY['pending', 'processing', 'done', 'dead']) AS s),
+            'expired_leases', (SELECT count(*) FROM outbox WHERE status = 'processing' AND lease_until < now()),
+            'attempts', (SELECT json_object_agg(attempts::text, n) FROM
+                          (SELECT attempts, count(*) AS n FROM outbox
+                           WHERE status IN ('pending', 'processing') GROUP BY attempts) AS a),
+            'age', (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM outbox
+                    WHERE status IN ('pending', 'processing'))
+         )::text AS doc",
+    )
+    .get_result(&mut db.conn().await)
+    .await
+    .unwrap();
+    let mut expected: Value = serde_json::from_str(&expected.doc).unwrap();
+    let sql_age = expected.as_object_mut().unwrap().remove("age").unwrap().as_f64().unwrap();
+    assert_eq!(stats, expected);
+    assert_eq!(
+        stats,
+        json!({
+            "by_status": {"pending": 5, "processing": 3, "done": 3, "dead": 1},
+            "expired_leases": 2,
+            "attempts": {"0": 3, "1": 2, "2": 1, "3": 2},
+        })
+    );
+    let age = age.as_f64().expect("a number while rows are unfinished");
+    assert!((90.0..sql_age + 1.0).contains(&age), "oldest unfinished age {age} s, SQL says {sql_age} s");
+
+    // An empty table: every status present with 0, no age.
+    let empty = TestDb::new().await;
+    let stats: Value = serde_json::from_str(&ok(&empty.url, &["stats", "--json"]).await).unwrap();
+    assert_eq!(
+        stats,
+        json!({
+            "by_status": {"pending": 0, "processing": 0, "done": 0, "dead": 0},
+            "oldest_unfinished_age_s": null,
+            "expired_leases": 0,
+            "attempts": {},
+        })
+    );
+}
+
+#[tokio::test]
+async fn stats_prints_a_table_for_humans() {
+    let db = TestDb::new().await;
+    mixed_table(&db).await;
+    let before = db.rows().await;
+    let out = ok(&db.url, &["stats"]).await;
+    let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
+    for expected in [
+        vec!["pending", "5"],
+        vec!["processing", "3"],
+        vec!["done", "3"],
+        vec!["dead", "1"],
+        vec!["expired", "leases", "2"],
+        vec!["3", "2"],
+    ] {
+        assert!(lines.contains(&expected), "no line {expected:?} in\n{out}");
+    }
+    assert!(out.contains("oldest unfinished row   1m 3"), "{out}");
+    assert_eq!(db.rows().await, before, "stats only reads");
+}
+
+// ---------------------------------------------------------------------------------------------
+// dead list / retry / skip
+
+#[tokio::test]
+async fn dead_list_shows_dead_rows_oldest_first() {
+    let db = TestDb::new().await;
+    db.seed(6, "agg").await;
+    make_dead(&db, &[5, 2, 3]).await;
+
+    let rows: Value = serde_json::from_str(&ok(&db.url, &["dead", "list", "--json"]).await).unwrap();
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["id"].as_i64().unwrap()).collect::<Vec<_>>(), [2, 3, 5]);
+    let first = &rows[0];
+    assert_eq!(
+        (
+            &first["aggregate_type"],
+            &first["aggregate_id"],
+            &first["event_type"],
+            &first["attempts"],
+            &first["last_error"]
+        ),
+        (&json!("test"), &json!("agg"), &json!("test.happened"), &json!(12), &json!("retryable: nack 2"))
+    );
+    assert_eq!(first["payload"], json!({"n": 1}));
+    assert!(first["created_at"].as_str().unwrap().parse::<chrono::DateTime<chrono::Utc>>().is_ok());
+
+    let limited: Value = serde_json::from_str(&ok(&db.url, &["dead", "list", "--json", "--limit", "2"]).await).unwrap();
+    assert_eq!(limited.as_array().unwrap().len(), 2);
+
+    let table = ok(&db.url, &["dead", "list", "--limit", "2"]).await;
+    let lines: Vec<&str> = table.lines().collect();
+    assert_eq!(lines.len(), 4, "header, 2 rows, a note that there are more:\n{table}");
+    assert!(lines[0].starts_with("ID") && lines[0].contains("LAST ERROR"), "{table}");
+    assert!(lines[1].trim_start().starts_with("2 ") && lines[1].ends_with("retryable: nack 2"), "{table}");
+    assert!(lines[1].contains("test/agg") && lines[1].contains("test.happened"), "{table}");
+    assert!(lines[3].contains("raise --limit"), "{table}");
+
+    let empty = TestDb::new().await;
+    assert_eq!(ok(&empty.url, &["dead", "list"]).await, "no dead rows\n");
+    assert_eq!(ok(&empty.url, &["dead", "list", "--json"]).await, "[]\n");
+}
+
+#[tokio::test]
+async fn dead_retry_sends_dead_rows_back_to_pending_with_attempts_reset() {
+    let db = TestDb::new().await;
+    db.seed(5, "agg").await;
+    make_dead(&db, &[1, 2, 4]).await;
+
+    let out = ok(&db.url, &["dead", "retry", "4", "1", "4"]).await;
+    assert_eq!(out.trim(), "retried 2 dead rows (now pending, attempts reset): 1, 4");
+    for id in [1, 4] {
+        let row = db.row(id).await;
+        assert_eq!((row.status(), row.attempts, row.lease_owner.as_deref()), (Status::Pending, 0, None));
+        assert!(row.available_at <= chrono::Utc::now(), "claimable now");
+        assert_eq!(row.lease_version, 12, "the fencing token only ever grows");
+    }
+    assert_eq!(db.row(2).await.status(), Status::Dead);
+
+    let out = ok(&db.url, &["dead", "retry", "--all"]).await;
+    assert_eq!(out.trim(), "retried 1 dead row (now pending, attempts reset)");
+    assert_eq!(db.count_status("pending").await, 5);
+}
+
+#[tokio::test]
+async fn dead_retry_of_an_id_that_is_not_dead_exits_2_and_changes_nothing() {
+    let db = TestDb::new().await;
+    db.seed(4, "agg").await;
+    make_dead(&db, &[1, 3]).await;
+    execute(&db, "UPDATE outbox SET status = 'done', done_at = now() WHERE id = 4").await;
+    let before = db.rows().await;
+
+    // 2 is pending, 4 done, 999 does not exist: the dead ones (1, 3) must not be retried either.
+    let ran = cli(&db.url, &["dead", "retry", "1", "2", "3", "4", "999"]).await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    assert_eq!(
+        ran.error_line(),
+        "error: not a dead row: 2, 4, 999 (no row changed; `actix-outbox dead list` shows the dead ones)"
+    );
+    assert_eq!(ran.stdout, "");
+    assert_eq!(db.rows().await, before);
+}
+
+#[tokio::test]
+async fn dead_skip_marks_dead_rows_done_recording_the_reason() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    make_dead(&db, &[1, 2]).await;
+
+    let out = ok(&db.url, &["dead", "skip", "2", "--reason", "order cancelled by hand, INC-7"]).await;
+    assert_eq!(out.trim(), "skipped 1 dead row (now done): 2");
+    let row = db.row(2).await;
+    assert_eq!(row.status(), Status::Done);
+    assert!(row.done_at.is_some());
+    assert_eq!(
+        row.last_error.as_deref(),
+        Some(format!("{SKIPPED_PREFIX}order cancelled by hand, INC-7 (was: retryable: nack 2)").as_str())
+    );
+    assert_eq!(db.row(1).await.status(), Status::Dead);
+    assert_eq!(db.row(3).await.status(), Status::Pending);
+}
+
+#[tokio::test]
+async fn dead_skip_of_an_id_that_is_not_dead_exits_2_and_changes_nothing() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    make_dead(&db, &[1, 2]).await;
+    let before = db.rows().await;
+
+    let ran = cli(&db.url, &["dead", "skip", "1", "2", "3", "--reason", "typo in the id list"]).await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    assert!(ran.error_line().starts_with("error: not a dead row: 3 (no row changed"), "{ran:?}");
+
+    let ran = cli(&db.url, &["dead", "skip", "1", "--reason", "  "]).await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    assert!(ran.error_line().contains("--reason must not be empty"), "{ran:?}");
+
+    let ran = cli(&db.url, &["dead", "skip", "1"]).await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    assert!(ran.error_line().contains("--reason <TEXT>"), "{ran:?}");
+
+    assert_eq!(db.rows().await, before);
+}
+
+// ---------------------------------------------------------------------------------------------
+// purge
+
+#[tokio::test]
+async fn purge_deletes_only_done_rows_older_than_the_age_given() {
+    let db = TestDb::new().await;
+    db.seed(7, "agg").await;
+    execute(
+        &db,
+        "UPDATE outbox SET status = 'done', done_at = now() - interval '8 days' WHERE id IN (1, 2, 3);
+         UPDATE outbox SET status = 'done', done_at = now() - interval '6 days' WHERE id = 4;
+         UPDATE outbox SET status = 'dead', created_at = now() - interval '30 days' WHERE id = 5;
+         UPDATE outbox SET created_at = now() - interval '30 days' WHERE id = 6;",
+    )
+    .await;
+    let out = ok(&db.url, &["purge", "--older-than", "7d", "--batch", "2"]).await;
+    assert_eq!(out.trim(), "purged 3 done rows older than 7days");
+    assert_eq!(db.rows().await.iter().map(|r| r.id).collect::<Vec<_>>(), [4, 5, 6, 7]);
+
+    let out = ok(&db.url, &["purge", "--older-than", "7d"]).await;
+    assert_eq!(out.trim(), "purged 0 done rows older than 7days");
+}
+
+// ---------------------------------------------------------------------------------------------
+// exit code 2: usage errors and bad input
+
+#[tokio::test]
+async fn malformed_durations_exit_2_and_change_nothing() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    execute(&db, "UPDATE outbox SET status = 'done', done_at = now() - interval '30 days'").await;
+    let before = db.rows().await;
+    for args in [
+        &["purge", "--older-than", "7x"][..],
+        &["purge", "--older-than=-5m"],
+        &["purge", "--older-than", ""],
+        &["run", "--lease", "soon"],
+        &["run", "--publish-timeout", "10"],
+        &["run", "--poll-interval", "5 parsecs"],
+    ] {
+        let ran = cli(&db.url, args).await;
+        assert_eq!(ran.code, 2, "{args:?}: {ran:?}");
+        assert!(ran.error_line().starts_with("error: invalid value"), "{args:?}: {ran:?}");
+    }
+    // Well-formed durations that cannot work together are bad input too.
+    let ran = cli(&db.url, &["run", "--lease", "5s", "--publish-timeout", "10s"]).await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    assert!(ran.error_line().contains("publish timeout"), "{ran:?}");
+    assert_eq!(db.rows().await, before);
+}
+
+#[tokio::test]
+async fn malformed_urls_exit_2_with_the_password_masked_and_change_nothing() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    let before = db.rows().await;
+    for (url, command) in [
+        ("not a url", &["stats"][..]),
+        ("mysql://root@127.0.0.1/app", &["dead", "retry", "--all"]),
+        ("postgres://admin:s3cret@127.0.0.1:port/app", &["purge", "--older-than", "0s"]),
+        ("host=127.0.0.1 password=s3cret", &["run"]),
+    ] {
+        let ran = cli(url, command).await;
+        assert_eq!(ran.code, 2, "{url}: {ran:?}");
+        let line = ran.error_line();
+        assert!(line.starts_with("error: malformed database URL"), "{line}");
+        assert!(!line.contains("s3cret"), "password leaked: {line}");
+    }
+    let ran = cli(&db.url, &["run", "--amqp-url", "amqp://guest:s3cret@127.0.0.1:port/%2f"]).await;
+    assert_eq!(ran.code, 2, "{ran:?}");
+    let line = ran.error_line();
+    assert!(line.contains("malformed AMQP URL") && line.contains("guest:***@"), "{line}");
+    assert!(!line.contains("s3cret"), "password leaked: {line}");
+    assert_eq!(db.rows().await, before, "run with a bad broker URL must not claim anything");
+}
+
+#[tokio::test]
+async fn usage_errors_exit_2_on_one_line() {
+    let db = TestDb::new().await;
+    for (args, says) in [
+        (&["stats", "--jsno"][..], "unexpected argument '--jsno'"),
+        (&["vacuum"], "unrecognized subcommand 'vacuum'"),
+        (&["dead", "retry"], "required arguments were not provided"),
+        (&["dead", "retry", "1", "--all"], "cannot be used with"),
+        (&["dead", "retry", "one"], "invalid value 'one'"),
+        (&["dead", "list", "--limit", "0"], "invalid value '0'"),
+        (&["run", "--workers", "0"], "workers must be at least 1"),
+        (&["run", "--fifo", "order.created,,order.paid"], "--fifo: empty event type"),
+    ] {
+        let ran = cli(&db.url, args).await;
+        assert_eq!(ran.code, 2, "{args:?}: {ran:?}");
+        assert!(ran.error_line().contains(says), "{args:?}: {ran:?}");
+    }
+    let ran = cli(&db.url, &["stats"]).await;
+    assert_eq!(ran.code, 0, "{ran:?}");
+    let mut no_url = Command::new(BIN);
+    no_url.env_remove("DATABASE_URL").arg("stats");
+    let output = tokio::task::spawn_blocking(move || no_url.output()).await.unwrap().unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--database-url <URL>"));
+}
+
+#[tokio::test]
+async fn every_command_explains_itself_with_an_example() {
+    for command in [
+        &["migrate"][..],
+        &["run"],
+        &["stats"],
+        &["dead", "list"],
+        &["dead", "retry"],
+        &["dead", "skip"],
+        &["purge"],
+        &["enqueue"],
+    ] {
+        let mut args = command.to_vec();
+        args.push("--help");
+        let ran = cli("postgres://unused@127.0.0.1:1/unused", &args).await;
+        assert_eq!(ran.code, 0, "{args:?}: {ran:?}");
+        let example = format!("actix-outbox {}", command.join(" "));
+        assert!(
+            ran.stdout.contains("Example") && ran.stdout.contains(&example),
+            "{args:?} has no example:\n{}",
+            ran.stdout
+        );
+        assert!(ran.stdout.contains("DATABASE_URL"), "{args:?}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// exit code 1: an unreachable database
+
+#[tokio::test]
+async fn an_unreachable_database_exits_1_with_one_line_that_masks_the_password() {
+    let url = "postgres://admin:s3cret@127.0.0.1:1/outbox";
+    for args in [
+        &["migrate"][..],
+        &["run"],
+        &["stats"],
+        &["dead", "list"],
+        &["dead", "retry", "--all"],
+        &["dead", "skip", "1", "--reason", "r"],
+        &["purge", "--older-than", "7d"],
+        &["enqueue", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
+    ] {
+        let ran = cli(url, args).await;
+        assert_eq!(ran.code, 1, "{args:?}: {ran:?}");
+        let line = ran.error_line();
+        assert!(
+            line.starts_with("error: cannot connect to PostgreSQL at postgres://admin:***@127.0.0.1:1/outbox: ")
+                && line.contains("refused"),
+            "{args:?}: {line}"
+        );
+        assert!(!line.contains("s3cret"), "password leaked: {line}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// run, against the real RabbitMQ
+
+fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A uniquely named exchange with one queue bound to every routing key, both deleted when the
+/// test ends (even by a panic).
+struct TestBroker {
+    _conn: Connection,
+    channel: Channel,
+    exchange: String,
+    queue: String,
+}
+
+impl TestBroker {
+    async fn new() -> Self {
+        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ must be running on 127.0.0.1:5672");
+        let channel = conn.create_channel().await.unwrap();
+        let suffix = format!("{}.{:08x}", std::process::id(), rand::random::<u32>());
+        let (exchange, queue) = (format!("outbox_it.cli.{suffix}"), format!("outbox_it.cli.q.{suffix}"));
+        let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+        channel
+            .exchange_declare(exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
+            .await
+            .unwrap();
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        TestBroker { _conn: conn, channel, exchange, queue }
+    }
+
+    /// The `message_id` of every message in the queue, waiting until `at_least` have arrived.
+    async fn message_ids(&self, at_least: usize) -> Vec<i64> {
+        let no_ack = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
+        let mut consumer = self
+            .channel
+            .basic_consume(self.queue.as_str().into(), "".into(), no_ack, FieldTable::default())
+            .await
+            .unwrap();
+        let mut ids = Vec::new();
+        let deadline = Instant::now() + WITHIN;
+        while ids.len() < at_least {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let delivery = tokio::time::timeout(left, consumer.next())
+                .await
+                .unwrap_or_else(|_| panic!("only {} of {at_least} messages arrived", ids.len()))
+                .expect("consumer open")
+                .expect("delivery");
+            let id = delivery.properties.message_id().as_ref().expect("message_id set").as_str().parse().unwrap();
+            ids.push(id);
+        }
+        ids
+    }
+}
+
+impl Drop for TestBroker {
+    fn drop(&mut self) {
+        let (exchange, queue) = (self.exchange.clone(), self.queue.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else { return };
+                if let Ok(channel) = conn.create_channel().await {
+                    let _ = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
+                    let _ = channel.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await;
+                }
+                let _ = conn.close(200, "test over".into()).await;
+            });
+        })
+        .join();
+    }
+}
+
+/// A running `actix-outbox run`, its stderr collected line by line.
+struct Dispatcher {
+    child: Option<Child>,
+    stderr: Arc<Mutex<Vec<String>>>,
+}
+
+impl Dispatcher {
+    fn start(database_url: &str, args: &[&str]) -> Self {
+        let mut cmd = command(database_url);
+        cmd.arg("run").args(args).env("RUST_LOG", "info").stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("start the dispatcher");
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let lines = stderr.clone();
+        let pipe = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line);
+            }
+        });
+        Dispatcher { child: Some(child), stderr }
+    }
+
+    fn signal(&self, name: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        let status = Command::new("kill").args([&format!("-{name}"), &pid]).status().unwrap();
+        assert!(status.success(), "kill -{name} {pid}");
+    }
+
+    fn log(&self) -> Vec<String> {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    fn logged(&self, needle: &str) -> usize {
+        self.stderr.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
+    }
+
+    fn is_running(&mut self) -> bool {
+        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
+    }
+
+    /// Waits for the process to exit, at most `within`.
+    async fn exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                return status;
+            }
+            assert!(Instant::now() < deadline, "still running after {within:?}; log:\n{}", self.log().join("\n"));
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Dispatcher {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+#[tokio::test]
+async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_finishes_every_row() {
+    const ROWS: usize = 5_000;
+    let db = TestDb::new().await;
+    let ids = db.seed(ROWS, "agg").await;
+    let broker = TestBroker::new().await;
+    let flags = [
+        "--exchange",
+        broker.exchange.as_str(),
+        "--workers",
+        "2",
+        "--batch",
+        "50",
+        "--lease",
+        "30s",
+        "--publish-timeout",
+        "5s",
+        "--poll-interval",
+        "100ms",
+        "--amqp-url",
+    ];
+    let amqp = amqp_url();
+
+    let mut first =
+        Dispatcher::start(&db.url, &[&flags[..], &[amqp.as_str(), "--no-declare", "--owner", "first"]].concat());
+    eventually(WITHIN, "the first run publishes some rows", || async { db.count_status("done").await >= 200 }).await;
+    first.signal("TERM");
+    let status = first.exit(Duration::from_secs(20)).await;
+    assert_eq!(status.code(), Some(0), "log:\n{}", first.log().join("\n"));
+
+    let rows = db.rows().await;
+    let done_after_first = rows.iter().filter(|r| r.status() == Status::Done).count();
+    assert_eq!(
+        rows.iter().filter(|r| r.status() == Status::Processing).count(),
+        0,
+        "nothing left processing; log:\n{}",
+        first.log().join("\n")
+    );
+    assert_eq!(rows.len(), ROWS, "no row lost");
+    assert!(done_after_first < ROWS, "the signal must land mid-run to test anything ({done_after_first} done)");
+    for r in rows.iter().filter(|r| r.status() == Status::Pending) {
+        assert_eq!(r.attempts, 0, "row {} was never claimed, or its attempt was refunded", r.id);
+    }
+    assert_eq!(rows.iter().filter(|r| r.status() == Status::Dead).count(), 0);
+    let log = first.log();
+    let batches = first.logged("claimed batch");
+    assert!(batches >= 1 && log.len() < 1000, "one line a batch, not one per message: {} lines", log.len());
+    assert!(first.logged("SIGTERM") >= 1, "the signal is logged");
+
+    // The rerun declares the (existing) exchange itself and finishes everything.
+    let mut second = Dispatcher::start(&db.url, &[&flags[..], &[amqp.as_str(), "--owner", "second"]].concat());
+    eventually(WITHIN, "the rerun publishes every row", || async { db.count_status("done").await == ROWS as i64 })
+        .await;
+    second.signal("INT");
+    assert_eq!(second.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", second.log().join("\n"));
+
+    let rows: Vec<OutboxRow> = db.rows().await;
+    assert!(rows.iter().all(|r| r.status() == Status::Done && r.done_at.is_some()));
+    assert!(second.logged("claimed batch") >= 1, "the rerun claimed what the first run left");
+
+    // At-least-once: every id reached the queue (a duplicate is allowed, a gap is not).
+    let published = broker.message_ids(ROWS).await;
+    let distinct: BTreeSet<i64> = published.iter().copied().collect();
+    assert_eq!(distinct, ids.iter().copied().collect::<BTreeSet<_>>());
+}
+
+#[tokio::test]
+async fn run_retries_an_unreachable_broker_with_backoff_and_stops_cleanly() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    let before = db.rows().await;
+    let mut run = Dispatcher::start(&db.url, &["--amqp-url", "amqp://guest:s3cret@127.0.0.1:1/%2f"]);
+    eventually(WITHIN, "two failed attempts to reach the broker are logged", || async {
+        run.logged("RabbitMQ unreachable; retrying") >= 2
+    })
+    .await;
+    assert!(run.is_running(), "an unreachable broker is waited for, not a crash");
+    let log = run.log().join("\n");
+    assert!(log.contains("guest:***@127.0.0.1:1") && !log.contains("s3cret"), "{log}");
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(10)).await.code(), Some(0));
+    assert_eq!(db.rows().await, before, "nothing was claimed");
+}
+
+#[tokio::test]
+async fn a_second_signal_while_draining_exits_at_once_with_130() {
+    let db = TestDb::new().await;
+    db.seed(2_000, "agg").await;
+    let broker = TestBroker::new().await;
+    let upstream = amqp_url().rsplit('@').next().unwrap().split('/').next().unwrap().to_owned();
+    let proxy = proxy::Proxy::start(upstream).await;
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &proxy.amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--workers",
+            "1",
+            "--batch",
+            "50",
+            "--lease",
+            "60s",
+            "--publish-timeout",
+            "30s",
+        ],
+    );
+    eventually(WITHIN, "some rows published", || async { db.count_status("done").await >= 50 }).await;
+
+    // Confirms stop coming back: the publishes in flight hang, so a graceful drain would wait for
+    // the publish timeout.
+    proxy.stall_downstream();
+    eventually(WITHIN, "a full window (2 x batch) of rows stuck waiting for confirms", || async {
+        db.count_status("processing").await >= 100
+    })
+    .await;
+    run.signal("TERM");
+    eventually(WITHIN, "the drain starts", || async { run.logged("stopping: claiming stopped") == 1 }).await;
+    assert!(run.is_running(), "draining waits for the stuck publishes");
+
+    run.signal("TERM");
+    let status = run.exit(Duration::from_secs(5)).await;
+    assert_eq!(status.code(), Some(130), "log:\n{}", run.log().join("\n"));
+    let last = run.log().last().cloned().unwrap_or_default();
+    assert!(last.starts_with("error: SIGTERM again: exiting at once"), "{last}");
+    // As documented: what was in flight stays leased until the lease expires.
+    assert!(db.count_status("processing").await > 0);
+    proxy.resume();
+}

@@ -1,0 +1,545 @@
+//! The RabbitMQ sink against the real broker on 127.0.0.1:5672 (guest/guest; `TEST_AMQP_URL`
+//! overrides) and the real PostgreSQL. Every test declares its own uniquely named exchange and
+//! queues and deletes them when it ends, even by a panic. Tests that cut or stall the broker go
+//! through a [`proxy::Proxy`] of their own.
+
+mod proxy;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use actix_outbox::sink::ExchangeKind;
+use actix_outbox::{
+    DispatcherConfig, GetMetrics, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher, RabbitConfig,
+    RabbitError, RabbitSink, Shutdown, Status,
+};
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::support::{TestDb, eventually};
+use proxy::Proxy;
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+fn amqp_url() -> String {
+    std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// `host:port` of [`amqp_url`], for the proxy to forward to.
+fn amqp_addr() -> String {
+    let url = amqp_url();
+    let after_at = url.rsplit('@').next().unwrap().trim_start_matches("amqp://");
+    after_at.split('/').next().unwrap().to_owned()
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+fn unique(what: &str) -> String {
+    let random: u32 = rand::random();
+    format!("outbox_it.{what}.{}.{}.{random:08x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The test's own view of the broker: a direct connection, the test's exchange and queues, and
+/// their removal when the test ends.
+struct Broker {
+    _conn: Connection,
+    channel: Channel,
+    exchange: String,
+    queues: Vec<String>,
+    exchanges: Vec<String>,
+}
+
+impl Broker {
+    /// Connects and names a fresh exchange (declared by the sink, or by [`Broker::declare`]).
+    async fn new(tag: &str) -> Broker {
+        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ must be running on 127.0.0.1:5672 (rabbitmq-server -detached)");
+        let channel = conn.create_channel().await.unwrap();
+        let exchange = unique(tag);
+        Broker { _conn: conn, channel, exchanges: vec![exchange.clone()], exchange, queues: Vec::new() }
+    }
+
+    /// Declares the test's exchange as the sink would (durable), so that queues can be bound
+    /// before the sink connects.
+    async fn declare(&self, kind: ExchangeKind) {
+        let options = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+        self.channel
+            .exchange_declare(self.exchange.as_str().into(), kind, options, FieldTable::default())
+            .await
+            .unwrap();
+    }
+
+    /// A new queue bound to the exchange with each of `keys`.
+    async fn queue(&mut self, keys: &[&str], mut arguments: FieldTable) -> String {
+        let name = unique("q");
+        // A safety net for a test killed before its cleanup: the broker drops the queue itself.
+        arguments.insert("x-expires".into(), AMQPValue::LongInt(300_000));
+        let options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+        self.channel.queue_declare(name.as_str().into(), options, arguments).await.unwrap();
+        for key in keys {
+            self.channel
+                .queue_bind(
+                    name.as_str().into(),
+                    self.exchange.as_str().into(),
+                    (*key).into(),
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap();
+        }
+        self.queues.push(name.clone());
+        name
+    }
+
+    /// Messages ready in `queue`.
+    async fn depth(&self, queue: &str) -> u32 {
+        let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+        self.channel.queue_declare(queue.into(), options, FieldTable::default()).await.unwrap().message_count()
+    }
+
+    /// Consumes exactly `n` messages from `queue` and checks that nothing else is left in it.
+    async fn take(&self, queue: &str, n: usize) -> Vec<Delivery> {
+        let channel = self._conn.create_channel().await.unwrap();
+        let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
+        let mut consumer = channel
+            .basic_consume(queue.into(), unique("c").as_str().into(), options, FieldTable::default())
+            .await
+            .unwrap();
+        let mut out = Vec::with_capacity(n);
+        tokio::time::timeout(WITHIN, async {
+            while out.len() < n {
+                out.push(consumer.next().await.expect("consumer ended").expect("delivery"));
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("only {} of {n} messages arrived on {queue}", out.len()));
+        channel.close(200, "done".into()).await.unwrap();
+        assert_eq!(self.depth(queue).await, 0, "more than {n} messages on {queue}");
+        out
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let (queues, exchanges) = (std::mem::take(&mut self.queues), std::mem::take(&mut self.exchanges));
+        // Drop runs inside the test's runtime (maybe while it unwinds): clean up on a thread.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else { return };
+                let Ok(channel) = conn.create_channel().await else { return };
+                for q in queues {
+                    let _ = channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
+                }
+                for x in exchanges {
+                    let _ = channel.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await;
+                }
+                let _ = conn.close(200, "cleanup".into()).await;
+            });
+        })
+        .join();
+    }
+}
+
+fn dispatcher_config() -> DispatcherConfig {
+    DispatcherConfig::default()
+        .poll_interval(Duration::from_millis(50))
+        .backoff_base(Duration::from_millis(20))
+        .backoff_cap(Duration::from_millis(200))
+}
+
+fn sink_config(url: String, exchange: &str) -> RabbitConfig {
+    RabbitConfig::new(url).exchange(exchange).reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
+}
+
+fn header<'a>(d: &'a Delivery, name: &str) -> &'a AMQPValue {
+    let headers = d.properties.headers().as_ref().expect("headers");
+    headers.inner().get(name).unwrap_or_else(|| panic!("header {name} missing"))
+}
+
+fn long_string(v: &AMQPValue) -> String {
+    match v {
+        AMQPValue::LongString(s) => String::from_utf8(s.as_bytes().to_vec()).unwrap(),
+        other => panic!("expected a long string, got {other:?}"),
+    }
+}
+
+fn message_id(d: &Delivery) -> i64 {
+    d.properties.message_id().as_ref().expect("message_id").as_str().parse().expect("decimal message_id")
+}
+
+/// A claimed-looking message, for tests that drive the sink without a dispatcher.
+fn message(id: i64, event_type: &str) -> Arc<OutboxMessage> {
+    Arc::new(OutboxMessage {
+        id,
+        aggregate_type: "order".into(),
+        aggregate_id: format!("o-{id}"),
+        event_type: event_type.into(),
+        payload: serde_json::json!({"id": id}),
+        created_at: chrono::Utc::now(),
+        attempts: 1,
+        lease_version: 1,
+        lease_until: None,
+    })
+}
+
+/// (a) Every property and header of DESIGN §6 arrives on a real consumer; the body is the payload.
+#[actix_rt::test]
+async fn message_carries_every_property_and_header() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("props").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let payload = serde_json::json!({"total": 12.5, "lines": [{"sku": "ü-1", "qty": 2}], "note": null});
+    let id = {
+        let mut conn = db.conn().await;
+        actix_outbox::enqueue(&mut conn, &NewEvent::new("order", "o-42", "order.created", payload.clone()))
+            .await
+            .unwrap()
+    };
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    let delivered = broker.take(&queue, 1).await.pop().unwrap();
+    eventually(WITHIN, "row done", || async { db.row(id).await.status() == Status::Done }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    sink.close().await;
+
+    let row = db.row(id).await;
+    assert_eq!(delivered.exchange.as_str(), broker.exchange);
+    assert_eq!(delivered.routing_key.as_str(), "order.created", "routing key = event type");
+    let p = &delivered.properties;
+    assert_eq!(*p.delivery_mode(), Some(2), "persistent");
+    assert_eq!(p.content_type().as_ref().map(ShortString::as_str), Some("application/json"));
+    assert_eq!(p.message_id().as_ref().map(ShortString::as_str), Some(id.to_string().as_str()));
+    assert_eq!(p.kind().as_ref().map(ShortString::as_str), Some("order.created"));
+    assert_eq!(*p.timestamp(), Some(row.created_at.timestamp() as u64));
+    assert_eq!(p.app_id().as_ref().map(ShortString::as_str), Some("actix-outbox"));
+    assert_eq!(header(&delivered, "x-outbox-id"), &AMQPValue::LongLongInt(id));
+    assert_eq!(long_string(header(&delivered, "x-deduplication-header")), id.to_string());
+    assert_eq!(long_string(header(&delivered, "x-aggregate-type")), "order");
+    assert_eq!(long_string(header(&delivered, "x-aggregate-id")), "o-42");
+    assert_eq!(header(&delivered, "x-attempt"), &AMQPValue::LongInt(1));
+    assert_eq!(p.headers().as_ref().unwrap().inner().len(), 5, "exactly the five documented headers");
+    assert_eq!(delivered.data, serde_json::to_vec(&row.payload).unwrap(), "body = the payload's JSON bytes");
+    assert_eq!(serde_json::from_slice::<serde_json::Value>(&delivered.data).unwrap(), payload);
+    assert_eq!((row.attempts, row.last_error), (1, None));
+}
+
+/// (b) 500 rows through 4 workers: 500 messages, 500 distinct message ids, all rows done.
+#[actix_rt::test]
+async fn five_hundred_rows_through_four_workers() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("bulk").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["test.#"], FieldTable::default()).await;
+    let ids = db.seed(500, "bulk").await;
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher =
+        OutboxSupervisor::start(dispatcher_config().workers(4).batch(25), db.pool.clone(), sink.clone()).unwrap();
+
+    eventually(WITHIN, "500 rows done", || async { db.count_status("done").await == 500 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!(broker.depth(&queue).await, 500, "every confirmed message is on the queue, once");
+    let delivered = broker.take(&queue, 500).await;
+    let distinct: BTreeSet<i64> = delivered.iter().map(message_id).collect();
+    assert_eq!(distinct, ids.iter().copied().collect::<BTreeSet<_>>(), "500 distinct message ids, one per row");
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.published, m.done, m.retried, m.dead), (500, 500, 0, 0));
+    assert!(db.rows().await.iter().all(|r| r.attempts == 1));
+    sink.close().await;
+}
+
+/// (c) A message nobody is bound for is returned by the broker: dead after one attempt with a
+/// last_error naming exchange and routing key, while bound keys flow on.
+#[actix_rt::test]
+async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("unroutable").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["order.created"], FieldTable::default()).await;
+    let (routed, lost) = {
+        let mut conn = db.conn().await;
+        let mut routed = Vec::new();
+        let mut lost = 0;
+        for n in 0..21 {
+            let kind = if n == 10 { "order.vanished" } else { "order.created" };
+            let event = NewEvent::new("order", format!("o-{n}"), kind, serde_json::json!({ "n": n }));
+            let id = actix_outbox::enqueue(&mut conn, &event).await.unwrap();
+            if n == 10 { lost = id } else { routed.push(id) }
+        }
+        (routed, lost)
+    };
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    eventually(WITHIN, "20 done and 1 dead", || async {
+        db.count_status("done").await == 20 && db.count_status("dead").await == 1
+    })
+    .await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let dead = db.row(lost).await;
+    assert_eq!(dead.status(), Status::Dead);
+    assert_eq!(dead.attempts, 1, "a permanent failure is not retried");
+    let error = dead.last_error.unwrap();
+    assert!(error.contains("unroutable"), "{error}");
+    assert!(error.contains(&broker.exchange) && error.contains("order.vanished"), "{error}");
+    let delivered: Vec<i64> = broker.take(&queue, 20).await.iter().map(message_id).collect();
+    assert_eq!(delivered.iter().copied().collect::<BTreeSet<_>>(), routed.into_iter().collect());
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.done, m.dead, m.retried), (20, 1, 0));
+    sink.close().await;
+}
+
+/// (d) The broker connection is cut while 200 publishes wait for their confirms (the broker
+/// has them all; the proxy holds the confirms back), and stays refused while 100 more rows are
+/// written. The sink reconnects by itself, every row ends done, nothing is lost, and the
+/// duplicates are exact: each of the 200 in flight twice, each later row once, with the same
+/// message id and body.
+#[actix_rt::test]
+async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("cut").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let proxy = Proxy::start(amqp_addr()).await;
+    let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
+    // The publish timeout is far above the time the test holds the confirms back, so that the
+    // only failures are the cut's.
+    let config = dispatcher_config()
+        .workers(4)
+        .batch(50)
+        .max_attempts(10_000)
+        .lease(Duration::from_secs(60))
+        .publish_timeout(Duration::from_secs(40));
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
+
+    proxy.stall_downstream();
+    let in_flight = db.seed(200, "cut").await;
+    eventually(WITHIN, "broker holds all 200 while their confirms are held back", || async {
+        broker.depth(&queue).await == 200 && db.count_status("processing").await == 200
+    })
+    .await;
+
+    proxy.refuse(true);
+    proxy.sever();
+    eventually(WITHIN, "every in-flight publish failed as retryable", || async {
+        dispatcher.send(GetMetrics).await.unwrap().retried >= 200 && !sink.is_connected()
+    })
+    .await;
+    assert_eq!(db.count_status("done").await, 0);
+    let during = db.seed(100, "during").await;
+    eventually(WITHIN, "rows written during the outage are tried and rescheduled", || async {
+        let rows = db.rows().await;
+        let tried = rows.iter().filter(|r| during.contains(&r.id) && r.attempts >= 1 && r.status() == Status::Pending);
+        tried.filter(|r| r.last_error.as_deref().is_some_and(|e| e.contains("down"))).count() > 0
+    })
+    .await;
+
+    proxy.resume();
+    proxy.refuse(false);
+    eventually(WITHIN, "all 300 rows done", || async { db.count_status("done").await == 300 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert!(sink.reconnects() >= 1, "the sink reconnected by itself");
+    assert_eq!(db.count_status("dead").await, 0);
+
+    assert_eq!(broker.depth(&queue).await, 500, "200 × 2 + 100 × 1");
+    let delivered = broker.take(&queue, 500).await;
+    let rows: BTreeMap<i64, _> = db.rows().await.into_iter().map(|r| (r.id, r)).collect();
+    let mut copies: BTreeMap<i64, usize> = BTreeMap::new();
+    for d in &delivered {
+        let id = message_id(d);
+        *copies.entry(id).or_default() += 1;
+        assert_eq!(header(d, "x-outbox-id"), &AMQPValue::LongLongInt(id), "a copy carries its row's id");
+        assert_eq!(d.data, serde_json::to_vec(&rows[&id].payload).unwrap(), "a copy carries its row's body");
+    }
+    for id in &in_flight {
+        assert_eq!(copies.get(id), Some(&2), "row {id} was in flight at the cut: delivered, then again");
+    }
+    for id in &during {
+        assert_eq!(copies.get(id), Some(&1), "row {id} was written during the outage: delivered once");
+    }
+    assert_eq!(copies.len(), 300);
+    sink.close().await;
+}
+
+/// (e) A broker that stops answering: each publish times out after the publish timeout, the
+/// row goes back to pending with the timeout in last_error and its attempts counted, and it is
+/// claimed again rather than stuck; once the broker answers, the row ends done, and every copy
+/// of it that the broker got carries the same message id.
+#[actix_rt::test]
+async fn stalled_broker_times_out_and_reschedules_the_row() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("stall").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let proxy = Proxy::start(amqp_addr()).await;
+    let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
+    let config = dispatcher_config()
+        .publish_timeout(Duration::from_millis(300))
+        .lease(Duration::from_secs(10))
+        .backoff_base(Duration::from_millis(100))
+        .backoff_cap(Duration::from_millis(400))
+        .max_attempts(1000);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
+
+    proxy.stall();
+    let id = db.seed(1, "stall").await[0];
+    eventually(WITHIN, "row rescheduled after a publish timeout", || async {
+        let row = db.row(id).await;
+        row.status() == Status::Pending
+            && row.attempts >= 1
+            && row.last_error.as_deref().is_some_and(|e| e.contains("publish timed out after 300ms"))
+    })
+    .await;
+    eventually(WITHIN, "row claimed again, not stuck", || async { db.row(id).await.attempts >= 3 }).await;
+    assert_eq!(db.count_status("done").await, 0);
+    assert!(sink.is_connected(), "a silent broker is not a lost connection");
+
+    proxy.resume();
+    eventually(WITHIN, "row done once the broker answers", || async { db.row(id).await.status() == Status::Done })
+        .await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let row = db.row(id).await;
+    let copies = broker.depth(&queue).await as usize;
+    assert!(copies >= 1);
+    let delivered = broker.take(&queue, copies).await;
+    assert!(delivered.iter().all(|d| message_id(d) == id), "every copy carries the row's id");
+    let attempts: BTreeSet<i32> = delivered
+        .iter()
+        .map(|d| match header(d, "x-attempt") {
+            AMQPValue::LongInt(n) => *n,
+            other => panic!("x-attempt {other:?}"),
+        })
+        .collect();
+    assert_eq!(attempts.len(), copies, "each copy comes from a different attempt");
+    assert!(attempts.iter().all(|a| (1..=row.attempts).contains(a)), "{attempts:?} vs {}", row.attempts);
+    sink.close().await;
+}
+
+/// A queue that is full with `x-overflow = reject-publish` makes the broker nack: retryable.
+#[tokio::test]
+async fn nack_from_a_full_queue_is_retryable() {
+    let mut broker = Broker::new("nack").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    arguments.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    let queue = broker.queue(&["#"], arguments).await;
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+
+    assert_eq!(sink.publish(message(1, "order.created")).await, Ok(()));
+    match sink.publish(message(2, "order.created")).await {
+        Err(PublishError::Retryable(e)) => assert!(e.contains("nack"), "{e}"),
+        other => panic!("expected a retryable nack, got {other:?}"),
+    }
+    assert!(sink.is_connected(), "a nack does not break the link");
+    let third = sink.publish(message(3, "order.created")).await;
+    assert!(matches!(third, Err(PublishError::Retryable(ref e)) if e.contains("nack")), "{third:?}");
+    let kept = broker.take(&queue, 1).await;
+    assert_eq!(message_id(&kept[0]), 1);
+    assert_eq!(sink.publish(message(4, "order.created")).await, Ok(()), "room again once consumed");
+    assert_eq!(sink.reconnects(), 0);
+    sink.close().await;
+}
+
+/// The routing key and app_id can be replaced.
+#[tokio::test]
+async fn custom_routing_key_and_app_id() {
+    let mut broker = Broker::new("custom").await;
+    broker.declare(ExchangeKind::Direct).await;
+    let queue = broker.queue(&["order/order.created"], FieldTable::default()).await;
+    let config = sink_config(amqp_url(), &broker.exchange)
+        .exchange_kind(ExchangeKind::Direct)
+        .app_id("billing")
+        .routing_key(|m| format!("{}/{}", m.aggregate_type, m.event_type));
+    let sink = RabbitSink::connect(config).await.unwrap();
+    assert_eq!(sink.publish(message(7, "order.created")).await, Ok(()));
+    let d = broker.take(&queue, 1).await.pop().unwrap();
+    assert_eq!(d.routing_key.as_str(), "order/order.created");
+    assert_eq!(d.properties.app_id().as_ref().map(ShortString::as_str), Some("billing"));
+    // The event type still travels as `type`, whatever the routing key.
+    assert_eq!(d.properties.kind().as_ref().map(ShortString::as_str), Some("order.created"));
+    let too_long = sink.publish(message(8, &"x".repeat(300))).await;
+    assert!(matches!(too_long, Err(PublishError::Permanent(ref e)) if e.contains("routing key")), "{too_long:?}");
+    assert!(sink.is_connected(), "a message-level failure leaves the link alone");
+    sink.close().await;
+}
+
+/// With `declare_exchange(false)` a missing exchange makes the broker close the channel:
+/// publishes are retryable, and once someone creates the exchange the sink, having reopened
+/// its channel by itself, publishes again.
+#[tokio::test]
+async fn missing_exchange_is_retryable_until_it_exists() {
+    let mut broker = Broker::new("managed").await;
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange).declare_exchange(false)).await.unwrap();
+    match sink.publish(message(1, "order.created")).await {
+        Err(PublishError::Retryable(e)) => assert!(e.contains("NOT_FOUND"), "{e}"),
+        other => panic!("expected retryable NOT_FOUND, got {other:?}"),
+    }
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    eventually(WITHIN, "publishing works once the exchange exists", || async {
+        sink.publish(message(2, "order.created")).await.is_ok()
+    })
+    .await;
+    assert!(sink.reconnects() >= 1, "the sink reopened its channel");
+    assert_eq!(message_id(&broker.take(&queue, 1).await[0]), 2);
+    sink.close().await;
+}
+
+/// Setup failures are reported at connect, classified, and never show the password.
+#[tokio::test]
+async fn connect_failures_are_classified() {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let err =
+        RabbitSink::connect(RabbitConfig::new(format!("amqp://guest:s3cret@127.0.0.1:{port}/%2f"))).await.unwrap_err();
+    assert!(matches!(err, RabbitError::Unreachable { .. }) && err.is_transient(), "{err:?}");
+    assert!(err.to_string().contains("guest:***@") && !err.to_string().contains("s3cret"), "{err}");
+
+    let broker = Broker::new("kind").await;
+    broker.declare(ExchangeKind::Fanout).await;
+    let err = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap_err();
+    assert!(matches!(err, RabbitError::Refused { .. }) && !err.is_transient(), "{err:?}");
+    assert!(err.to_string().contains("PRECONDITION_FAILED"), "{err}");
+
+    let err = RabbitSink::connect(RabbitConfig::new("http://127.0.0.1/")).await.unwrap_err();
+    assert!(matches!(err, RabbitError::Config(_)), "{err:?}");
+}
+
+/// A lapin connection made on an arbiter that later stops would hang silently; the sink's
+/// connection lives on the sink's own thread, so a sink created on a short-lived arbiter keeps
+/// publishing after that arbiter is gone.
+#[actix_rt::test]
+async fn sink_outlives_the_arbiter_that_created_it() {
+    let mut broker = Broker::new("arbiter").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let config = sink_config(amqp_url(), &broker.exchange);
+    let arbiter = actix_rt::Arbiter::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    assert!(arbiter.spawn(async move {
+        let _ = tx.send(RabbitSink::connect(config).await);
+    }));
+    let sink = rx.await.unwrap().unwrap();
+    arbiter.stop();
+    arbiter.join().unwrap();
+
+    let published = tokio::time::timeout(Duration::from_secs(10), sink.publish(message(1, "order.created"))).await;
+    assert_eq!(published, Ok(Ok(())), "publishing after the creating arbiter stopped");
+    assert_eq!(message_id(&broker.take(&queue, 1).await[0]), 1);
+    sink.close().await;
+}

@@ -1,0 +1,138 @@
+//! A TCP proxy in front of RabbitMQ that one test owns, so that it can cut, stall or refuse
+//! the broker connection of its own sink without disturbing tests running in parallel.
+
+use std::net::SocketAddr;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// What the proxy does right now. Every connection task watches it.
+#[derive(Debug, Clone, Copy, Default)]
+struct Mode {
+    /// Connections accepted before the last `sever()` belong to an older generation and close.
+    generation: u64,
+    /// Client -> broker bytes are held back (not read from the client).
+    stall_up: bool,
+    /// Broker -> client bytes are held back.
+    stall_down: bool,
+    /// New connections are accepted and closed at once (the broker looks down).
+    refuse: bool,
+}
+
+/// Forwards every connection accepted on `127.0.0.1:<port>` to `upstream`.
+pub struct Proxy {
+    addr: SocketAddr,
+    mode: watch::Sender<Mode>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: String) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().unwrap();
+        let (mode, _) = watch::channel(Mode::default());
+        let modes = mode.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let now = *modes.borrow();
+                if now.refuse {
+                    drop(client);
+                    continue;
+                }
+                let Ok(broker) = TcpStream::connect(&upstream).await else { continue };
+                tokio::spawn(forward(client, broker, modes.subscribe(), now.generation));
+            }
+        });
+        Proxy { addr, mode, accept }
+    }
+
+    /// `amqp://guest:guest@<proxy address>/%2f`.
+    pub fn amqp_url(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    /// Closes every open connection, both ways (new ones are still accepted unless refused).
+    pub fn sever(&self) {
+        self.mode.send_modify(|m| m.generation += 1);
+    }
+
+    /// Accepts and closes new connections at once while `refuse` is true.
+    pub fn refuse(&self, refuse: bool) {
+        self.mode.send_modify(|m| m.refuse = refuse);
+    }
+
+    /// Stops forwarding in both directions: the broker looks alive but silent.
+    pub fn stall(&self) {
+        self.mode.send_modify(|m| (m.stall_up, m.stall_down) = (true, true));
+    }
+
+    /// Stops forwarding broker -> client only: publishes reach the broker, its confirms do not
+    /// come back.
+    pub fn stall_downstream(&self) {
+        self.mode.send_modify(|m| m.stall_down = true);
+    }
+
+    /// Forwards both directions again, releasing whatever was held back.
+    pub fn resume(&self) {
+        self.mode.send_modify(|m| (m.stall_up, m.stall_down) = (false, false));
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        // Connection tasks end when they see the mode channel close.
+    }
+}
+
+async fn forward(client: TcpStream, broker: TcpStream, mode: watch::Receiver<Mode>, generation: u64) {
+    let _ = client.set_nodelay(true);
+    let _ = broker.set_nodelay(true);
+    let (client_read, client_write) = client.into_split();
+    let (broker_read, broker_write) = broker.into_split();
+    // Whichever direction ends first closes both sockets.
+    tokio::select! {
+        () = pipe(client_read, broker_write, mode.clone(), generation, |m| m.stall_up) => {}
+        () = pipe(broker_read, client_write, mode, generation, |m| m.stall_down) => {}
+    }
+}
+
+async fn pipe(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut mode: watch::Receiver<Mode>,
+    generation: u64,
+    stalled: fn(&Mode) -> bool,
+) {
+    let mut buf = vec![0_u8; 64 * 1024];
+    loop {
+        let now = *mode.borrow_and_update();
+        if now.generation != generation {
+            return;
+        }
+        if stalled(&now) {
+            if mode.changed().await.is_err() {
+                return;
+            }
+            continue;
+        }
+        tokio::select! {
+            read = from.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => {
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                }
+            },
+            changed = mode.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
