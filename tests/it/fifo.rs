@@ -643,3 +643,143 @@ async fn explain_claim_with_analyze_runs_the_claim_and_rolls_it_back() {
     let estimate = store::explain_claim(&mut conn, &params("explain", &Fifo::event_types(["x"])), false).await.unwrap();
     assert!(!estimate.join("\n").contains("actual time="));
 }
+
+// (f) at a real RabbitMQ consumer.
+/// 50 aggregates × 20 rows through 4 workers in 2 dispatchers, each with a RabbitMQ connection
+/// of its own: per aggregate, the order of the messages in the consumer's queue is id order.
+/// (Each head is confirmed by the broker before it is finalized, and its successor is claimed
+/// only after that, so the queue receives an aggregate's messages one after the other.)
+#[actix_rt::test]
+async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
+    use actix_outbox::{RabbitConfig, RabbitSink};
+    use futures_util::StreamExt;
+    use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::{AMQPValue, FieldTable};
+
+    const AGGREGATES: usize = 50;
+    const ROWS: usize = 20;
+    let db = TestDb::new().await;
+    let scratch = RabbitScratch::new(&db.name);
+    let amqp = lapin::Connection::connect(&scratch.url, lapin::ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ must be running on 127.0.0.1:5672 (rabbitmq-server -detached)");
+    let channel = amqp.create_channel().await.unwrap();
+    // Declared as the sink declares it (durable topic), so that the queue is bound before any
+    // publish.
+    let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+    let kind = actix_outbox::sink::ExchangeKind::Topic;
+    channel.exchange_declare(scratch.exchange.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-expires".into(), AMQPValue::LongInt(300_000)); // if the test dies before cleanup
+    let queue = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(scratch.queue.as_str().into(), queue, arguments).await.unwrap();
+    channel
+        .queue_bind(
+            scratch.queue.as_str().into(),
+            scratch.exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let mut conn = db.conn().await;
+    let names: Vec<String> = (0..AGGREGATES).map(|a| format!("agg-{a:02}")).collect();
+    let plan: Vec<(&str, &str, &str)> =
+        (0..AGGREGATES * ROWS).map(|i| ("order", names[i % AGGREGATES].as_str(), "order.changed")).collect();
+    let seeded = insert(&mut conn, &plan).await;
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for (id, (_, agg, _)) in seeded.iter().zip(&plan) {
+        expected.entry((*agg).to_owned()).or_default().push(*id);
+    }
+
+    let config = |owner: &str| {
+        DispatcherConfig::default()
+            .workers(2)
+            .batch(25)
+            .poll_interval(Duration::from_millis(20))
+            .owner(format!("{owner}-{}", db.name))
+            .fifo(Fifo::All)
+    };
+    let sink =
+        || async { RabbitSink::connect(RabbitConfig::new(scratch.url.clone()).exchange(&scratch.exchange)).await };
+    let (sink_one, sink_two) = (sink().await.unwrap(), sink().await.unwrap());
+    let one = OutboxSupervisor::start(config("rabbit-1"), db.pool.clone(), sink_one.clone()).unwrap();
+    let two = OutboxSupervisor::start(
+        config("rabbit-2"),
+        actix_outbox::connect_pool(&db.url, 8).await.unwrap(),
+        sink_two.clone(),
+    )
+    .unwrap();
+    eventually(Duration::from_secs(60), "all 1000 rows done", || async {
+        db.count_status("done").await == seeded.len() as i64
+    })
+    .await;
+    let (m1, m2) =
+        (one.send(actix_outbox::GetMetrics).await.unwrap(), two.send(actix_outbox::GetMetrics).await.unwrap());
+    one.send(actix_outbox::Shutdown).await.unwrap();
+    two.send(actix_outbox::Shutdown).await.unwrap();
+    sink_one.close().await;
+    sink_two.close().await;
+    assert_eq!(m1.published + m2.published, seeded.len() as u64, "one publish per row");
+    assert!(m1.published > 0 && m2.published > 0, "both dispatchers took part ({} / {})", m1.published, m2.published);
+
+    let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
+    let mut consumer = channel
+        .basic_consume(scratch.queue.as_str().into(), "fifo-check".into(), options, FieldTable::default())
+        .await
+        .unwrap();
+    let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for n in 0..seeded.len() {
+        let delivery = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {n} of {} messages reached the consumer", seeded.len()))
+            .expect("consumer ended")
+            .expect("delivery");
+        let id: i64 = delivery.properties.message_id().as_ref().expect("message_id").as_str().parse().unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&delivery.data).unwrap();
+        seen.entry(body["agg"].as_str().unwrap().to_owned()).or_default().push(id);
+    }
+    assert_eq!(seen, expected, "per aggregate, the consumer received every row once, in id order");
+    let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
+    let left = channel.queue_declare(scratch.queue.as_str().into(), passive, FieldTable::default()).await.unwrap();
+    assert_eq!(left.message_count(), 0, "no duplicate left in the queue");
+    let _ = amqp.close(200, "done".into()).await;
+}
+
+/// A uniquely named exchange and queue on the test broker, deleted when the test ends (even by
+/// a panic).
+struct RabbitScratch {
+    url: String,
+    exchange: String,
+    queue: String,
+}
+
+impl RabbitScratch {
+    fn new(db: &str) -> Self {
+        let url = std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+        Self { url, exchange: format!("outbox_it.fifo.{db}"), queue: format!("outbox_it.fifo.{db}.q") }
+    }
+}
+
+impl Drop for RabbitScratch {
+    fn drop(&mut self) {
+        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+        let (url, exchange, queue) = (self.url.clone(), self.exchange.clone(), self.queue.clone());
+        // Drop runs inside the test's runtime (maybe while it unwinds): clean up on a thread.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async {
+                let Ok(conn) = lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await else {
+                    return;
+                };
+                let Ok(channel) = conn.create_channel().await else { return };
+                let _ = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
+                let _ = channel.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await;
+                let _ = conn.close(200, "cleanup".into()).await;
+            });
+        })
+        .join();
+    }
+}
