@@ -84,7 +84,7 @@ pub struct RunArgs {
     /// Pause after a claim that found fewer rows than a batch
     #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_POLL_INTERVAL.into())]
     pub poll_interval: humantime::Duration,
-    /// Prefix of the lease_owner written on claimed rows [default: <hostname>:<pid>]
+    /// Prefix of the lease_owner written on claimed rows (default: HOSTNAME:PID)
     #[arg(long, value_name = "ID")]
     pub owner: Option<String>,
     /// Per-aggregate FIFO: for the listed event types (comma-separated), or for all when none is listed
