@@ -178,8 +178,10 @@ impl ClaimActor {
         }));
     }
 
+    /// Answers the drain once nothing is in flight and no claim is running: a claim still in
+    /// the database would otherwise commit rows as `processing` after the drain was answered.
     fn answer_drain(&mut self) {
-        if self.draining && self.in_flight == 0 {
+        if self.draining && self.in_flight == 0 && !self.claiming {
             for waiter in self.drain_waiters.drain(..) {
                 let _ = waiter.send(());
             }
@@ -243,10 +245,8 @@ impl Handler<Drain> for ClaimActor {
         }
         let (tx, rx) = oneshot::channel();
         self.drain_waiters.push(tx);
-        // A claim still running finishes and starts its publishes; `in_flight` covers them.
-        if !self.claiming {
-            self.answer_drain();
-        }
+        // A claim still running finishes and starts its publishes; they are waited for too.
+        self.answer_drain();
         Box::pin(async move {
             let _ = rx.await;
         })

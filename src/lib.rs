@@ -70,10 +70,10 @@ mod metrics;
 mod model;
 mod publish;
 mod publisher;
-mod step;
 #[allow(missing_docs)]
 pub mod schema;
 pub mod sink;
+mod step;
 pub mod store;
 mod supervisor;
 

@@ -24,12 +24,6 @@ use serde_json::{Value, json};
 
 use crate::support::{TestDb, eventually, server_url};
 
-// The RabbitMQ tests' stallable proxy, compiled again here rather than shared, so that this
-// module does not depend on the rabbit module's internals.
-#[path = "rabbit/proxy.rs"]
-#[allow(dead_code, clippy::duplicate_mod)]
-mod proxy;
-
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
 const WITHIN: Duration = Duration::from_secs(60);
 
@@ -850,7 +844,7 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
     db.seed(2_000, "agg").await;
     let broker = TestBroker::new().await;
     let upstream = amqp_url().rsplit('@').next().unwrap().split('/').next().unwrap().to_owned();
-    let proxy = proxy::Proxy::start(upstream).await;
+    let proxy = crate::proxy::Proxy::start(upstream).await;
     let mut run = Dispatcher::start(
         &db.url,
         &[

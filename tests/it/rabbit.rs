@@ -3,7 +3,6 @@
 //! queues and deletes them when it ends, even by a panic. Tests that cut or stall the broker go
 //! through a [`proxy::Proxy`] of their own.
 
-mod proxy;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -25,7 +24,7 @@ use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties};
 
 use crate::support::{TestDb, eventually};
-use proxy::Proxy;
+use crate::proxy::Proxy;
 
 const WITHIN: Duration = Duration::from_secs(30);
 
