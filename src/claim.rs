@@ -4,7 +4,9 @@
 //! Pacing: a full batch means a backlog, so the worker claims again at once, as long as its
 //! in-flight window (`max_in_flight`) has room; the next claim thus overlaps the publishing of
 //! the last. A short batch means the table is drained, so the worker waits a jittered poll
-//! interval or until a [`Wake`] arrives. A full window waits for publishes to finish.
+//! interval or until a [`Wake`] arrives. A full window waits for publishes to finish. Under the
+//! FIFO gate, a finished publish also triggers a claim, since it may have unblocked the next row
+//! of its aggregate.
 
 use std::sync::Arc;
 
@@ -119,6 +121,7 @@ impl ClaimActor {
                 batch,
                 lease: shared.config.lease,
                 max_attempts: shared.config.max_attempts,
+                fifo: &shared.config.fifo,
             };
             store::claim(&mut conn, &params).await
         };
@@ -216,6 +219,16 @@ impl Handler<PublishFinished> for ClaimActor {
     fn handle(&mut self, _: PublishFinished, ctx: &mut Context<Self>) {
         self.in_flight = self.in_flight.saturating_sub(1);
         if self.backlog {
+            self.claim(ctx);
+        } else if self.shared.config.fifo.is_on() {
+            // Under the FIFO gate a claim comes back short while rows wait behind their heads;
+            // the row just finalized may have unblocked the next row of its aggregate, so claim
+            // now (or right after the running claim, whose snapshot may predate the finalize)
+            // rather than after a poll interval: a hot aggregate would otherwise move one row
+            // per poll interval.
+            if self.claiming {
+                self.woken = true;
+            }
             self.claim(ctx);
         }
         self.answer_drain();

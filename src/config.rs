@@ -74,6 +74,9 @@ pub struct DispatcherConfig {
     pub owner: String,
     /// Largest number of fenced writes one finalize statement carries. Default 1000.
     pub finalize_batch: usize,
+    /// Per-aggregate ordering: which rows wait for the earlier rows of their aggregate.
+    /// Default [`Fifo::Off`]. See [`Fifo`] for the rule and its cost.
+    pub fifo: Fifo,
     /// `LISTEN` on a dedicated connection for the outbox's insert trigger and wake a worker at
     /// once, instead of waiting for the poll. Needs a session-capable connection (not a
     /// transaction-mode PgBouncer). Default true.
@@ -95,6 +98,7 @@ impl Default for DispatcherConfig {
             max_defer_age: DEFAULT_MAX_DEFER_AGE,
             owner: default_owner(),
             finalize_batch: 1000,
+            fifo: Fifo::Off,
             listen_for_inserts: true,
         }
     }
@@ -148,6 +152,8 @@ impl DispatcherConfig {
         owner: String,
         /// Sets [`DispatcherConfig::finalize_batch`].
         finalize_batch: usize,
+        /// Sets [`DispatcherConfig::fifo`].
+        fifo: Fifo,
         /// Sets [`DispatcherConfig::listen_for_inserts`].
         listen_for_inserts: bool,
     }
@@ -201,6 +207,11 @@ impl DispatcherConfig {
         }
         if self.finalize_batch == 0 {
             return Err(ZeroFinalizeBatch);
+        }
+        if let Fifo::EventTypes(types) = &self.fifo {
+            if types.is_empty() {
+                return Err(EmptyFifoEventTypes);
+            }
         }
         Ok(())
     }
@@ -256,4 +267,98 @@ pub enum ConfigError {
     /// `finalize_batch` is 0.
     #[error("finalize batch must be at least 1")]
     ZeroFinalizeBatch,
+    /// [`Fifo::EventTypes`] with an empty list would order nothing; say [`Fifo::Off`] instead.
+    #[error("fifo event types must not be empty (use Fifo::Off to turn ordering off)")]
+    EmptyFifoEventTypes,
+}
+
+/// Per-aggregate FIFO: which rows a claim holds back until the earlier rows of their aggregate
+/// are finished (DESIGN §4).
+///
+/// An **aggregate** is identified by `(aggregate_type, aggregate_id)`: `order/42` and
+/// `customer/42` are two aggregates with independent order.
+///
+/// With the gate on, a row is claimable only when no earlier row (smaller `id`) of its
+/// aggregate is `pending`, `processing` or `dead`, i.e. when every earlier row is `done`. So
+/// each aggregate has at most one row in flight, and its rows are claimed and finalized in id
+/// order, across workers, processes and lease takeovers. A `dead` row blocks the rows behind it
+/// until an operator retries it ([`dead_retry`](crate::store::dead_retry)) or skips it
+/// ([`dead_skip`](crate::store::dead_skip)); [`blocked_aggregates`](crate::store::blocked_aggregates)
+/// lists them. A row waiting for its backoff or a deferral blocks the same way.
+///
+/// What it does **not** promise: the order in which a broker sees the messages after a lease
+/// takeover (the old worker's late publish can arrive after its successor), so consumers still
+/// apply events idempotently. And it trusts that ids commit in order within an aggregate, which
+/// producers ensure with [`enqueue_ordered`](crate::store::enqueue_ordered) (or by locking the
+/// aggregate's own row `FOR UPDATE`) inside their transaction.
+///
+/// **Ordered and unordered types** ([`Fifo::EventTypes`]), one rule: *only rows of the listed
+/// types are gated, and only by earlier unfinished rows of listed types of the same aggregate;
+/// rows of other types are never gated and never block.* A dead `order.created` therefore
+/// holds back a later `order.paid` (both listed) but not a later `email.sent` (unlisted), and a
+/// dead or backed-off `email.sent` holds back nothing.
+///
+/// Every dispatcher claiming from the table must use the same setting: a dispatcher with the
+/// gate off claims any ready row, whatever its aggregate.
+///
+/// Cost: an aggregate's rows go out one at a time, one claim-publish-finalize round trip each,
+/// so a hot aggregate moves no faster than that loop. A claim reads pending rows in
+/// `(available_at, id)` order and skips each row that waits behind its aggregate with one index
+/// probe (about 5 µs), so a long backlog of one aggregate ahead of the others is walked by
+/// every claim: 5,000 such rows cost about 25 ms per claim, against about 1 ms without them
+/// (`examples/fifo_explain.rs` measures it on a million-row table). Gate only the event types
+/// that need order.
+///
+/// ```
+/// use actix_outbox::{DispatcherConfig, Fifo};
+///
+/// let config = DispatcherConfig::default().fifo(Fifo::event_types(["order.created", "order.paid"]));
+/// config.validate().unwrap();
+/// assert!(config.fifo.is_gated("order.paid"));
+/// assert!(!config.fifo.is_gated("email.sent"));
+///
+/// assert!(DispatcherConfig::default().fifo(Fifo::EventTypes(vec![])).validate().is_err());
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fifo {
+    /// No ordering: any ready row is claimable (the default, and the fastest).
+    #[default]
+    Off,
+    /// Every row is gated by the earlier unfinished rows of its aggregate.
+    All,
+    /// Only rows of these event types are gated, and only by earlier unfinished rows of these
+    /// types (see the rule above). Must not be empty.
+    EventTypes(Vec<String>),
+}
+
+impl Fifo {
+    /// [`Fifo::EventTypes`] from any list of strings.
+    pub fn event_types<S: Into<String>>(types: impl IntoIterator<Item = S>) -> Self {
+        Fifo::EventTypes(types.into_iter().map(Into::into).collect())
+    }
+
+    /// Whether any row is gated.
+    pub fn is_on(&self) -> bool {
+        !matches!(self, Fifo::Off)
+    }
+
+    /// Whether rows of `event_type` are gated (and so can block later gated rows).
+    pub fn is_gated(&self, event_type: &str) -> bool {
+        match self {
+            Fifo::Off => false,
+            Fifo::All => true,
+            Fifo::EventTypes(types) => types.iter().any(|t| t == event_type),
+        }
+    }
+}
+
+impl std::fmt::Display for Fifo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Fifo::Off => f.write_str("off"),
+            Fifo::All => f.write_str("all event types"),
+            Fifo::EventTypes(types) => write!(f, "event types {}", types.join(", ")),
+        }
+    }
 }

@@ -21,6 +21,10 @@ pub enum StoreError {
     /// A database URL that cannot be parsed (password masked).
     #[error("malformed database URL {0:?}: expected postgres://user@host:port/database")]
     BadUrl(String),
+    /// A function that must run inside the caller's transaction was called outside one (the
+    /// name says which); nothing was written.
+    #[error("{0} must be called inside a transaction: its lock would be released before the insert commits")]
+    OutsideTransaction(&'static str),
 }
 
 impl StoreError {
@@ -37,7 +41,7 @@ impl StoreError {
                 E::BrokenTransactionManager => true,
                 _ => false,
             },
-            StoreError::Migration(_) | StoreError::BadUrl(_) => false,
+            StoreError::Migration(_) | StoreError::BadUrl(_) | StoreError::OutsideTransaction(_) => false,
         }
     }
 }

@@ -78,7 +78,7 @@ pub mod store;
 mod supervisor;
 
 pub use backoff::{backoff_ceiling, full_jitter};
-pub use config::{ConfigError, DispatcherConfig, default_owner};
+pub use config::{ConfigError, DispatcherConfig, Fifo, default_owner};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
@@ -86,8 +86,8 @@ pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publi
 pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
 pub use step::{Step, decide};
 pub use store::{
-    MIGRATIONS, PgPool, check_connection, connect_pool, enqueue, enqueue_many, ensure_database, mask_password, migrate,
-    migrate_blocking,
+    BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, check_connection, connect_pool, enqueue, enqueue_many,
+    enqueue_ordered, ensure_database, lock_aggregate, mask_password, migrate, migrate_blocking,
 };
 #[doc(hidden)]
 pub use supervisor::CrashWorker;

@@ -145,7 +145,7 @@ impl Actor for OutboxSupervisor {
         let config = &self.shared.config;
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
-            "outbox dispatcher starting");
+            fifo = %config.fifo, "outbox dispatcher starting");
         let finalizer = FinalizeActor::new(self.shared.clone()).start();
         self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
         self.finalizer = Some(finalizer);

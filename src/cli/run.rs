@@ -19,7 +19,7 @@ use rand::RngExt;
 use tracing::{info, warn};
 
 use super::{CliError, DatabaseArgs, connect};
-use crate::config::{self, DispatcherConfig};
+use crate::config::{self, DispatcherConfig, Fifo};
 use crate::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
 use crate::supervisor::{OutboxSupervisor, Shutdown};
 
@@ -105,8 +105,11 @@ impl RunArgs {
         if let Some(owner) = &self.owner {
             config = config.owner(owner.clone());
         }
-        // TODO(fifo): pass `self.fifo_event_types()` into the dispatcher configuration once the
-        // FIFO gate lands in `DispatcherConfig`; until then `--fifo` is parsed and validated only.
+        config = config.fifo(match self.fifo_event_types()? {
+            None => Fifo::Off,
+            Some(types) if types.is_empty() => Fifo::All,
+            Some(types) => Fifo::EventTypes(types),
+        });
         config.validate().map_err(|e| CliError::BadInput(format!("invalid dispatcher configuration: {e}")))?;
         Ok(config)
     }
@@ -135,7 +138,6 @@ impl RunArgs {
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let config = args.dispatcher_config()?;
-    let fifo = args.fifo_event_types()?;
     let rabbit = args.rabbit_config()?;
     // Registered before anything slow, so that a signal during start-up is not lost.
     let mut signals = Signals::register()?;
@@ -152,7 +154,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    info!(database = %url, fifo = ?fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
+    info!(database = %url, fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
     let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
 
@@ -243,5 +245,29 @@ impl Signals {
             let _ = tokio::signal::ctrl_c().await;
             "Ctrl-C"
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn fifo_of(flags: &[&str]) -> Fifo {
+        let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);
+        let Command::Run(args) = Cli::try_parse_from(argv).unwrap().command else { panic!("a run command") };
+        args.dispatcher_config().unwrap().fifo
+    }
+
+    #[test]
+    fn the_fifo_flag_reaches_the_dispatcher_configuration() {
+        assert_eq!(fifo_of(&[]), Fifo::Off);
+        assert_eq!(fifo_of(&["--fifo"]), Fifo::All);
+        assert_eq!(
+            fifo_of(&["--fifo", "order.created,order.paid"]),
+            Fifo::event_types(["order.created", "order.paid"])
+        );
     }
 }

@@ -4,10 +4,13 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
+use diesel::pg::Pg;
 use diesel::pg::data_types::PgInterval;
-use diesel::sql_types::{BigInt, Bool, Int4, Int8, Interval, Jsonb, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
+use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Jsonb, Nullable, Text, Timestamptz};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+use crate::config::Fifo;
 use crate::error::StoreError;
 use crate::model::{Fence, OutboxMessage};
 
@@ -22,6 +25,8 @@ pub struct ClaimParams<'a> {
     pub lease: Duration,
     /// Rows whose lease expired at this many attempts are reaped instead of reclaimed.
     pub max_attempts: i32,
+    /// The per-aggregate gate: which rows wait for the earlier rows of their aggregate.
+    pub fifo: &'a Fifo,
 }
 
 /// What one claim did.
@@ -41,14 +46,14 @@ pub struct Claim {
 /// The two kinds of candidate are read by two index-friendly branches (`outbox_ready` by
 /// `(available_at, id)`, `outbox_leased` by `lease_until`) rather than one `OR` predicate,
 /// which would match neither partial index and walk every done row by primary key.
+///
+/// With [`ClaimParams::fifo`] on, both branches also require that no earlier row of the same
+/// aggregate is unfinished (a `NOT EXISTS` probe of `outbox_fifo_gate` per candidate; see
+/// [`Fifo`] for the rule). The gate reads committed rows only, and `done` is final, so a row
+/// that passes it has every gated predecessor finished for good: the gate holds across
+/// concurrent claims, processes and lease takeovers without any lock beyond the claimed rows.
 pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Result<Claim, StoreError> {
-    let rows: Vec<ClaimRow> = diesel::sql_query(CLAIM_SQL)
-        .bind::<Int4, _>(params.max_attempts)
-        .bind::<BigInt, _>(i64::try_from(params.batch).unwrap_or(i64::MAX))
-        .bind::<Text, _>(params.owner)
-        .bind::<Interval, _>(interval(params.lease))
-        .load(conn)
-        .await?;
+    let rows: Vec<ClaimRow> = claim_query(claim_sql(params.fifo), params).load(conn).await?;
     let mut claim = Claim::default();
     for row in rows {
         if row.reaped {
@@ -63,14 +68,90 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
     Ok(claim)
 }
 
+/// The plan PostgreSQL picks for [`claim`] with `params`, one line per row of `EXPLAIN`
+/// output, for operators asking why claims are slow.
+///
+/// With `analyze`, the claim really runs (`EXPLAIN (ANALYZE, BUFFERS)`), inside a transaction
+/// that is then rolled back, so no row changes; the locks it took are held until the rollback,
+/// so other workers may skip those rows for that instant.
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
+/// use actix_outbox::Fifo;
+/// use actix_outbox::store::{ClaimParams, explain_claim};
+///
+/// let params = ClaimParams {
+///     owner: "explain",
+///     batch: 50,
+///     lease: std::time::Duration::from_secs(60),
+///     max_attempts: 12,
+///     fifo: &Fifo::All,
+/// };
+/// for line in explain_claim(conn, &params, true).await? {
+///     println!("{line}");
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn explain_claim(
+    conn: &mut AsyncPgConnection,
+    params: &ClaimParams<'_>,
+    analyze: bool,
+) -> Result<Vec<String>, StoreError> {
+    #[derive(QueryableByName)]
+    struct PlanLine {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+    let options = if analyze { "ANALYZE, BUFFERS" } else { "COSTS" };
+    let sql = format!("EXPLAIN ({options}) {}", claim_sql(params.fifo));
+    // EXPLAIN ANALYZE executes the claim: do it in a transaction (a savepoint if the caller
+    // has one open) and roll it back.
+    if analyze {
+        AnsiTransactionManager::begin_transaction(conn).await?;
+    }
+    let lines: Result<Vec<PlanLine>, _> = claim_query(&sql, params).load(conn).await;
+    if analyze {
+        AnsiTransactionManager::rollback_transaction(conn).await?;
+    }
+    Ok(lines?.into_iter().map(|l| l.line).collect())
+}
+
+fn claim_sql(fifo: &Fifo) -> &'static str {
+    match fifo {
+        Fifo::Off => CLAIM_SQL,
+        Fifo::All => CLAIM_FIFO_SQL,
+        Fifo::EventTypes(_) => CLAIM_FIFO_TYPES_SQL,
+    }
+}
+
+fn claim_query<'a>(sql: &str, params: &'a ClaimParams<'a>) -> BoxedSqlQuery<'a, Pg, SqlQuery> {
+    let query = diesel::sql_query(sql)
+        .into_boxed()
+        .bind::<Int4, _>(params.max_attempts)
+        .bind::<BigInt, _>(i64::try_from(params.batch).unwrap_or(i64::MAX))
+        .bind::<Text, _>(params.owner)
+        .bind::<Interval, _>(interval(params.lease));
+    match params.fifo {
+        Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types),
+        Fifo::Off | Fifo::All => query,
+    }
+}
+
 pub(crate) fn interval(d: Duration) -> PgInterval {
     PgInterval::from_microseconds(i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
 }
 
-// $1 max_attempts, $2 batch, $3 owner, $4 lease.
+// The claim statement, with `$gate` appended to both candidate branches (the candidate row is
+// `o`). $1 max_attempts, $2 batch, $3 owner, $4 lease, $5 the gated event types (only when the
+// gate names them).
+//
 // The reaper runs first in the same statement; its rows (attempts >= max) and the claim's
-// (attempts < max) are disjoint, so no row is written twice.
-const CLAIM_SQL: &str = r#"
+// (attempts < max) are disjoint, so no row is written twice. It is not gated: a dead row blocks
+// its aggregate as well as a processing one does.
+macro_rules! claim_sql {
+    ($gate:literal) => {
+        concat!(
+            r#"
 WITH reaped AS (
     UPDATE outbox
     SET status = 'dead',
@@ -87,15 +168,19 @@ WITH reaped AS (
         FOR UPDATE SKIP LOCKED)
     RETURNING id, lease_version
 ), expired AS (
-    SELECT id FROM outbox
-    WHERE status = 'processing' AND lease_until < now() AND attempts < $1
-    ORDER BY lease_until
+    SELECT o.id FROM outbox AS o
+    WHERE o.status = 'processing' AND o.lease_until < now() AND o.attempts < $1"#,
+            $gate,
+            r#"
+    ORDER BY o.lease_until
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ), ready AS (
-    SELECT id FROM outbox
-    WHERE status = 'pending' AND available_at <= now()
-    ORDER BY available_at, id
+    SELECT o.id FROM outbox AS o
+    WHERE o.status = 'pending' AND o.available_at <= now()"#,
+            $gate,
+            r#"
+    ORDER BY o.available_at, o.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ), picked AS (
@@ -120,7 +205,38 @@ FROM claimed
 UNION ALL
 SELECT true, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL
 FROM reaped
-"#;
+"#
+        )
+    };
+}
+
+/// No gate: any ready row.
+const CLAIM_SQL: &str = claim_sql!("");
+
+/// Every row waits for the earlier unfinished rows of its aggregate. The probe is a range scan
+/// of the partial index `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, whose predicate
+/// is exactly the unfinished statuses.
+const CLAIM_FIFO_SQL: &str = claim_sql!(
+    r#"
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox AS prev
+          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
+            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#
+);
+
+/// Rows of the types in $5 wait for the earlier unfinished rows of those types of their
+/// aggregate; other rows pass without a probe. The `OR` keeps the probe a per-row subplan that
+/// runs only for gated rows and stops at the first match; written as an anti-join with the
+/// outer test inside, PostgreSQL evaluates that test as a join filter after the probe, and an
+/// unlisted row behind a long backlog of its aggregate then walks the whole backlog.
+const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
+    r#"
+      AND (o.event_type <> ALL($5) OR NOT EXISTS (
+          SELECT 1 FROM outbox AS prev
+          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
+            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead')
+            AND prev.event_type = ANY($5)))"#
+);
 
 #[derive(QueryableByName)]
 struct ClaimRow {

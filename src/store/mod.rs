@@ -6,6 +6,7 @@
 
 mod admin;
 mod claim;
+mod fifo;
 mod finalize;
 mod producer;
 
@@ -16,9 +17,10 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
-pub use claim::{Claim, ClaimParams, claim};
+pub use claim::{Claim, ClaimParams, claim, explain_claim};
+pub use fifo::{BlockedAggregate, blocked_aggregates};
 pub use finalize::{Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule};
-pub use producer::{enqueue, enqueue_many};
+pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 
 use crate::error::StoreError;
 

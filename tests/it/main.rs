@@ -6,5 +6,6 @@ mod support;
 
 mod actors;
 mod cli;
+mod fifo;
 mod rabbit;
 mod store;

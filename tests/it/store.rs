@@ -14,7 +14,9 @@ use crate::support::{TestDb, eventually};
 const LONG: Duration = Duration::from_secs(30);
 
 async fn claim(conn: &mut AsyncPgConnection, owner: &str, batch: usize, lease: Duration, max: i32) -> store::Claim {
-    store::claim(conn, &ClaimParams { owner, batch, lease, max_attempts: max }).await.expect("claim")
+    store::claim(conn, &ClaimParams { owner, batch, lease, max_attempts: max, fifo: &actix_outbox::Fifo::Off })
+        .await
+        .expect("claim")
 }
 
 /// Applies the write that `outcome` calls for, as the finalize actor would; returns whether it won.

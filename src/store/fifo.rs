@@ -1,0 +1,109 @@
+//! The operating cost of the FIFO gate made visible: which aggregates a dead row holds back.
+//!
+//! Under the [gate](crate::Fifo), a dead row blocks every later gated row of its aggregate until
+//! an operator takes one of the two ways out:
+//! - [`dead_retry`](super::dead_retry): the row goes back to `pending` with its attempts reset;
+//!   it is claimed again as the head, and the rows behind it follow once it is done;
+//! - [`dead_skip`](super::dead_skip): the row is marked `done` without being published, with
+//!   `last_error = 'skipped by operator: <reason> (was: <its error>)'`; the next row becomes the
+//!   head. Consumers never see the skipped event: a gap the operator accepts on purpose.
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, BigInt, Int4, Int8, Nullable, Text, Timestamptz};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde::Serialize;
+
+use crate::config::Fifo;
+use crate::error::StoreError;
+
+/// An aggregate whose first unfinished gated row is dead: nothing more of it is claimed until
+/// that row is retried or skipped.
+#[derive(Debug, Clone, PartialEq, Eq, QueryableByName, Serialize)]
+#[non_exhaustive]
+pub struct BlockedAggregate {
+    /// The aggregate's type.
+    #[diesel(sql_type = Text)]
+    pub aggregate_type: String,
+    /// The aggregate's id.
+    #[diesel(sql_type = Text)]
+    pub aggregate_id: String,
+    /// The dead row at the head of the aggregate: the one to retry or skip.
+    #[diesel(sql_type = Int8)]
+    pub dead_id: i64,
+    /// Its event type.
+    #[diesel(sql_type = Text)]
+    pub event_type: String,
+    /// Why it went dead.
+    #[diesel(sql_type = Nullable<Text>)]
+    pub last_error: Option<String>,
+    /// Claims it had.
+    #[diesel(sql_type = Int4)]
+    pub attempts: i32,
+    /// When it was inserted.
+    #[diesel(sql_type = Timestamptz)]
+    pub created_at: DateTime<Utc>,
+    /// Unfinished gated rows of the aggregate after it: the rows it holds back. Zero when
+    /// nothing waits yet; the aggregate's next gated event will.
+    #[diesel(sql_type = Int8)]
+    pub waiting: i64,
+}
+
+/// The aggregates blocked by a dead row under `fifo`, oldest dead row first, at most `limit`.
+///
+/// Pass the gate the dispatchers run with: with [`Fifo::EventTypes`] only rows of the listed
+/// types block or wait (a dead row of another type blocks nothing and is not listed here,
+/// though [`dead_list`](super::dead_list) shows it); with [`Fifo::Off`] nothing is ever
+/// blocked and the list is empty. An aggregate whose head is still pending or processing is
+/// moving, and is not listed even if a later row is dead; it is listed once that row becomes
+/// the head.
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
+/// use actix_outbox::Fifo;
+/// use actix_outbox::store::{blocked_aggregates, dead_retry};
+///
+/// for blocked in blocked_aggregates(conn, &Fifo::All, 100).await? {
+///     println!("{}/{} held by #{} ({}): {} waiting; {:?}", blocked.aggregate_type, blocked.aggregate_id,
+///         blocked.dead_id, blocked.event_type, blocked.waiting, blocked.last_error);
+/// }
+/// dead_retry(conn, &[17]).await?;
+/// # Ok(()) }
+/// ```
+pub async fn blocked_aggregates(
+    conn: &mut AsyncPgConnection,
+    fifo: &Fifo,
+    limit: i64,
+) -> Result<Vec<BlockedAggregate>, StoreError> {
+    // NULL: every type is gated.
+    let types: Option<&[String]> = match fifo {
+        Fifo::Off => return Ok(Vec::new()),
+        Fifo::All => None,
+        Fifo::EventTypes(types) => Some(types),
+    };
+    Ok(diesel::sql_query(BLOCKED_SQL)
+        .bind::<Nullable<Array<Text>>, _>(types)
+        .bind::<BigInt, _>(limit.max(0))
+        .load(conn)
+        .await?)
+}
+
+// $1 the gated event types (NULL: all), $2 limit. Every probe is a range of the partial index
+// `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, which holds only unfinished rows.
+const BLOCKED_SQL: &str = r#"
+SELECT d.aggregate_type, d.aggregate_id, d.id AS dead_id, d.event_type, d.last_error, d.attempts, d.created_at,
+       (SELECT count(*) FROM outbox AS w
+        WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id
+          AND w.id > d.id AND w.status IN ('pending', 'processing', 'dead')
+          AND ($1::text[] IS NULL OR w.event_type = ANY($1))) AS waiting
+FROM outbox AS d
+WHERE d.status = 'dead'
+  AND ($1::text[] IS NULL OR d.event_type = ANY($1))
+  AND NOT EXISTS (
+      SELECT 1 FROM outbox AS prev
+      WHERE prev.aggregate_type = d.aggregate_type AND prev.aggregate_id = d.aggregate_id
+        AND prev.id < d.id AND prev.status IN ('pending', 'processing', 'dead')
+        AND ($1::text[] IS NULL OR prev.event_type = ANY($1)))
+ORDER BY d.id
+LIMIT $2
+"#;
