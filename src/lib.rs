@@ -86,8 +86,8 @@ pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publi
 pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
 pub use step::{Step, decide};
 pub use store::{
-    BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, check_connection, connect_pool, enqueue, enqueue_many,
-    enqueue_ordered, ensure_database, lock_aggregate, mask_password, migrate, migrate_blocking,
+    BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, blocked_aggregates_count, check_connection, connect_pool,
+    enqueue, enqueue_many, enqueue_ordered, ensure_database, lock_aggregate, mask_password, migrate, migrate_blocking,
 };
 #[doc(hidden)]
 pub use supervisor::CrashWorker;

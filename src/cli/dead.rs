@@ -1,16 +1,18 @@
-//! `actix-outbox dead list|retry|skip`: inspect dead rows and send them on their way.
+//! `actix-outbox dead list|retry|skip|blocked`: inspect dead rows, send them on their way, and
+//! see which aggregates they hold back under the FIFO gate.
 //!
 //! `retry` and `skip` are all or nothing: they run in one transaction and roll back when any id
 //! given is not a dead row, so a typo never half-applies a repair.
 
 use clap::{Args, Subcommand};
-use diesel_async::AsyncConnection;
+use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::Serialize;
 
-use super::{CliError, DatabaseArgs, DatabaseUrl, connect, distinct, id_list};
+use super::{CliError, DatabaseArgs, DatabaseUrl, FifoArgs, connect, distinct, id_list, table, truncate};
+use crate::config::Fifo;
 use crate::error::StoreError;
 use crate::model::OutboxRow;
-use crate::store;
+use crate::store::{self, BlockedAggregate};
 
 /// `--help` text.
 pub(super) const LIST_LONG_ABOUT: &str = "List dead rows, oldest first: id, aggregate (type/id), event type, attempts, created_at and \
@@ -30,6 +32,24 @@ pub(super) const SKIP_LONG_ABOUT: &str = "Mark dead rows done without publishing
     followed by the error that killed the row. All ids must be dead rows: if any is not, nothing is \
     changed and the command exits 2 naming the ids at fault.";
 
+/// `--help` text.
+pub(super) const BLOCKED_LONG_ABOUT: &str = "List the aggregates the per-aggregate FIFO gate holds back, oldest dead head first: the \
+    aggregate (type/id), its dead head (the dead row to retry or skip: id, event type, attempts, \
+    created_at, last_error) and how many unfinished rows wait behind it.\n\n\
+    Whether a dead row blocks anything depends on the gate the dispatchers run with, which this \
+    command cannot know: pass the same --fifo as `actix-outbox run`. Without --fifo every event \
+    type is taken as gated (as `run --fifo`); with --fifo TYPES only dead rows of those types \
+    block, and only rows of those types wait.\n\n\
+    Unblock an aggregate with `actix-outbox dead retry DEAD_ID` (the head goes back to pending \
+    and is published again, then the rows behind it) or `actix-outbox dead skip DEAD_ID --reason \
+    TEXT` (the head is marked done without publishing; the next row becomes the head).\n\n\
+    --json prints one array of objects with the keys aggregate_type, aggregate_id, dead_id, \
+    event_type, last_error, attempts, created_at and waiting.";
+
+/// What `dead blocked` and `stats --fifo` tell an operator to do about a blocked aggregate.
+const UNBLOCK_HINT: &str = "unblock an aggregate with `actix-outbox dead retry DEAD_ID` (publish its head again) or \
+    `actix-outbox dead skip DEAD_ID --reason TEXT` (give the head up); the rows waiting behind it then follow in order";
+
 /// `actix-outbox dead ...`.
 #[derive(Debug, Subcommand)]
 pub enum DeadCommand {
@@ -42,6 +62,9 @@ pub enum DeadCommand {
     /// Mark dead rows done without publishing them, recording why.
     #[command(long_about = SKIP_LONG_ABOUT)]
     Skip(DeadSkipArgs),
+    /// List the aggregates a dead head holds back under the FIFO gate.
+    #[command(long_about = BLOCKED_LONG_ABOUT)]
+    Blocked(DeadBlockedArgs),
 }
 
 /// Arguments of `actix-outbox dead list`.
@@ -97,6 +120,42 @@ pub struct DeadSkipArgs {
     pub reason: String,
 }
 
+/// Arguments of `actix-outbox dead blocked`.
+#[derive(Debug, Clone, Args)]
+#[command(
+    after_help = "Examples:\n  actix-outbox dead blocked\n  \
+                  actix-outbox dead blocked --fifo order.created,order.paid --json | jq '.[].dead_id'",
+    mut_arg("fifo", |a| a.help(
+        "The gate the dispatchers run with: the listed event types (comma-separated); \
+         all event types when none is listed or the flag is left out"
+    ))
+)]
+pub struct DeadBlockedArgs {
+    /// Where the outbox lives.
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// The FIFO gate to look under; every event type when not given.
+    #[command(flatten)]
+    pub fifo: FifoArgs,
+    /// Print a JSON array instead of a table
+    #[arg(long)]
+    pub json: bool,
+    /// Show at most N aggregates
+    #[arg(long, value_name = "N", default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
+    pub limit: i64,
+}
+
+impl DeadBlockedArgs {
+    /// The gate to look under: `--fifo` as given, and every event type without it (the command
+    /// is about the gate, so it assumes one, the broadest).
+    fn fifo(&self) -> Result<Fifo, CliError> {
+        Ok(match self.fifo.fifo()? {
+            Fifo::Off => Fifo::All,
+            gate => gate,
+        })
+    }
+}
+
 /// One dead row as `dead list --json` prints it.
 #[derive(Serialize)]
 struct DeadRow<'a> {
@@ -150,43 +209,132 @@ pub(super) async fn list(args: DeadListArgs) -> Result<(), CliError> {
 
 /// A table whose last column, the error, is as long as it needs to be (on one line).
 fn render(rows: &[OutboxRow]) -> String {
-    let cells: Vec<[String; 6]> = rows
+    let cells: Vec<Vec<String>> = rows
         .iter()
         .map(|r| {
-            [
+            vec![
                 r.id.to_string(),
                 format!("{}/{}", r.aggregate_type, r.aggregate_id),
                 r.event_type.clone(),
                 r.attempts.to_string(),
-                r.created_at.format("%Y-%m-%d %H:%M:%S%.3fZ").to_string(),
+                timestamp(r.created_at),
                 r.last_error.as_deref().unwrap_or("").replace(['\n', '\r'], " "),
             ]
         })
         .collect();
-    let header = ["ID", "AGGREGATE", "EVENT TYPE", "ATTEMPTS", "CREATED AT", "LAST ERROR"];
-    let mut widths = header.map(str::len);
-    for row in &cells {
-        for (w, cell) in widths.iter_mut().zip(row) {
-            *w = (*w).max(cell.chars().count());
-        }
+    table("", &["ID", "AGGREGATE", "EVENT TYPE", "ATTEMPTS", "CREATED AT", "LAST ERROR"], &cells, &[0, 3])
+}
+
+/// A time in the tables: UTC, to the millisecond.
+fn timestamp(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S%.3fZ").to_string()
+}
+
+pub(super) async fn blocked(args: DeadBlockedArgs) -> Result<(), CliError> {
+    let fifo = args.fifo()?;
+    let url = args.database.url()?;
+    let mut conn = connect(&url).await?;
+    let view = blocked_view(&mut conn, &url, &fifo, args.limit).await?;
+    if args.json {
+        println!("{}", serde_json::to_string(&view.blocked_aggregates).expect("blocked aggregates serialize"));
+        return Ok(());
     }
-    let line = |cells: [&str; 6]| {
-        let mut s = String::new();
-        for (i, cell) in cells.iter().enumerate() {
-            if i == 5 {
-                s += cell;
-            } else if i == 0 || i == 3 {
-                s += &format!("{cell:>w$}  ", w = widths[i]);
-            } else {
-                s += &format!("{cell:<w$}  ", w = widths[i]);
-            }
-        }
-        s.trim_end().to_owned() + "\n"
-    };
-    let mut out = line(header);
-    for row in &cells {
-        out += &line([&row[0], &row[1], &row[2], &row[3], &row[4], &row[5]]);
+    if view.blocked_aggregates.is_empty() {
+        println!("no blocked aggregates (FIFO on {fifo})");
+        return Ok(());
     }
+    let n = view.blocked_aggregates_total;
+    println!(
+        "{n} {} by a dead head (FIFO on {fifo}), oldest first:",
+        if n == 1 { "aggregate blocked" } else { "aggregates blocked" }
+    );
+    print!("{}", render_blocked(&view.blocked_aggregates));
+    if n > view.blocked_aggregates.len() as i64 {
+        println!("(first {} shown; raise --limit for the rest)", view.blocked_aggregates.len());
+    }
+    println!("{UNBLOCK_HINT}");
+    Ok(())
+}
+
+/// The aggregates blocked under a FIFO gate, as `stats --fifo --json` adds them to its object.
+#[derive(Debug, Serialize)]
+pub(super) struct BlockedView {
+    /// The first of them, oldest dead head first.
+    pub(super) blocked_aggregates: Vec<BlockedAggregate>,
+    /// How many there are in all.
+    pub(super) blocked_aggregates_total: i64,
+}
+
+/// Reads the first `limit` aggregates blocked under `fifo` and their total in one read-only
+/// snapshot, so that the total never disagrees with the list.
+pub(super) async fn blocked_view(
+    conn: &mut AsyncPgConnection,
+    url: &DatabaseUrl,
+    fifo: &Fifo,
+    limit: i64,
+) -> Result<BlockedView, CliError> {
+    conn.build_transaction()
+        .read_only()
+        .repeatable_read()
+        .run(async |tx| {
+            Ok(BlockedView {
+                blocked_aggregates: store::blocked_aggregates(tx, fifo, limit).await?,
+                blocked_aggregates_total: store::blocked_aggregates_count(tx, fifo).await?,
+            })
+        })
+        .await
+        .map_err(|e| CliError::store(url, e))
+}
+
+/// `dead blocked`'s table: every detail of the head, the error whole (on one line).
+fn render_blocked(blocked: &[BlockedAggregate]) -> String {
+    let cells: Vec<Vec<String>> = blocked
+        .iter()
+        .map(|b| {
+            vec![
+                format!("{}/{}", b.aggregate_type, b.aggregate_id),
+                b.dead_id.to_string(),
+                b.event_type.clone(),
+                b.waiting.to_string(),
+                b.attempts.to_string(),
+                timestamp(b.created_at),
+                b.last_error.as_deref().unwrap_or("").replace(['\n', '\r'], " "),
+            ]
+        })
+        .collect();
+    let header = ["AGGREGATE", "DEAD ID", "EVENT TYPE", "WAITING", "ATTEMPTS", "CREATED AT", "LAST ERROR"];
+    table("", &header, &cells, &[1, 3, 4])
+}
+
+/// The blocked-aggregates section of the `stats` table: the first few, the error cut short,
+/// and what to do about them.
+pub(super) fn render_blocked_summary(view: &BlockedView, fifo: &Fifo, error_width: usize) -> String {
+    let total = view.blocked_aggregates_total;
+    let mut out = format!("{:<24}{total} (FIFO on {fifo})\n", "blocked aggregates");
+    if view.blocked_aggregates.is_empty() {
+        return out;
+    }
+    let cells: Vec<Vec<String>> = view
+        .blocked_aggregates
+        .iter()
+        .map(|b| {
+            vec![
+                format!("{}/{}", b.aggregate_type, b.aggregate_id),
+                b.dead_id.to_string(),
+                b.event_type.clone(),
+                b.waiting.to_string(),
+                truncate(b.last_error.as_deref().unwrap_or(""), error_width),
+            ]
+        })
+        .collect();
+    out += &table("  ", &["AGGREGATE", "DEAD ID", "EVENT TYPE", "WAITING", "LAST ERROR"], &cells, &[1, 3]);
+    let shown = view.blocked_aggregates.len();
+    if total > shown as i64 {
+        out += &format!(
+            "  (first {shown} shown; `actix-outbox dead blocked --limit N` with the same --fifo lists more)\n"
+        );
+    }
+    out += &format!("  {UNBLOCK_HINT}\n");
     out
 }
 

@@ -10,8 +10,9 @@
 //! | --- | --- |
 //! | `migrate` | create the database if missing, apply pending migrations |
 //! | `run` | the dispatcher, publishing to RabbitMQ until SIGINT/SIGTERM |
-//! | `stats [--json]` | rows by status, oldest unfinished row, expired leases, attempts |
+//! | `stats [--json] [--fifo]` | rows by status, oldest unfinished row, expired leases, attempts; blocked aggregates with `--fifo` |
 //! | `dead list` / `dead retry` / `dead skip` | inspect and repair dead rows |
+//! | `dead blocked` | the aggregates a dead head holds back under the FIFO gate |
 //! | `purge --older-than` | delete old `done` rows in short batches |
 //! | `enqueue` | insert one event (demos, scripts) |
 //!
@@ -35,13 +36,14 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use diesel_async::AsyncPgConnection;
 
-pub use dead::{DeadCommand, DeadListArgs, DeadRetryArgs, DeadSkipArgs};
+pub use dead::{DeadBlockedArgs, DeadCommand, DeadListArgs, DeadRetryArgs, DeadSkipArgs};
 pub use enqueue::EnqueueArgs;
 pub use migrate::MigrateArgs;
 pub use purge::PurgeArgs;
 pub use run::{DEFAULT_AMQP_URL, RunArgs};
 pub use stats::StatsArgs;
 
+use crate::config::Fifo;
 use crate::error::StoreError;
 use crate::store::mask_password;
 
@@ -120,6 +122,7 @@ impl Command {
             Command::Dead(DeadCommand::List(args)) => dead::list(args).await,
             Command::Dead(DeadCommand::Retry(args)) => dead::retry(args).await,
             Command::Dead(DeadCommand::Skip(args)) => dead::skip(args).await,
+            Command::Dead(DeadCommand::Blocked(args)) => dead::blocked(args).await,
             Command::Purge(args) => purge::purge(args).await,
             Command::Enqueue(args) => enqueue::enqueue(args).await,
         }
@@ -235,6 +238,32 @@ impl DatabaseArgs {
     }
 }
 
+/// `--fifo [EVENT_TYPE,...]`, the per-aggregate FIFO gate ([`Fifo`]), defined once and flattened
+/// into every command that needs it: `run` (the gate its dispatcher applies), `stats` and
+/// `dead blocked` (the gate under which to find the blocked aggregates). A command may reword
+/// the help (`mut_arg`) where the flag's absence means something else.
+#[derive(Debug, Clone, Default, Args)]
+pub struct FifoArgs {
+    /// Per-aggregate FIFO: for the listed event types (comma-separated), or for all when none is listed
+    #[arg(long, value_name = "EVENT_TYPE", num_args = 0.., value_delimiter = ',')]
+    pub fifo: Option<Vec<String>>,
+}
+
+impl FifoArgs {
+    /// The gate the flag describes: [`Fifo::Off`] without `--fifo`, [`Fifo::All`] with `--fifo`
+    /// alone, [`Fifo::EventTypes`] with a list. An empty name in the list (`a,,b`) is bad input.
+    pub fn fifo(&self) -> Result<Fifo, CliError> {
+        let Some(types) = &self.fifo else { return Ok(Fifo::Off) };
+        if types.iter().any(|t| t.trim().is_empty()) {
+            return Err(CliError::BadInput(format!(
+                "--fifo: empty event type in {:?}; list event types separated by commas, or give none for all",
+                types.join(",")
+            )));
+        }
+        Ok(if types.is_empty() { Fifo::All } else { Fifo::EventTypes(types.clone()) })
+    }
+}
+
 /// A database URL that parsed. Its `Display` and `Debug` mask the password, so it can go into
 /// any message; [`DatabaseUrl::expose`] gives the real one to the library.
 #[derive(Clone)]
@@ -342,6 +371,46 @@ fn distinct(ids: &[i64]) -> Vec<i64> {
     ids.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
 }
 
+/// A plain-text table: a header line, then one line a row, each line starting with `indent`.
+/// Columns are as wide as their widest cell and two spaces apart; those in `right` (numbers)
+/// are aligned right, the others left. The last column is not padded, so a long last cell (an
+/// error message) runs on without widening the others.
+fn table(indent: &str, header: &[&str], rows: &[Vec<String>], right: &[usize]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut s = indent.to_owned();
+        for (i, (cell, w)) in cells.into_iter().zip(&widths).enumerate() {
+            if i + 1 == widths.len() {
+                s += cell;
+            } else if right.contains(&i) {
+                s += &format!("{cell:>w$}  ");
+            } else {
+                s += &format!("{cell:<w$}  ");
+            }
+        }
+        s.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(header.to_vec());
+    for row in rows {
+        out += &line(row.iter().map(String::as_str).collect());
+    }
+    out
+}
+
+/// `text` on one line (line breaks become spaces), cut to `max` characters with an ellipsis.
+fn truncate(text: &str, max: usize) -> String {
+    let text = text.replace(['\n', '\r'], " ");
+    if text.chars().count() <= max {
+        return text;
+    }
+    text.chars().take(max.saturating_sub(1)).collect::<String>() + "…"
+}
+
 /// `1, 2, 3`.
 fn id_list(ids: &[i64]) -> String {
     ids.iter().map(i64::to_string).collect::<Vec<_>>().join(", ")
@@ -367,6 +436,49 @@ mod tests {
             assert_eq!(e.exit_code(), EXIT_USAGE, "{bad}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
         }
+    }
+
+    fn fifo_of(argv: &[&str]) -> Result<Fifo, CliError> {
+        let argv = ["actix-outbox"].iter().chain(argv).chain(&["--database-url", "postgres://root@db/app"]);
+        match Cli::try_parse_from(argv).unwrap().command {
+            Command::Run(args) => args.fifo.fifo(),
+            Command::Stats(args) => args.fifo.fifo(),
+            Command::Dead(DeadCommand::Blocked(args)) => args.fifo.fifo(),
+            other => panic!("no --fifo on {other:?}"),
+        }
+    }
+
+    #[test]
+    fn every_command_with_fifo_reads_it_the_same_way() {
+        for command in [&["run"][..], &["stats"], &["dead", "blocked"]] {
+            let with = |flags: &[&str]| fifo_of(&[command, flags].concat());
+            assert_eq!(with(&[]).unwrap(), Fifo::Off, "{command:?}");
+            assert_eq!(with(&["--fifo"]).unwrap(), Fifo::All, "{command:?}");
+            assert_eq!(with(&["--fifo", "a,b"]).unwrap(), Fifo::event_types(["a", "b"]), "{command:?}");
+            assert_eq!(with(&["--fifo", "a", "--fifo", "b"]).unwrap(), Fifo::event_types(["a", "b"]), "{command:?}");
+            let e = with(&["--fifo", "a,,b"]).unwrap_err();
+            assert_eq!(e.exit_code(), EXIT_USAGE, "{command:?}");
+            assert!(e.to_string().starts_with("--fifo: empty event type in \"a,,b\""), "{e}");
+        }
+    }
+
+    #[test]
+    fn tables_align_their_columns_and_leave_the_last_one_unpadded() {
+        let rows = vec![
+            vec!["7".to_owned(), "order/A".to_owned(), "boom".to_owned()],
+            vec!["12".to_owned(), "x".to_owned(), "a much longer error".to_owned()],
+        ];
+        assert_eq!(
+            table("  ", &["ID", "AGGREGATE", "LAST ERROR"], &rows, &[0]),
+            "  ID  AGGREGATE  LAST ERROR\n   7  order/A    boom\n  12  x          a much longer error\n"
+        );
+    }
+
+    #[test]
+    fn truncate_keeps_short_text_and_cuts_long_text_on_one_line() {
+        assert_eq!(truncate("short", 10), "short");
+        assert_eq!(truncate("line one\nline two", 40), "line one line two");
+        assert_eq!(truncate("abcdefghij", 5), "abcd…");
     }
 
     #[test]

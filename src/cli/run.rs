@@ -18,8 +18,8 @@ use clap::Args;
 use rand::RngExt;
 use tracing::{info, warn};
 
-use super::{CliError, DatabaseArgs, connect};
-use crate::config::{self, DispatcherConfig, Fifo};
+use super::{CliError, DatabaseArgs, FifoArgs, connect};
+use crate::config::{self, DispatcherConfig};
 use crate::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
 use crate::supervisor::{OutboxSupervisor, Shutdown};
 
@@ -87,9 +87,9 @@ pub struct RunArgs {
     /// Prefix of the lease_owner written on claimed rows (default: HOSTNAME:PID)
     #[arg(long, value_name = "ID")]
     pub owner: Option<String>,
-    /// Per-aggregate FIFO: for the listed event types (comma-separated), or for all when none is listed
-    #[arg(long, value_name = "EVENT_TYPE", num_args = 0.., value_delimiter = ',')]
-    pub fifo: Option<Vec<String>>,
+    /// The per-aggregate FIFO gate this dispatcher applies (off without the flag).
+    #[command(flatten)]
+    pub fifo: FifoArgs,
 }
 
 impl RunArgs {
@@ -105,25 +105,9 @@ impl RunArgs {
         if let Some(owner) = &self.owner {
             config = config.owner(owner.clone());
         }
-        config = config.fifo(match self.fifo_event_types()? {
-            None => Fifo::Off,
-            Some(types) if types.is_empty() => Fifo::All,
-            Some(types) => Fifo::EventTypes(types),
-        });
+        config = config.fifo(self.fifo.fifo()?);
         config.validate().map_err(|e| CliError::BadInput(format!("invalid dispatcher configuration: {e}")))?;
         Ok(config)
-    }
-
-    /// `--fifo`: `None` off, `Some([])` every event type, `Some(types)` those types.
-    fn fifo_event_types(&self) -> Result<Option<Vec<String>>, CliError> {
-        let Some(types) = &self.fifo else { return Ok(None) };
-        if types.iter().any(|t| t.trim().is_empty()) {
-            return Err(CliError::BadInput(format!(
-                "--fifo: empty event type in {:?}; list event types separated by commas, or give none for all",
-                types.join(",")
-            )));
-        }
-        Ok(Some(types.clone()))
     }
 
     /// The sink configuration these flags describe, validated (a malformed AMQP URL is bad input).
@@ -252,8 +236,8 @@ impl Signals {
 mod tests {
     use clap::Parser;
 
-    use super::*;
     use crate::cli::{Cli, Command};
+    use crate::config::Fifo;
 
     fn fifo_of(flags: &[&str]) -> Fifo {
         let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);

@@ -1,12 +1,25 @@
 //! `actix-outbox stats`: what the outbox looks like right now.
+//!
+//! With `--fifo`, also the aggregates a dead head holds back under that gate (the first
+//! [`BLOCKED_SHOWN`] and their total). Without it they are left out, JSON keys included: the
+//! gate is a setting of the dispatchers (`run --fifo`), not of the table, so `stats` cannot
+//! know it; and under no gate a dead row blocks nothing, so an empty list would be a claim
+//! `stats` cannot make either.
 
 use std::time::Duration;
 
 use clap::Args;
+use serde::Serialize;
 
-use super::{CliError, DatabaseArgs, connect};
+use super::dead::{BlockedView, blocked_view, render_blocked_summary};
+use super::{CliError, DatabaseArgs, FifoArgs, connect};
 use crate::model::Status;
 use crate::store::{self, Stats};
+
+/// Blocked aggregates `stats --fifo` lists (`dead blocked` lists more); [`LONG_ABOUT`] says 20.
+const BLOCKED_SHOWN: i64 = 20;
+/// Characters of a blocked head's last error the `stats` table keeps.
+const ERROR_WIDTH: usize = 60;
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Show rows by status, the age of the oldest unfinished (pending or processing) row, \
@@ -14,11 +27,23 @@ pub(super) const LONG_ABOUT: &str = "Show rows by status, the age of the oldest 
     the unfinished rows have spent. All times come from the database clock.\n\n\
     --json prints one object: {\"by_status\": {\"pending\": n, \"processing\": n, \"done\": n, \
     \"dead\": n}, \"oldest_unfinished_age_s\": number or null, \"expired_leases\": n, \
-    \"attempts\": {\"1\": n, ...}}";
+    \"attempts\": {\"1\": n, ...}}\n\n\
+    --fifo [TYPES] adds the aggregates a dead head holds back under that FIFO gate (pass the \
+    --fifo the dispatchers run with): the first 20, oldest dead head first, and their total; in \
+    JSON the keys \"blocked_aggregates\" (objects as `actix-outbox dead blocked --json` prints \
+    them) and \"blocked_aggregates_total\". Without --fifo they are left out: the gate is a \
+    setting of the dispatchers, which stats cannot know.";
 
 /// Arguments of `actix-outbox stats`.
 #[derive(Debug, Clone, Args)]
-#[command(after_help = "Examples:\n  actix-outbox stats\n  actix-outbox stats --json | jq .by_status.dead")]
+#[command(
+    after_help = "Examples:\n  actix-outbox stats\n  actix-outbox stats --json | jq .by_status.dead\n  \
+                  actix-outbox stats --fifo order.created,order.paid --json | jq .blocked_aggregates_total",
+    mut_arg("fifo", |a| a.help(
+        "Also show the aggregates blocked under this FIFO gate (the dispatchers' --fifo: the listed event \
+         types, or all when none is listed)"
+    ))
+)]
 pub struct StatsArgs {
     /// Where the outbox lives.
     #[command(flatten)]
@@ -26,16 +51,35 @@ pub struct StatsArgs {
     /// Print one JSON object instead of a table
     #[arg(long)]
     pub json: bool,
+    /// The FIFO gate under which to report blocked aggregates; none reported without it.
+    #[command(flatten)]
+    pub fifo: FifoArgs,
+}
+
+/// What `stats --json` prints: the store's [`Stats`], and the blocked aggregates when `--fifo`
+/// was given (their keys absent otherwise).
+#[derive(Serialize)]
+struct Report<'a> {
+    #[serde(flatten)]
+    stats: &'a Stats,
+    #[serde(flatten)]
+    blocked: Option<&'a BlockedView>,
 }
 
 pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
+    let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     let stats = store::stats(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
+    let blocked = if fifo.is_on() { Some(blocked_view(&mut conn, &url, &fifo, BLOCKED_SHOWN).await?) } else { None };
     if args.json {
-        println!("{}", serde_json::to_string(&stats).expect("stats serialize"));
+        let report = Report { stats: &stats, blocked: blocked.as_ref() };
+        println!("{}", serde_json::to_string(&report).expect("stats serialize"));
     } else {
         print!("{}", render(&stats));
+        if let Some(blocked) = &blocked {
+            print!("{}", render_blocked_summary(blocked, &fifo, ERROR_WIDTH));
+        }
     }
     Ok(())
 }

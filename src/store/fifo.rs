@@ -56,7 +56,7 @@ pub struct BlockedAggregate {
 /// though [`dead_list`](super::dead_list) shows it); with [`Fifo::Off`] nothing is ever
 /// blocked and the list is empty. An aggregate whose head is still pending or processing is
 /// moving, and is not listed even if a later row is dead; it is listed once that row becomes
-/// the head.
+/// the head. [`blocked_aggregates_count`] counts them all.
 ///
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
@@ -75,12 +75,7 @@ pub async fn blocked_aggregates(
     fifo: &Fifo,
     limit: i64,
 ) -> Result<Vec<BlockedAggregate>, StoreError> {
-    // NULL: every type is gated.
-    let types: Option<&[String]> = match fifo {
-        Fifo::Off => return Ok(Vec::new()),
-        Fifo::All => None,
-        Fifo::EventTypes(types) => Some(types),
-    };
+    let Some(types) = gated_types(fifo) else { return Ok(Vec::new()) };
     Ok(diesel::sql_query(BLOCKED_SQL)
         .bind::<Nullable<Array<Text>>, _>(types)
         .bind::<BigInt, _>(limit.max(0))
@@ -88,14 +83,51 @@ pub async fn blocked_aggregates(
         .await?)
 }
 
-// $1 the gated event types (NULL: all), $2 limit. Every probe is a range of the partial index
-// `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, which holds only unfinished rows.
-const BLOCKED_SQL: &str = r#"
-SELECT d.aggregate_type, d.aggregate_id, d.id AS dead_id, d.event_type, d.last_error, d.attempts, d.created_at,
-       (SELECT count(*) FROM outbox AS w
-        WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id
-          AND w.id > d.id AND w.status IN ('pending', 'processing', 'dead')
-          AND ($1::text[] IS NULL OR w.event_type = ANY($1))) AS waiting
+/// How many aggregates are blocked by a dead row under `fifo`: the length
+/// [`blocked_aggregates`] would have without a limit, counted by the database (the same rule,
+/// from the same SQL text), without loading the rows.
+///
+/// Zero with [`Fifo::Off`]. It is a separate statement: read it in the same `REPEATABLE READ`
+/// transaction as [`blocked_aggregates`] when the two must agree.
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
+/// use actix_outbox::Fifo;
+/// use actix_outbox::store::blocked_aggregates_count;
+///
+/// let n = blocked_aggregates_count(conn, &Fifo::event_types(["order.created", "order.paid"])).await?;
+/// println!("{n} aggregates wait for an operator");
+/// # Ok(()) }
+/// ```
+pub async fn blocked_aggregates_count(conn: &mut AsyncPgConnection, fifo: &Fifo) -> Result<i64, StoreError> {
+    #[derive(QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let Some(types) = gated_types(fifo) else { return Ok(0) };
+    let count: Count =
+        diesel::sql_query(BLOCKED_COUNT_SQL).bind::<Nullable<Array<Text>>, _>(types).get_result(conn).await?;
+    Ok(count.n)
+}
+
+/// The `$1` of the queries below: `None` when the gate is off (nothing can be blocked, no query
+/// is needed), otherwise the gated event types, `Some(None)` (SQL `NULL`) meaning every type.
+fn gated_types(fifo: &Fifo) -> Option<Option<&[String]>> {
+    match fifo {
+        Fifo::Off => None,
+        Fifo::All => Some(None),
+        Fifo::EventTypes(types) => Some(Some(types)),
+    }
+}
+
+/// `FROM ... WHERE` selecting the dead heads of blocked aggregates, as `d`: shared, as text, by
+/// the list and the count so that they cannot disagree on what "blocked" means. `$1` is the
+/// gated event types (NULL: all). Every probe is a range of the partial index
+/// `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, which holds only unfinished rows.
+macro_rules! blocked_heads {
+    () => {
+        r#"
 FROM outbox AS d
 WHERE d.status = 'dead'
   AND ($1::text[] IS NULL OR d.event_type = ANY($1))
@@ -104,6 +136,21 @@ WHERE d.status = 'dead'
       WHERE prev.aggregate_type = d.aggregate_type AND prev.aggregate_id = d.aggregate_id
         AND prev.id < d.id AND prev.status IN ('pending', 'processing', 'dead')
         AND ($1::text[] IS NULL OR prev.event_type = ANY($1)))
-ORDER BY d.id
-LIMIT $2
-"#;
+"#
+    };
+}
+
+// $1 the gated event types (NULL: all), $2 limit.
+const BLOCKED_SQL: &str = concat!(
+    r#"
+SELECT d.aggregate_type, d.aggregate_id, d.id AS dead_id, d.event_type, d.last_error, d.attempts, d.created_at,
+       (SELECT count(*) FROM outbox AS w
+        WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id
+          AND w.id > d.id AND w.status IN ('pending', 'processing', 'dead')
+          AND ($1::text[] IS NULL OR w.event_type = ANY($1))) AS waiting"#,
+    blocked_heads!(),
+    "ORDER BY d.id\nLIMIT $2\n"
+);
+
+// $1 the gated event types (NULL: all).
+const BLOCKED_COUNT_SQL: &str = concat!("\nSELECT count(*) AS n", blocked_heads!());
