@@ -41,7 +41,9 @@
 //! processes against the same table (and N publishing processes for the broker ceiling).
 //! Every wait is bounded by `--phase-timeout`; children exit when this process goes away.
 //!
-//! FIFO mode is not offered yet: `DispatcherConfig` has no FIFO setting on this branch.
+//! `--fifo` turns the per-aggregate gate on for every row; the seeded rows belong to 1,000
+//! aggregates (`aggregate_id = n % 1000`), so the gate admits at most one row per aggregate at
+//! a time. The broker ceiling does not depend on it.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -105,9 +107,16 @@ struct Opts {
     /// Rows one worker holds claimed at once (default: the dispatcher's, 2 × batch).
     #[arg(long)]
     max_in_flight: Option<usize>,
+    /// Turn the per-aggregate FIFO gate on for every row (`Fifo::All`); the seeded rows spread
+    /// over 1,000 aggregates.
+    #[arg(long)]
+    fifo: bool,
     /// Dispatcher processes against the same table.
     #[arg(long, default_value_t = 1)]
     processes: usize,
+    /// Phases to run, in this order (the ratio needs the first three).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "broker,database,e2e,latency")]
+    phases: Vec<Phase>,
     /// Runs; the report gives each run and the median.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -138,6 +147,20 @@ struct Opts {
     amqp_url: String,
 }
 
+/// One measurement of a run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Phase {
+    /// Raw lapin, no database.
+    Broker,
+    /// The dispatcher with a do-nothing sink.
+    Database,
+    /// The dispatcher with the RabbitMQ sink, and a consumer.
+    E2e,
+    /// Idle latency.
+    Latency,
+}
+
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u64(d.as_millis() as u64)
 }
@@ -146,6 +169,9 @@ impl Opts {
     /// The dispatcher configuration every child runs with.
     fn dispatcher_config(&self) -> DispatcherConfig {
         let mut config = DispatcherConfig::default().workers(self.workers).batch(self.batch);
+        if self.fifo {
+            config = config.fifo(actix_outbox::Fifo::All);
+        }
         if let Some(n) = self.max_in_flight {
             config = config.max_in_flight(n);
         }
@@ -653,16 +679,16 @@ mod parent {
     /// One run's figures.
     #[derive(Debug, Clone, Default, Serialize)]
     struct RunResult {
-        broker_ceiling_msg_s: f64,
-        database_ceiling_msg_s: f64,
-        end_to_end_msg_s: f64,
-        ratio: f64,
+        broker_ceiling_msg_s: Option<f64>,
+        database_ceiling_msg_s: Option<f64>,
+        end_to_end_msg_s: Option<f64>,
+        ratio: Option<f64>,
         latency_confirm_p50_ms: Option<f64>,
         latency_confirm_p99_ms: Option<f64>,
         latency_delivery_p50_ms: Option<f64>,
         latency_delivery_p99_ms: Option<f64>,
         /// Largest `VmHWM` of the dispatcher processes, over the phases that ran them.
-        peak_rss_mib: f64,
+        peak_rss_mib: Option<f64>,
         /// Duplicate deliveries the consumer saw in the end-to-end phase (at-least-once).
         end_to_end_duplicates: usize,
     }
@@ -809,6 +835,9 @@ mod parent {
         if let Some(n) = opts.max_in_flight {
             args.extend(["--max-in-flight".to_owned(), n.to_string()]);
         }
+        if opts.fifo {
+            args.push("--fifo".to_owned());
+        }
         args
     }
 
@@ -844,7 +873,52 @@ mod parent {
         let mut result = RunResult::default();
         let mut peak_kib = 0_u64;
 
+        let phase = |p: Phase| opts.phases.contains(&p);
+
         // 1. Broker ceiling.
+        if phase(Phase::Broker) {
+            result.broker_ceiling_msg_s = Some(broker_ceiling(opts, names, run, tally).await?);
+        }
+
+        // 2. Database ceiling.
+        if phase(Phase::Database) {
+            let (first, _) = seed(db, n, opts).await?;
+            let elapsed = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
+            verify_done(db, n).await?;
+            result.database_ceiling_msg_s = Some(n as f64 / elapsed.as_secs_f64());
+        }
+
+        // 3. End to end.
+        if phase(Phase::E2e) {
+            let (first, _) = seed(db, n, opts).await?;
+            let elapsed = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+            verify_done(db, n).await?;
+            result.end_to_end_msg_s = Some(n as f64 / elapsed.as_secs_f64());
+            result.end_to_end_duplicates = tally_of(tally).duplicates;
+        }
+
+        // 4. The ratio.
+        if let (Some(e2e), Some(broker), Some(database)) =
+            (result.end_to_end_msg_s, result.broker_ceiling_msg_s, result.database_ceiling_msg_s)
+        {
+            result.ratio = Some(e2e / broker.min(database));
+        }
+
+        // 5. Idle latency.
+        if phase(Phase::Latency) && opts.latency_samples > 0 {
+            let latency = idle_latency(opts, names, db, tally, &mut peak_kib).await?;
+            result.latency_confirm_p50_ms = Some(latency.0);
+            result.latency_confirm_p99_ms = Some(latency.1);
+            result.latency_delivery_p50_ms = Some(latency.2);
+            result.latency_delivery_p99_ms = Some(latency.3);
+        }
+        result.peak_rss_mib = (peak_kib > 0).then(|| peak_kib as f64 / 1024.0);
+        Ok(result)
+    }
+
+    /// Raw lapin publishing of `--messages` messages from `--processes` children; returns msg/s.
+    async fn broker_ceiling(opts: &Opts, names: &Names, run: usize, tally: &Mutex<Tally>) -> Result<f64, BoxError> {
+        let n = opts.messages;
         let first_raw = RAW_ID_BASE + (run * n) as i64;
         let mut args = Vec::new();
         let mut next = first_raw;
@@ -863,11 +937,13 @@ mod parent {
         let deadline = tokio::time::Instant::now() + opts.phase_timeout;
         let mut confirms = HashMap::new();
         let mut ended = None;
+        let mut open = true;
         while ended.is_none() {
             tokio::select! {
-                line = kids.lines.recv() => match line {
+                // The children exit once their last confirm is in; the consumer may still be busy.
+                line = kids.lines.recv(), if open => match line {
                     Some(line) => kids.apply(line, &mut confirms)?,
-                    None => return Err("broker children vanished".into()),
+                    None => open = false,
                 },
                 () = tokio::time::sleep(REPORT_PERIOD) => {}
                 () = tokio::time::sleep_until(deadline) => return Err("broker ceiling phase timed out".into()),
@@ -881,33 +957,7 @@ mod parent {
             return Err(format!("broker ceiling: {failed} publishes were not acked").into());
         }
         drop(kids);
-        result.broker_ceiling_msg_s = n as f64 / ended.unwrap_or_default().as_secs_f64();
-
-        // 2. Database ceiling.
-        let (first, _) = seed(db, n, opts).await?;
-        let elapsed = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
-        verify_done(db, n).await?;
-        result.database_ceiling_msg_s = n as f64 / elapsed.as_secs_f64();
-
-        // 3. End to end.
-        let (first, _) = seed(db, n, opts).await?;
-        let elapsed = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
-        verify_done(db, n).await?;
-        result.end_to_end_msg_s = n as f64 / elapsed.as_secs_f64();
-        result.end_to_end_duplicates = tally_of(tally).duplicates;
-        result.ratio =
-            result.end_to_end_msg_s / result.broker_ceiling_msg_s.min(result.database_ceiling_msg_s).max(f64::EPSILON);
-
-        // 5. Idle latency.
-        if opts.latency_samples > 0 {
-            let latency = idle_latency(opts, names, db, tally, &mut peak_kib).await?;
-            result.latency_confirm_p50_ms = Some(latency.0);
-            result.latency_confirm_p99_ms = Some(latency.1);
-            result.latency_delivery_p50_ms = Some(latency.2);
-            result.latency_delivery_p99_ms = Some(latency.3);
-        }
-        result.peak_rss_mib = peak_kib as f64 / 1024.0;
-        Ok(result)
+        Ok(n as f64 / ended.unwrap_or_default().as_secs_f64())
     }
 
     /// Empties the table, inserts `n` pending rows in one statement, vacuums and analyses it.
@@ -1095,8 +1145,7 @@ mod parent {
     }
 
     fn median_of(runs: &[RunResult]) -> RunResult {
-        let m = |f: fn(&RunResult) -> f64| median(runs.iter().map(f).collect());
-        let mo = |f: fn(&RunResult) -> Option<f64>| {
+        let m = |f: fn(&RunResult) -> Option<f64>| {
             let values: Vec<f64> = runs.iter().filter_map(f).collect();
             (!values.is_empty()).then(|| median(values))
         };
@@ -1105,10 +1154,10 @@ mod parent {
             database_ceiling_msg_s: m(|r| r.database_ceiling_msg_s),
             end_to_end_msg_s: m(|r| r.end_to_end_msg_s),
             ratio: m(|r| r.ratio),
-            latency_confirm_p50_ms: mo(|r| r.latency_confirm_p50_ms),
-            latency_confirm_p99_ms: mo(|r| r.latency_confirm_p99_ms),
-            latency_delivery_p50_ms: mo(|r| r.latency_delivery_p50_ms),
-            latency_delivery_p99_ms: mo(|r| r.latency_delivery_p99_ms),
+            latency_confirm_p50_ms: m(|r| r.latency_confirm_p50_ms),
+            latency_confirm_p99_ms: m(|r| r.latency_confirm_p99_ms),
+            latency_delivery_p50_ms: m(|r| r.latency_delivery_p50_ms),
+            latency_delivery_p99_ms: m(|r| r.latency_delivery_p99_ms),
             peak_rss_mib: m(|r| r.peak_rss_mib),
             end_to_end_duplicates: runs.iter().map(|r| r.end_to_end_duplicates).max().unwrap_or(0),
         }
@@ -1121,10 +1170,19 @@ mod parent {
             report.date, report.machine.cores, report.machine.postgres
         );
         println!(
-            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  runs {}",
-            o.messages, o.payload_bytes, o.workers, o.batch, report.in_flight_per_process, o.processes, o.runs
+            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  runs {}",
+            o.messages,
+            o.payload_bytes,
+            o.workers,
+            o.batch,
+            report.in_flight_per_process,
+            o.processes,
+            if o.fifo { "on (1,000 aggregates)" } else { "off" },
+            o.runs
         );
         let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+        let rate = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
+        let pct = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{:.0}%", v * 100.0));
         println!(
             "{:<8} {:>12} {:>12} {:>12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>5}",
             "run",
@@ -1141,17 +1199,17 @@ mod parent {
         );
         let row = |name: &str, r: &RunResult| {
             println!(
-                "{:<8} {:>12.0} {:>12.0} {:>12.0} {:>5.0}% {:>10} {:>10} {:>10} {:>10} {:>9.1} {:>5}",
+                "{:<8} {:>12} {:>12} {:>12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>5}",
                 name,
-                r.broker_ceiling_msg_s,
-                r.database_ceiling_msg_s,
-                r.end_to_end_msg_s,
-                r.ratio * 100.0,
+                rate(r.broker_ceiling_msg_s),
+                rate(r.database_ceiling_msg_s),
+                rate(r.end_to_end_msg_s),
+                pct(r.ratio),
                 ms(r.latency_confirm_p50_ms),
                 ms(r.latency_confirm_p99_ms),
                 ms(r.latency_delivery_p50_ms),
                 ms(r.latency_delivery_p99_ms),
-                r.peak_rss_mib,
+                ms(r.peak_rss_mib),
                 r.end_to_end_duplicates
             )
         };
