@@ -111,6 +111,9 @@ struct Opts {
     /// over 1,000 aggregates.
     #[arg(long)]
     fifo: bool,
+    /// Confirm channels of each raw publisher (broker ceiling); the sink uses one.
+    #[arg(long, default_value_t = 1)]
+    raw_channels: usize,
     /// Dispatcher processes against the same table.
     #[arg(long, default_value_t = 1)]
     processes: usize,
@@ -249,6 +252,49 @@ fn main() -> ExitCode {
 
 fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
     Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}
+
+/// Busy CPU time of the whole machine so far (every core, every process: `/proc/stat` minus
+/// idle and iowait), in seconds; `None` off Linux. Read at both ends of a phase, it says how
+/// much CPU the phase cost, whoever spent it (PostgreSQL, RabbitMQ, the dispatcher, the
+/// consumer, and anything else running on the machine meanwhile).
+fn machine_busy_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let ticks: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|t| t.parse().ok()).collect();
+    let (idle, iowait) = (*ticks.get(3)?, *ticks.get(4)?);
+    // USER_HZ is 100 on every Linux that matters.
+    Some((ticks.iter().sum::<u64>() - idle - iowait) as f64 / 100.0)
+}
+
+/// A phase's wall time and the machine's busy CPU time over it.
+#[derive(Debug, Clone, Copy)]
+struct Spent {
+    wall: Duration,
+    cpu_seconds: Option<f64>,
+    /// CPU time of the dispatcher processes alone (dispatcher phases only).
+    dispatcher_cpu_seconds: Option<f64>,
+    /// Most rows done but not yet seen by the consumer at once (end to end only).
+    consumer_lag: Option<u64>,
+}
+
+impl Spent {
+    fn since(started: Instant, busy_before: Option<f64>) -> Self {
+        let wall = started.elapsed();
+        let cpu_seconds = busy_before.zip(machine_busy_seconds()).map(|(before, after)| after - before);
+        Self { wall, cpu_seconds, dispatcher_cpu_seconds: None, consumer_lag: None }
+    }
+
+    fn rate(&self, n: usize) -> f64 {
+        n as f64 / self.wall.as_secs_f64()
+    }
+
+    fn cpu_us_per_message(&self, n: usize) -> Option<f64> {
+        self.cpu_seconds.map(|s| s * 1e6 / n as f64)
+    }
+
+    fn dispatcher_us_per_message(&self, n: usize) -> Option<f64> {
+        self.dispatcher_cpu_seconds.map(|s| s * 1e6 / n as f64)
+    }
 }
 
 fn unix_nanos(t: SystemTime) -> i128 {
@@ -392,7 +438,17 @@ mod child {
     #[derive(Serialize)]
     struct Final {
         peak_rss_kib: u64,
+        /// CPU time this process spent from `go` to `stop`, in seconds.
+        cpu_seconds: Option<f64>,
         metrics: Option<MetricsSnapshot>,
+    }
+
+    /// CPU time (user + system) this process has used so far, in seconds.
+    fn own_cpu_seconds() -> Option<f64> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let (user, system): (u64, u64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
+        Some((user + system) as f64 / 100.0)
     }
 
     pub(super) async fn dispatcher(role: DispatcherChild, opts: Opts) -> Result<(), BoxError> {
@@ -420,6 +476,7 @@ mod child {
         if !wait_for(&mut commands, "go", deadline).await {
             return Ok(());
         }
+        let cpu_at_go = own_cpu_seconds();
         let supervisor = match (&rabbit, role.report_confirms) {
             (None, _) => OutboxSupervisor::start(config, pool, NullSink)?,
             (Some(sink), false) => OutboxSupervisor::start(config, pool, sink.clone())?,
@@ -441,12 +498,13 @@ mod child {
                 () = tokio::time::sleep_until(stop_at) => break,
             }
         }
+        let cpu_seconds = cpu_at_go.zip(own_cpu_seconds()).map(|(go, stop)| stop - go);
         supervisor.send(Shutdown).await?;
         let metrics = supervisor.send(GetMetrics).await.ok();
         if let Some(sink) = &rabbit {
             sink.close().await;
         }
-        let report = Final { peak_rss_kib: peak_rss_kib(), metrics };
+        let report = Final { peak_rss_kib: peak_rss_kib(), cpu_seconds, metrics };
         emit(&format!("final {}", serde_json::to_string(&report)?));
         Ok(())
     }
@@ -456,8 +514,12 @@ mod child {
     pub(super) async fn broker(role: BrokerChild, opts: Opts) -> Result<ExitCode, BoxError> {
         let mut commands = commands();
         let conn = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
-        let channel = conn.create_channel().await?;
-        channel.confirm_select(ConfirmSelectOptions::default()).await?;
+        let mut channels = Vec::new();
+        for _ in 0..opts.raw_channels.max(1) {
+            let channel = conn.create_channel().await?;
+            channel.confirm_select(ConfirmSelectOptions::default()).await?;
+            channels.push(channel);
+        }
         let pad = opts.pad();
         let depth = opts.depth_per_process();
         let exchange: ShortString = role.exchange.as_str().into();
@@ -479,7 +541,8 @@ mod child {
                     settle(outcome);
                 }
                 let id = role.first_id + n as i64;
-                let (channel, exchange, payload) = (channel.clone(), exchange.clone(), body(id, &pad));
+                let channel = channels[n % channels.len()].clone();
+                let (exchange, payload) = (exchange.clone(), body(id, &pad));
                 let aggregate = (id % 1000).to_string();
                 in_flight.push(async move {
                     let options = BasicPublishOptions { mandatory: true, immediate: false };
@@ -683,6 +746,15 @@ mod parent {
         database_ceiling_msg_s: Option<f64>,
         end_to_end_msg_s: Option<f64>,
         ratio: Option<f64>,
+        /// Busy CPU time of the whole machine per message, in microseconds, for the broker
+        /// ceiling, the database ceiling and end to end.
+        broker_cpu_us_per_msg: Option<f64>,
+        database_cpu_us_per_msg: Option<f64>,
+        end_to_end_cpu_us_per_msg: Option<f64>,
+        /// CPU time of the dispatcher processes alone per message, in microseconds, in the
+        /// database-ceiling and end-to-end phases.
+        database_dispatcher_us_per_msg: Option<f64>,
+        end_to_end_dispatcher_us_per_msg: Option<f64>,
         latency_confirm_p50_ms: Option<f64>,
         latency_confirm_p99_ms: Option<f64>,
         latency_delivery_p50_ms: Option<f64>,
@@ -691,6 +763,9 @@ mod parent {
         peak_rss_mib: Option<f64>,
         /// Duplicate deliveries the consumer saw in the end-to-end phase (at-least-once).
         end_to_end_duplicates: usize,
+        /// Most messages confirmed (rows done) but not yet at the consumer at once, end to end:
+        /// a consumer that falls behind makes the broker queue (and store) messages.
+        end_to_end_consumer_lag: Option<u64>,
     }
 
     #[derive(Serialize)]
@@ -831,6 +906,8 @@ mod parent {
             opts.amqp_url.clone(),
             "--phase-timeout".to_owned(),
             humantime::format_duration(opts.phase_timeout).to_string(),
+            "--raw-channels".to_owned(),
+            opts.raw_channels.to_string(),
         ];
         if let Some(n) = opts.max_in_flight {
             args.extend(["--max-in-flight".to_owned(), n.to_string()]);
@@ -877,23 +954,30 @@ mod parent {
 
         // 1. Broker ceiling.
         if phase(Phase::Broker) {
-            result.broker_ceiling_msg_s = Some(broker_ceiling(opts, names, run, tally).await?);
+            let spent = broker_ceiling(opts, names, run, tally).await?;
+            result.broker_ceiling_msg_s = Some(spent.rate(n));
+            result.broker_cpu_us_per_msg = spent.cpu_us_per_message(n);
         }
 
         // 2. Database ceiling.
         if phase(Phase::Database) {
             let (first, _) = seed(db, n, opts).await?;
-            let elapsed = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
+            let spent = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
             verify_done(db, n).await?;
-            result.database_ceiling_msg_s = Some(n as f64 / elapsed.as_secs_f64());
+            result.database_ceiling_msg_s = Some(spent.rate(n));
+            result.database_cpu_us_per_msg = spent.cpu_us_per_message(n);
+            result.database_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
         }
 
         // 3. End to end.
         if phase(Phase::E2e) {
             let (first, _) = seed(db, n, opts).await?;
-            let elapsed = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+            let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
             verify_done(db, n).await?;
-            result.end_to_end_msg_s = Some(n as f64 / elapsed.as_secs_f64());
+            result.end_to_end_msg_s = Some(spent.rate(n));
+            result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
+            result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
+            result.end_to_end_consumer_lag = spent.consumer_lag;
             result.end_to_end_duplicates = tally_of(tally).duplicates;
         }
 
@@ -917,7 +1001,7 @@ mod parent {
     }
 
     /// Raw lapin publishing of `--messages` messages from `--processes` children; returns msg/s.
-    async fn broker_ceiling(opts: &Opts, names: &Names, run: usize, tally: &Mutex<Tally>) -> Result<f64, BoxError> {
+    async fn broker_ceiling(opts: &Opts, names: &Names, run: usize, tally: &Mutex<Tally>) -> Result<Spent, BoxError> {
         let n = opts.messages;
         let first_raw = RAW_ID_BASE + (run * n) as i64;
         let mut args = Vec::new();
@@ -932,6 +1016,7 @@ mod parent {
         tally_of(tally).expect(first_raw, n, false);
         let mut kids = Kids::spawn(&args)?;
         kids.ready(Duration::from_secs(30)).await?;
+        let busy = machine_busy_seconds();
         let started = Instant::now();
         kids.go();
         let deadline = tokio::time::Instant::now() + opts.phase_timeout;
@@ -949,7 +1034,7 @@ mod parent {
                 () = tokio::time::sleep_until(deadline) => return Err("broker ceiling phase timed out".into()),
             }
             if kids.kids.iter().all(|k| k.last.is_some()) && tally_of(tally).distinct == n {
-                ended = Some(started.elapsed());
+                ended = Some(Spent::since(started, busy));
             }
         }
         let failed: u64 = kids.kids.iter().filter_map(|k| k.last.as_ref()?.get("failed")?.as_u64()).sum();
@@ -957,7 +1042,7 @@ mod parent {
             return Err(format!("broker ceiling: {failed} publishes were not acked").into());
         }
         drop(kids);
-        Ok(n as f64 / ended.unwrap_or_default().as_secs_f64())
+        ended.ok_or_else(|| "broker ceiling ended without a time".into())
     }
 
     /// Empties the table, inserts `n` pending rows in one statement, vacuums and analyses it.
@@ -1021,17 +1106,19 @@ mod parent {
         tally: &Mutex<Tally>,
         first: i64,
         peak_kib: &mut u64,
-    ) -> Result<Duration, BoxError> {
+    ) -> Result<Spent, BoxError> {
         let rabbit = sink == "rabbit";
         tally_of(tally).expect(first, n, false);
         let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, sink, false)).collect();
         let mut kids = Kids::spawn(&args)?;
         kids.ready(Duration::from_secs(30)).await?;
+        let busy = machine_busy_seconds();
         let started = Instant::now();
         kids.go();
         let deadline = tokio::time::Instant::now() + opts.phase_timeout;
         let mut confirms = HashMap::new();
-        let elapsed = loop {
+        let mut max_lag = 0_u64;
+        let mut spent = loop {
             tokio::select! {
                 line = kids.lines.recv() => match line {
                     Some(line) => kids.apply(line, &mut confirms)?,
@@ -1042,14 +1129,22 @@ mod parent {
                     return Err(format!("{sink} phase timed out with {} of {n} rows done", kids.done()).into());
                 }
             }
-            if kids.done() >= n as u64 && (!rabbit || tally_of(tally).distinct == n) {
-                break started.elapsed();
+            let consumed = tally_of(tally).distinct;
+            if rabbit {
+                max_lag = max_lag.max(kids.done().saturating_sub(consumed as u64));
+            }
+            if kids.done() >= n as u64 && (!rabbit || consumed == n) {
+                break Spent::since(started, busy);
             }
         };
+        let mut dispatcher_cpu = 0.0;
         for report in kids.stop(Duration::from_secs(30)).await? {
             *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
+            dispatcher_cpu += report.get("cpu_seconds").and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
         }
-        Ok(elapsed)
+        spent.dispatcher_cpu_seconds = dispatcher_cpu.is_finite().then_some(dispatcher_cpu);
+        spent.consumer_lag = rabbit.then_some(max_lag);
+        Ok(spent)
     }
 
     /// Inserts rows one at a time while the dispatcher idles; returns commit → confirm p50, p99
@@ -1154,12 +1249,18 @@ mod parent {
             database_ceiling_msg_s: m(|r| r.database_ceiling_msg_s),
             end_to_end_msg_s: m(|r| r.end_to_end_msg_s),
             ratio: m(|r| r.ratio),
+            broker_cpu_us_per_msg: m(|r| r.broker_cpu_us_per_msg),
+            database_cpu_us_per_msg: m(|r| r.database_cpu_us_per_msg),
+            end_to_end_cpu_us_per_msg: m(|r| r.end_to_end_cpu_us_per_msg),
+            database_dispatcher_us_per_msg: m(|r| r.database_dispatcher_us_per_msg),
+            end_to_end_dispatcher_us_per_msg: m(|r| r.end_to_end_dispatcher_us_per_msg),
             latency_confirm_p50_ms: m(|r| r.latency_confirm_p50_ms),
             latency_confirm_p99_ms: m(|r| r.latency_confirm_p99_ms),
             latency_delivery_p50_ms: m(|r| r.latency_delivery_p50_ms),
             latency_delivery_p99_ms: m(|r| r.latency_delivery_p99_ms),
             peak_rss_mib: m(|r| r.peak_rss_mib),
             end_to_end_duplicates: runs.iter().map(|r| r.end_to_end_duplicates).max().unwrap_or(0),
+            end_to_end_consumer_lag: runs.iter().filter_map(|r| r.end_to_end_consumer_lag).max(),
         }
     }
 
@@ -1183,46 +1284,74 @@ mod parent {
         let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
         let rate = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
         let pct = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{:.0}%", v * 100.0));
-        println!(
-            "{:<8} {:>12} {:>12} {:>12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>5}",
-            "run",
-            "broker/s",
-            "database/s",
-            "e2e/s",
-            "ratio",
-            "conf p50",
-            "conf p99",
-            "deliv p50",
-            "deliv p99",
-            "rss MiB",
-            "dups"
-        );
+        let us = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
+        let columns = [
+            ("run", 8),
+            ("broker/s", 9),
+            ("db/s", 9),
+            ("e2e/s", 9),
+            ("ratio", 6),
+            ("cpu:broker", 10),
+            ("cpu:db", 7),
+            ("cpu:e2e", 8),
+            ("disp:db", 8),
+            ("disp:e2e", 8),
+            ("conf p50", 9),
+            ("conf p99", 9),
+            ("dlv p50", 8),
+            ("dlv p99", 8),
+            ("rss MiB", 8),
+            ("dups", 5),
+        ];
+        let line = |cells: &[String]| {
+            let text: Vec<String> = cells
+                .iter()
+                .zip(columns)
+                .enumerate()
+                .map(|(i, (cell, (_, w)))| if i == 0 { format!("{cell:<w$}") } else { format!("{cell:>w$}") })
+                .collect();
+            println!("{}", text.join(" "));
+        };
+        line(&columns.map(|(name, _)| name.to_owned()));
         let row = |name: &str, r: &RunResult| {
-            println!(
-                "{:<8} {:>12} {:>12} {:>12} {:>6} {:>10} {:>10} {:>10} {:>10} {:>9} {:>5}",
-                name,
+            line(&[
+                name.to_owned(),
                 rate(r.broker_ceiling_msg_s),
                 rate(r.database_ceiling_msg_s),
                 rate(r.end_to_end_msg_s),
                 pct(r.ratio),
+                us(r.broker_cpu_us_per_msg),
+                us(r.database_cpu_us_per_msg),
+                us(r.end_to_end_cpu_us_per_msg),
+                us(r.database_dispatcher_us_per_msg),
+                us(r.end_to_end_dispatcher_us_per_msg),
                 ms(r.latency_confirm_p50_ms),
                 ms(r.latency_confirm_p99_ms),
                 ms(r.latency_delivery_p50_ms),
                 ms(r.latency_delivery_p99_ms),
                 ms(r.peak_rss_mib),
-                r.end_to_end_duplicates
-            )
+                r.end_to_end_duplicates.to_string(),
+            ])
         };
         for (i, r) in report.runs.iter().enumerate() {
             row(&format!("{}", i + 1), r);
         }
         row(&format!("median/{}", report.runs.len()), &report.median);
         println!(
-            "broker = raw lapin, no database; database = dispatcher with a do-nothing sink; e2e = dispatcher + RabbitMQ sink \
-             + consumer; ratio = e2e / min(broker, database); latency (ms, idle, {} rows {} apart) from the producer's \
-             commit to the sink's confirm (conf) and to the consumer (deliv); rss = peak VmHWM of one dispatcher process",
+            "broker = raw lapin, no database (msg/s); db = the dispatcher with a do-nothing sink; e2e = the dispatcher"
+        );
+        println!(
+            "with the RabbitMQ sink, to every row done and every id at the consumer; ratio = e2e / min(broker, db);"
+        );
+        println!("cpu:* = busy CPU time of the whole machine per message in that phase (us, all processes);");
+        println!("disp:* = CPU time of the dispatcher processes alone per message (us);");
+        println!(
+            "conf/dlv = idle latency (ms, {} rows {} apart) from the producer's commit to the sink's publisher confirm / to",
             o.latency_samples,
             humantime::format_duration(o.latency_interval)
+        );
+        println!(
+            "the consumer's delivery; rss = largest peak RSS (VmHWM) of one dispatcher process; dups = duplicate deliveries."
         );
     }
 }

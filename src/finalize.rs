@@ -5,6 +5,7 @@
 //! (one statement per outcome kind), so a busy dispatcher finalizes hundreds of rows per round
 //! trip while an idle one finalizes a lone row at once.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -168,8 +169,10 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
 
     // `won` is None when the statement failed: the rows' fate is unknown until lease expiry.
     let mut answer = |fences: &mut dyn Iterator<Item = Fence>, won: Option<&[i64]>| {
+        // A set, not `won.contains`: a flush of n rows would otherwise cost n² comparisons.
+        let won: Option<HashSet<i64>> = won.map(|w| w.iter().copied().collect());
         for fence in fences {
-            let fenced = match won {
+            let fenced = match &won {
                 Some(won) if won.contains(&fence.id) => Fenced::Won,
                 Some(_) => {
                     Metrics::add(&metrics.lost_leases, 1);
@@ -200,8 +203,7 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         let result = with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
         let ids: Option<Vec<i64>> = match &result {
             Ok(rows) => {
-                let refunded: std::collections::HashSet<i64> =
-                    resched.iter().filter(|r| r.refund_attempt).map(|r| r.fence.id).collect();
+                let refunded: HashSet<i64> = resched.iter().filter(|r| r.refund_attempt).map(|r| r.fence.id).collect();
                 for row in rows {
                     let refund = refunded.contains(&row.id);
                     let counter = match (row.status, refund) {

@@ -59,9 +59,16 @@ impl Actor for PublishActor {
         let span = info_span!("publish", outbox_id = message.id, lease_version = message.lease_version,
             attempt = message.attempts, event_type = %message.event_type);
 
-        // A sink slower than a third of the lease keeps its claim alive (fenced).
-        let fence = message.fence();
-        ctx.run_interval(self.shared.config.lease / 3, move |act, _| act.finalizer.do_send(Heartbeat(fence)));
+        // A sink slower than a third of the lease keeps its claim alive (fenced). When the
+        // publish timeout ends every publish before that mark (the default: 10 s against 20 s),
+        // no heartbeat could ever fire, so the timer is not armed at all: one timer less per
+        // message. A heartbeat after the publish ended would buy nothing either: the outcome
+        // is already queued at the finalizer, which applies it before any later heartbeat.
+        let heartbeat_every = self.shared.config.lease / 3;
+        if self.shared.config.publish_timeout >= heartbeat_every {
+            let fence = message.fence();
+            ctx.run_interval(heartbeat_every, move |act, _| act.finalizer.do_send(Heartbeat(fence)));
+        }
 
         let shared = self.shared.clone();
         let finalizer = self.finalizer.clone();

@@ -368,3 +368,31 @@ async fn inserts_wake_an_idle_dispatcher_without_polling() {
     assert_eq!(drain(&mut rx).len(), 9);
     dispatcher.send(Shutdown).await.unwrap();
 }
+
+/// A publish still running at a third of the lease extends its lease (a fenced heartbeat), so a
+/// slow but alive sink keeps its claim; the row then ends done at its first attempt. With the
+/// publish timeout shorter than a third of the lease no heartbeat is needed (nor armed): the
+/// publish ends before the first one would fire.
+#[actix_rt::test]
+async fn slow_publish_extends_its_lease_by_heartbeat() {
+    let db = TestDb::new().await;
+    let ids = db.seed(1, "a").await;
+    let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(900)));
+    let lease = Duration::from_millis(1500);
+    let config = config().workers(1).lease(lease).publish_timeout(Duration::from_millis(1400));
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "row claimed", || async { db.row(ids[0]).await.status() == Status::Processing }).await;
+    let claimed = db.row(ids[0]).await.lease_until.expect("a claimed row has a lease");
+    // The heartbeat fires at lease / 3 = 500 ms and pushes lease_until to now() + lease.
+    eventually(WITHIN, "lease extended", || async {
+        db.row(ids[0]).await.lease_until.is_some_and(|until| until - claimed > chrono::Duration::milliseconds(300))
+    })
+    .await;
+    all_done(&db, 1).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let row = db.row(ids[0]).await;
+    assert_eq!((row.lease_version, row.attempts), (1, 1), "one claim, never taken over: {row:?}");
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.done, m.lost_leases, m.retried), (1, 0, 0));
+}

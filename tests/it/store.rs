@@ -357,6 +357,61 @@ async fn batch_finalize_reports_winners_and_leaves_losers_alone() {
     }
 }
 
+/// The plan-cache trap (STACK-NOTES): once PostgreSQL caches a generic plan for
+/// `UPDATE ... FROM unnest($1, $2)`, it assumes a ten-element array and loops over every
+/// processing row for each element (measured: 755 ms instead of 6 ms for 500 rows among 17,000
+/// processing ones). The finalize statements must never run on a generic plan: not on the
+/// pool's connections (which set `plan_cache_mode = force_custom_plan`), and not on a plain
+/// connection either, since diesel's `sql_query` is never cached as a named statement, so every
+/// execution is planned for its own array. Seven executions each: the generic plan is tried from
+/// the sixth.
+#[tokio::test]
+async fn finalize_statements_never_run_on_a_generic_plan() {
+    let db = TestDb::new().await;
+    db.seed(140, "a").await;
+    let mut plain = db.conn().await;
+    let mut pooled = db.pool.get().await.unwrap();
+    #[derive(QueryableByName)]
+    struct Setting {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        plan_cache_mode: String,
+    }
+    let mode: Setting = diesel::sql_query("SHOW plan_cache_mode").get_result(&mut *pooled).await.unwrap();
+    assert_eq!(mode.plan_cache_mode, "force_custom_plan", "the pool sets up its connections");
+
+    #[derive(QueryableByName)]
+    struct Cached {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        statement: String,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        generic_plans: i64,
+    }
+    let generic = async |conn: &mut AsyncPgConnection| -> Vec<Cached> {
+        diesel::sql_query(
+            "SELECT statement, generic_plans FROM pg_prepared_statements
+             WHERE generic_plans > 0 AND statement NOT LIKE '%pg_prepared_statements%'",
+        )
+        .load(conn)
+        .await
+        .unwrap()
+    };
+    for conn in [&mut plain, &mut *pooled] {
+        for _ in 0..7 {
+            let claimed = claim(conn, "A", 10, LONG, 12).await.messages;
+            assert_eq!(claimed.len(), 10);
+            let fences: Vec<_> = claimed.iter().map(|m| m.fence()).collect();
+            assert_eq!(store::mark_done(conn, &fences).await.unwrap().len(), 10);
+        }
+        let cached: Vec<String> = generic(conn)
+            .await
+            .into_iter()
+            .map(|c| format!("{} generic plans: {}", c.generic_plans, c.statement))
+            .collect();
+        assert!(cached.is_empty(), "statements ran on a generic plan: {cached:?}");
+    }
+    assert_eq!(db.count_status("done").await, 140);
+}
+
 /// The heartbeat extends a live claim's lease and is fenced like every other write.
 #[tokio::test]
 async fn heartbeat_extends_only_current_leases() {
