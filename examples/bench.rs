@@ -15,8 +15,9 @@
 //! 1. **broker ceiling**: raw lapin, no database. The same messages (same body, properties and
 //!    headers as the RabbitMQ sink sends, persistent, `mandatory`, publisher confirms) with the
 //!    same in-flight depth as the dispatcher (`processes × workers × max_in_flight`, one
-//!    connection and channel per process, like the sink). Timed from the start to the last
-//!    confirm *and* the last delivery at the consumer.
+//!    connection and one confirm channel per process, like the sink; `--raw-channels` tries
+//!    more), and the same consumer draining the queue as end to end. Timed from the start to
+//!    the last confirm *and* the last delivery at the consumer.
 //! 2. **database ceiling**: the dispatcher itself (claim, fenced batched finalize) with a sink
 //!    that does nothing, from `--messages` pending rows to every row `done`.
 //! 3. **end to end**: the dispatcher with the RabbitMQ sink, from `--messages` pending rows to
@@ -34,6 +35,13 @@
 //!    the dispatcher runs in child processes (this binary re-executed), so the benchmark's own
 //!    seeding, consumer and bookkeeping are not counted.
 //!
+//! Beside the rates it prints where the CPU went: the busy time of the whole machine per
+//! message in each throughput phase (`/proc/stat`: PostgreSQL, RabbitMQ, the dispatcher, the
+//! consumer and anything else running), and the dispatcher processes' own CPU per message. On
+//! a machine where everything shares a few cores, end to end costs about the sum of the two
+//! ceilings' CPU per message, and these columns show it.
+//!
+//! `--phases` picks phases (`broker,database,e2e,latency`); `--json` prints one JSON document.
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
 //! `VACUUM ANALYZE`d, so every phase starts from the same state. The dispatcher runs with its
 //! default settings except those given on the command line, and a pool of `workers + 2`
@@ -708,7 +716,7 @@ mod parent {
         duplicates: usize,
         /// Messages outside the range (another phase's stragglers).
         stray: usize,
-        /// Arrival instants, recorded only in the latency phase.
+        /// First arrival of every id, whatever its range, recorded only in the latency phase.
         arrivals: Option<HashMap<i64, SystemTime>>,
     }
 
@@ -723,7 +731,9 @@ mod parent {
         }
 
         fn record(&mut self, id: i64) {
-            let at = SystemTime::now();
+            if let Some(arrivals) = &mut self.arrivals {
+                arrivals.entry(id).or_insert_with(SystemTime::now);
+            }
             let Some(slot) = usize::try_from(id - self.first).ok().and_then(|i| self.seen.get_mut(i)) else {
                 self.stray += 1;
                 return;
@@ -732,9 +742,6 @@ mod parent {
                 self.duplicates += 1;
             } else {
                 self.distinct += 1;
-                if let Some(arrivals) = &mut self.arrivals {
-                    arrivals.insert(id, at);
-                }
             }
         }
     }
@@ -791,7 +798,11 @@ mod parent {
         }
         opts.dispatcher_config().validate()?;
         let names = Names::new(&opts)?;
-        let result = bench(&opts, &names).await;
+        // Ctrl-C still cleans up: the children see their stdin close and stop.
+        let result = tokio::select! {
+            result = bench(&opts, &names) => result,
+            _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
+        };
         let cleanup = cleanup(&opts, &names).await;
         let report = result?;
         if let Err(e) = cleanup {
@@ -1183,7 +1194,8 @@ mod parent {
             .bind::<BigInt, _>(n as i64)
             .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
         };
-        // Ids come from the identity: the next one is known after the first insert.
+        // The ids are known only once inserted: record every arrival, whatever its id.
+        tally_of(tally).expect(0, 0, true);
         let mut commits: Vec<(i64, SystemTime)> = Vec::with_capacity(opts.latency_samples);
         let mut next_tick = tokio::time::Instant::now();
         for sample in 0..opts.latency_samples {
@@ -1192,9 +1204,6 @@ mod parent {
             let id: Id = insert(sample).get_result(db).await?;
             // The autocommit INSERT has returned: the row is committed and visible.
             let committed = SystemTime::now();
-            if sample == 0 {
-                tally_of(tally).expect(id.id, opts.latency_samples, true);
-            }
             commits.push((id.id, committed));
             while let Ok(line) = kids.lines.try_recv() {
                 kids.apply(line, &mut confirms)?;
@@ -1202,7 +1211,8 @@ mod parent {
         }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
         let all_in = |confirms: &HashMap<i64, SystemTime>, tally: &Tally| {
-            commits.iter().all(|(id, _)| confirms.contains_key(id) && tally.seen[(id - tally.first) as usize])
+            let arrivals = tally.arrivals.as_ref();
+            commits.iter().all(|(id, _)| confirms.contains_key(id) && arrivals.is_some_and(|a| a.contains_key(id)))
         };
         while !all_in(&confirms, &tally_of(tally)) {
             match tokio::time::timeout_at(deadline, kids.lines.recv()).await {
