@@ -565,3 +565,23 @@ async fn migrations_run_down_and_up_again() {
     assert!(actix_outbox::migrate(&db.url).await.unwrap().is_empty(), "idempotent");
     db.seed(1, "a").await;
 }
+
+/// The outbox is vacuumed after a fixed number of changed rows, not 20 % of the table: claims
+/// otherwise step over an ever longer run of dead index entries.
+#[tokio::test]
+async fn outbox_has_queue_grade_autovacuum_settings() {
+    #[derive(QueryableByName)]
+    struct Options {
+        #[diesel(sql_type = diesel::sql_types::Array<diesel::sql_types::Text>)]
+        reloptions: Vec<String>,
+    }
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let options: Options = diesel::sql_query("SELECT reloptions FROM pg_class WHERE oid = 'outbox'::regclass")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    for expected in ["autovacuum_vacuum_scale_factor=0.0", "autovacuum_vacuum_threshold=5000"] {
+        assert!(options.reloptions.iter().any(|o| o == expected), "{expected} missing from {:?}", options.reloptions);
+    }
+}
