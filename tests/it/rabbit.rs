@@ -3,7 +3,6 @@
 //! queues and deletes them when it ends, even by a panic. Tests that cut or stall the broker go
 //! through a [`proxy::Proxy`] of their own.
 
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -23,8 +22,8 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{Channel, Connection, ConnectionProperties};
 
-use crate::support::{TestDb, eventually};
 use crate::proxy::Proxy;
+use crate::support::{TestDb, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
