@@ -127,6 +127,14 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let mut signals = Signals::register()?;
 
     connect(&url).await?;
+    let pending = crate::store::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    if !pending.is_empty() {
+        return Err(CliError::Failed(format!(
+            "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate` first",
+            pending.len(),
+            pending.join(", ")
+        )));
+    }
     let pool = crate::connect_pool(url.expose(), (config.workers + EXTRA_CONNECTIONS) as u32)
         .await
         .map_err(|e| CliError::store(&url, e))?;

@@ -93,6 +93,29 @@ pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
     Ok(applied.into_iter().map(|v| v.to_string()).collect())
 }
 
+/// The embedded migrations not yet applied to `database_url`, by name (empty when the schema is
+/// up to date). A dispatcher started on an unmigrated database would log a failed claim every
+/// poll; check this first and say what to do.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), actix_outbox::StoreError> {
+/// let pending = actix_outbox::store::pending_migrations("postgres://localhost/app").await?;
+/// assert!(pending.is_empty(), "run `actix-outbox migrate` first: {pending:?}");
+/// # Ok(()) }
+/// ```
+pub async fn pending_migrations(database_url: &str) -> Result<Vec<String>, StoreError> {
+    use diesel::migration::Migration;
+    use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+    let url = database_url.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn: AsyncConnectionWrapper<AsyncPgConnection> = diesel::Connection::establish(&url)?;
+        let pending = conn.pending_migrations(MIGRATIONS).map_err(|e| StoreError::Migration(e.to_string()))?;
+        Ok(pending.iter().map(|m| m.name().to_string()).collect())
+    })
+    .await
+    .map_err(|e| StoreError::Migration(format!("migration thread failed: {e}")))?
+}
+
 /// Creates the database named in `database_url` when it does not exist yet, by connecting to the
 /// `postgres` maintenance database of the same server. Returns whether it created it.
 pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {

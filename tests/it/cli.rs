@@ -1070,3 +1070,20 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
     assert!(db.count_status("processing").await > 0);
     proxy.resume();
 }
+
+/// `run` on a database that was never migrated refuses to start, says what to run, and exits 1
+/// (instead of logging a failed claim every poll).
+#[tokio::test]
+async fn run_on_an_unmigrated_database_exits_1_and_says_to_migrate() {
+    let db = TestDb::new().await;
+    execute(&db, "DROP TABLE outbox; DROP FUNCTION outbox_notify_insert(); DELETE FROM __diesel_schema_migrations")
+        .await;
+    let ran = cli(&db.url, &["run", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2f"]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    let line = ran.error_line();
+    assert!(line.contains("is not migrated") && line.contains("actix-outbox migrate"), "{line}");
+    assert!(line.contains("create_outbox"), "names the pending migrations: {line}");
+
+    ok(&db.url, &["migrate"]).await;
+    assert!(db.rows().await.is_empty(), "migrate then works on the same database");
+}
