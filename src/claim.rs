@@ -8,19 +8,32 @@
 //! for publishes to finish (never a partial claim: see [`ClaimActor::claim`]). Under the
 //! FIFO gate, a finished publish also triggers a claim, since it may have unblocked the next row
 //! of its aggregate.
+//!
+//! Resuming: while the backlog is deep, each claim starts its walk of the pending rows where
+//! the worker's previous claim took its first one ([`ClaimParams::resume`]), so it does not
+//! step over the dead index entries of everything claimed since the last `VACUUM`. The walk
+//! starts from the oldest row again after a short claim and at least every
+//! [`FULL_WALK_EVERY`], which bounds how long a row the hint skips (one committed late with an
+//! old `available_at`) can wait. Under the FIFO gate every walk starts from the oldest row: the
+//! walk passes over blocked rows, and a hint would hide them once unblocked.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 
 use crate::backoff::jittered;
+use crate::config::Fifo;
 use crate::finalize::FinalizeActor;
 use crate::metrics::Metrics;
 use crate::publish::{PublishActor, PublishFinished};
-use crate::store::{self, ClaimParams};
+use crate::store::{self, ClaimParams, ReadyPosition};
 use crate::supervisor::Shared;
+
+/// A resumed walk of the pending rows goes back to the oldest one at least this often.
+pub(crate) const FULL_WALK_EVERY: Duration = Duration::from_secs(1);
 
 /// Claim now if idle (new rows were inserted).
 #[derive(Debug, Clone, Copy, Message)]
@@ -58,6 +71,10 @@ pub(crate) struct ClaimActor {
     woken: bool,
     /// The pending poll timer.
     timer: Option<SpawnHandle>,
+    /// Where the next claim may start its walk of pending rows (see the module docs).
+    resume: Option<ReadyPosition>,
+    /// When the next claim must walk from the oldest pending row.
+    full_walk_due: Instant,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
@@ -81,6 +98,8 @@ impl ClaimActor {
             backlog: false,
             woken: false,
             timer: None,
+            resume: None,
+            full_walk_due: Instant::now(),
             draining: false,
             drain_waiters: Vec::new(),
         }
@@ -116,6 +135,13 @@ impl ClaimActor {
             ctx.cancel_future(timer);
         }
         let batch = room.min(config.batch);
+        let resume = match config.fifo {
+            Fifo::Off if Instant::now() < self.full_walk_due => self.resume,
+            _ => None,
+        };
+        if resume.is_none() {
+            self.full_walk_due = Instant::now() + FULL_WALK_EVERY;
+        }
         self.claiming = true;
         let shared = self.shared.clone();
         let owner = self.owner.clone();
@@ -127,6 +153,7 @@ impl ClaimActor {
                 lease: shared.config.lease,
                 max_attempts: shared.config.max_attempts,
                 fifo: &shared.config.fifo,
+                resume,
             };
             store::claim(&mut conn, &params).await
         };
@@ -165,6 +192,8 @@ impl ClaimActor {
                         .start();
                     }
                     act.backlog = n == batch;
+                    // A short claim reached the end of the pending rows: start over next time.
+                    act.resume = if act.backlog { claim.resume.or(resume) } else { None };
                     if act.backlog || std::mem::take(&mut act.woken) {
                         act.claim(ctx);
                     } else {

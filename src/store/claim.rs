@@ -4,12 +4,11 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
-use diesel::pg::Pg;
 use diesel::pg::data_types::PgInterval;
-use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Jsonb, Nullable, Text, Timestamptz};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+use super::prepared::{Prepared, prepared};
 use crate::config::Fifo;
 use crate::error::StoreError;
 use crate::model::{Fence, OutboxMessage};
@@ -27,6 +26,28 @@ pub struct ClaimParams<'a> {
     pub max_attempts: i32,
     /// The per-aggregate gate: which rows wait for the earlier rows of their aggregate.
     pub fifo: &'a Fifo,
+    /// Start the walk of pending rows here instead of at the oldest one: pass the
+    /// [`Claim::resume`] of this worker's previous claim while the backlog is deep.
+    ///
+    /// Every claimed row leaves a dead entry behind in the index of pending rows until
+    /// `VACUUM` removes it, and a claim from the start steps over all of them: hundreds of
+    /// index pages per claim after a hundred thousand claims. The position is a hint only: a
+    /// pending row before it (one committed late with an old `available_at`, or released by a
+    /// claim that rolled back) is not seen by a hinted claim, so callers must claim without it
+    /// now and then, and whenever a claim comes back short (the [`ClaimActor`] does so at
+    /// least once a second).
+    ///
+    /// [`ClaimActor`]: crate::OutboxSupervisor
+    pub resume: Option<ReadyPosition>,
+}
+
+/// A place in the order in which pending rows are claimed: `(available_at, id)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ReadyPosition {
+    /// The row's `available_at`.
+    pub available_at: DateTime<Utc>,
+    /// The row's id.
+    pub id: i64,
 }
 
 /// What one claim did.
@@ -37,6 +58,9 @@ pub struct Claim {
     /// Rows sent dead because their lease expired with no attempt left (a message that keeps
     /// killing its worker), as (id, fence at the time).
     pub reaped: Vec<Fence>,
+    /// The earliest pending row this claim took (expired leases aside): where the next claim
+    /// may start its walk ([`ClaimParams::resume`]). `None` if it took no pending row.
+    pub resume: Option<ReadyPosition>,
 }
 
 /// Reaps, then leases up to `batch` rows: pending rows whose `available_at` has passed, and
@@ -58,9 +82,13 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
     for row in rows {
         if row.reaped {
             claim.reaped.push(Fence { id: row.id, lease_version: row.lease_version });
-        } else {
-            claim.messages.push(row.into_message());
+            continue;
         }
+        if let Some(available_at) = row.ready_at {
+            let here = ReadyPosition { available_at, id: row.id };
+            claim.resume = Some(claim.resume.map_or(here, |r| r.min(here)));
+        }
+        claim.messages.push(row.into_message());
     }
     // RETURNING order is unspecified.
     claim.messages.sort_by_key(|m| m.id);
@@ -124,13 +152,14 @@ fn claim_sql(fifo: &Fifo) -> &'static str {
     }
 }
 
-fn claim_query<'a>(sql: &str, params: &'a ClaimParams<'a>) -> BoxedSqlQuery<'a, Pg, SqlQuery> {
-    let query = diesel::sql_query(sql)
-        .into_boxed()
+fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Prepared<'a> {
+    let query = prepared(sql)
         .bind::<Int4, _>(params.max_attempts)
         .bind::<BigInt, _>(i64::try_from(params.batch).unwrap_or(i64::MAX))
         .bind::<Text, _>(params.owner)
-        .bind::<Interval, _>(interval(params.lease));
+        .bind::<Interval, _>(interval(params.lease))
+        .bind::<Nullable<Timestamptz>, _>(params.resume.map(|r| r.available_at))
+        .bind::<Nullable<Int8>, _>(params.resume.map(|r| r.id));
     match params.fifo {
         Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types),
         Fifo::Off | Fifo::All => query,
@@ -142,8 +171,8 @@ pub(crate) fn interval(d: Duration) -> PgInterval {
 }
 
 // The claim statement, with `$gate` appended to both candidate branches (the candidate row is
-// `o`). $1 max_attempts, $2 batch, $3 owner, $4 lease, $5 the gated event types (only when the
-// gate names them).
+// `o`). $1 max_attempts, $2 batch, $3 owner, $4 lease, $5 and $6 the resume position (both
+// NULL for a walk from the start), $7 the gated event types (only when the gate names them).
 //
 // The reaper runs first in the same statement; its rows (attempts >= max) and the claim's
 // (attempts < max) are disjoint, so no row is written twice. It is not gated: a dead row blocks
@@ -177,14 +206,16 @@ WITH reaped AS (
     FOR UPDATE SKIP LOCKED
 ), ready AS (
     SELECT o.id FROM outbox AS o
-    WHERE o.status = 'pending' AND o.available_at <= now()"#,
+    WHERE o.status = 'pending' AND o.available_at <= now()
+      AND (o.available_at, o.id) >= (coalesce($5, '-infinity'), coalesce($6, -9223372036854775808))"#,
             $gate,
             r#"
     ORDER BY o.available_at, o.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT id FROM (SELECT id FROM expired UNION ALL SELECT id FROM ready) AS candidates
+    SELECT id, from_ready
+    FROM (SELECT id, false AS from_ready FROM expired UNION ALL SELECT id, true FROM ready) AS candidates
     ORDER BY id
     LIMIT $2
 ), claimed AS (
@@ -197,13 +228,14 @@ WITH reaped AS (
     FROM picked
     WHERE o.id = picked.id
     RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.created_at,
-              o.attempts, o.lease_version, o.lease_until
+              o.attempts, o.lease_version, o.lease_until,
+              CASE WHEN picked.from_ready THEN o.available_at END AS ready_at
 )
 SELECT false AS reaped, id, aggregate_type, aggregate_id, event_type, payload, created_at,
-       attempts, lease_version, lease_until
+       attempts, lease_version, lease_until, ready_at
 FROM claimed
 UNION ALL
-SELECT true, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL
+SELECT true, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL, NULL
 FROM reaped
 "#
         )
@@ -224,18 +256,18 @@ const CLAIM_FIFO_SQL: &str = claim_sql!(
             AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#
 );
 
-/// Rows of the types in $5 wait for the earlier unfinished rows of those types of their
+/// Rows of the types in $7 wait for the earlier unfinished rows of those types of their
 /// aggregate; other rows pass without a probe. The `OR` keeps the probe a per-row subplan that
 /// runs only for gated rows and stops at the first match; written as an anti-join with the
 /// outer test inside, PostgreSQL evaluates that test as a join filter after the probe, and an
 /// unlisted row behind a long backlog of its aggregate then walks the whole backlog.
 const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
     r#"
-      AND (o.event_type <> ALL($5) OR NOT EXISTS (
+      AND (o.event_type <> ALL($7) OR NOT EXISTS (
           SELECT 1 FROM outbox AS prev
           WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
             AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead')
-            AND prev.event_type = ANY($5)))"#
+            AND prev.event_type = ANY($7)))"#
 );
 
 #[derive(QueryableByName)]
@@ -260,6 +292,9 @@ struct ClaimRow {
     lease_version: i64,
     #[diesel(sql_type = Nullable<Timestamptz>)]
     lease_until: Option<DateTime<Utc>>,
+    /// `available_at` of a row taken from the pending ones (not an expired lease).
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    ready_at: Option<DateTime<Utc>>,
 }
 
 impl ClaimRow {

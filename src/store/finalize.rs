@@ -9,6 +9,7 @@ use diesel::sql_types::{Array, BigInt, Int4, Int8, Interval, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::claim::interval;
+use super::prepared::prepared;
 use crate::error::StoreError;
 use crate::model::{Fence, Status};
 
@@ -35,7 +36,7 @@ pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result
         return Ok(Vec::new());
     }
     let (ids, versions) = split(fences.iter().copied());
-    let won: Vec<Won> = diesel::sql_query(
+    let won: Vec<Won> = prepared(
         "UPDATE outbox AS o
          SET status = 'done', done_at = now(), last_error = NULL, lease_owner = NULL, lease_until = NULL
          FROM unnest($1::bigint[], $2::bigint[]) AS v(id, ver)
@@ -65,7 +66,7 @@ pub async fn mark_dead(conn: &mut AsyncPgConnection, rows: &[Bury]) -> Result<Ve
     }
     let (ids, versions) = split(rows.iter().map(|r| r.fence));
     let errors: Vec<String> = rows.iter().map(|r| clip(&r.error)).collect();
-    let won: Vec<Won> = diesel::sql_query(
+    let won: Vec<Won> = prepared(
         "UPDATE outbox AS o
          SET status = 'dead', last_error = v.err, lease_owner = NULL, lease_until = NULL
          FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS v(id, ver, err)
@@ -125,7 +126,7 @@ pub async fn reschedule(conn: &mut AsyncPgConnection, rows: &[Reschedule]) -> Re
         #[diesel(sql_type = Text)]
         status: String,
     }
-    let out: Vec<Row> = diesel::sql_query(
+    let out: Vec<Row> = prepared(
         "UPDATE outbox AS o
          SET status = CASE WHEN v.max_age_us >= 0 AND o.created_at < now() - v.max_age_us * interval '1 microsecond'
                            THEN 'dead' ELSE 'pending' END,
@@ -170,7 +171,7 @@ pub async fn extend_leases(
         return Ok(Vec::new());
     }
     let (ids, versions) = split(fences.iter().copied());
-    let won: Vec<Won> = diesel::sql_query(
+    let won: Vec<Won> = prepared(
         "UPDATE outbox AS o
          SET lease_until = now() + $3
          FROM unnest($1::bigint[], $2::bigint[]) AS v(id, ver)

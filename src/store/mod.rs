@@ -1,23 +1,28 @@
 //! The store: the schema's SQL and nothing else. It knows no actor and no sink.
 //!
-//! Every statement is a typed Diesel query or `sql_query` with typed binds; values are never
-//! spliced into SQL text. Each function takes a connection, so callers decide whether it runs on
-//! a pooled connection or inside their own transaction.
+//! Every statement is a typed Diesel query or hand-written SQL with typed binds; values are
+//! never spliced into SQL text. Each function takes a connection, so callers decide whether it
+//! runs on a pooled connection or inside their own transaction.
+//!
+//! The claim and the finalizes stay prepared on their connection, so they are meant for
+//! connections of a [`PgPool`] (see [`connect_pool`] for why): on another connection,
+//! PostgreSQL may switch them to a generic plan after their fifth run.
 
 mod admin;
 mod claim;
 mod fifo;
 mod finalize;
+mod prepared;
 mod producer;
 
 use diesel::ConnectionError;
 use diesel_async::pooled_connection::bb8::{Pool, RunError};
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
-pub use claim::{Claim, ClaimParams, claim, explain_claim};
+pub use claim::{Claim, ClaimParams, ReadyPosition, claim, explain_claim};
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
 pub use finalize::{Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
@@ -27,14 +32,37 @@ use crate::error::StoreError;
 /// The migrations of `migrations/`, compiled into the crate.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
 
-/// A bb8 pool of diesel-async PostgreSQL connections.
-pub type PgPool = Pool<AsyncPgConnection>;
+/// A bb8 pool of diesel-async PostgreSQL connections, each set up for the dispatcher; made by
+/// [`connect_pool`] and nothing else, so the dispatcher never runs on a connection that lacks
+/// the setup. It dereferences to the bb8 pool: `pool.get().await` checks a connection out.
+#[derive(Clone)]
+pub struct PgPool(Pool<AsyncPgConnection>);
+
+impl std::ops::Deref for PgPool {
+    type Target = Pool<AsyncPgConnection>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for PgPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = self.0.state();
+        f.debug_struct("PgPool")
+            .field("connections", &state.connections)
+            .field("idle", &state.idle_connections)
+            .finish()
+    }
+}
 
 /// Session settings applied to every pooled connection.
 ///
-/// `plan_cache_mode = force_custom_plan`: the batched finalize binds arrays, and a generic plan
-/// assumes ten elements and nests a loop over every processing row (measured 5× slower at 500
-/// rows). Custom plans see the real array size.
+/// `plan_cache_mode = force_custom_plan`: the claim and the finalizes stay prepared, and after
+/// five runs PostgreSQL may switch a prepared statement to a generic plan. The batched finalize
+/// binds arrays, and its generic plan can assume ten elements and nest a loop over every
+/// processing row (measured 5× slower at 500 rows); the claim's plan depends on its `LIMIT` and
+/// resume position. Custom plans see the real values on every run.
 const SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan; SET application_name = 'actix-outbox'";
 
 /// Opens a pool of `size` connections to `database_url`, each set up for the dispatcher.
@@ -50,13 +78,19 @@ pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, Store
             Ok(conn)
         })
     });
+    // A checkout does not ping: a `SELECT 1` before every claim and every finalize flush was a
+    // round trip of its own. A connection whose socket closed is still dropped (bb8 asks
+    // `is_broken` on return), and a statement on a connection that died unnoticed fails like
+    // any other transient error: the claim actor polls again, the finalizer retries.
+    config.recycling_method = RecyclingMethod::Fast;
     let manager = AsyncDieselConnectionManager::new_with_config(database_url, config);
-    Pool::builder()
+    let pool = Pool::builder()
         .max_size(size.max(1))
         .connection_timeout(std::time::Duration::from_secs(10))
         .build(manager)
         .await
-        .map_err(|e| StoreError::Connect(e.to_string()))
+        .map_err(|e| StoreError::Connect(e.to_string()))?;
+    Ok(PgPool(pool))
 }
 
 /// Checks out one connection and runs `SELECT 1`.

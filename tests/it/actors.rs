@@ -396,3 +396,36 @@ async fn slow_publish_extends_its_lease_by_heartbeat() {
     let m = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!((m.done, m.lost_leases, m.retried), (1, 0, 0));
 }
+
+/// While the backlog stays deep, claims resume where the worker's last one started instead of
+/// walking from the oldest pending row; a row that lands before that position (committed late
+/// with an old `available_at`) is still found by the full walk the worker makes at least once
+/// a second, long before the backlog drains.
+#[actix_rt::test]
+async fn a_row_behind_the_resume_position_is_claimed_within_the_full_walk_interval() {
+    let db = TestDb::new().await;
+    db.seed(1000, "a").await;
+    // One worker, one batch in flight, 50 ms per batch: about 200 rows a second, 5 s of backlog.
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(50)));
+    let dispatcher =
+        OutboxSupervisor::start(config().workers(1).batch(10).max_in_flight(10), db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "a few batches claimed", || async { db.count_status("done").await >= 30 }).await;
+
+    let mut conn = db.conn().await;
+    let late = diesel::sql_query(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, available_at)
+         VALUES ('t', 'late', 'late', '{}', now() - interval '1 hour')",
+    );
+    diesel_async::RunQueryDsl::execute(late, &mut conn).await.unwrap();
+    let mut seen = Vec::new();
+    eventually(WITHIN, "the late row published", || {
+        seen.extend(drain(&mut rx));
+        let found = seen.iter().any(|m| m.event_type == "late");
+        async move { found }
+    })
+    .await;
+    let pending = db.count_status("pending").await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert!(pending >= 300, "the late row waited for the backlog to drain ({pending} rows left)");
+}

@@ -14,9 +14,12 @@ use crate::support::{TestDb, eventually};
 const LONG: Duration = Duration::from_secs(30);
 
 async fn claim(conn: &mut AsyncPgConnection, owner: &str, batch: usize, lease: Duration, max: i32) -> store::Claim {
-    store::claim(conn, &ClaimParams { owner, batch, lease, max_attempts: max, fifo: &actix_outbox::Fifo::Off })
-        .await
-        .expect("claim")
+    store::claim(
+        conn,
+        &ClaimParams { owner, batch, lease, max_attempts: max, fifo: &actix_outbox::Fifo::Off, resume: None },
+    )
+    .await
+    .expect("claim")
 }
 
 /// Applies the write that `outcome` calls for, as the finalize actor would; returns whether it won.
@@ -357,19 +360,16 @@ async fn batch_finalize_reports_winners_and_leaves_losers_alone() {
     }
 }
 
-/// The plan-cache trap (STACK-NOTES): once PostgreSQL caches a generic plan for
-/// `UPDATE ... FROM unnest($1, $2)`, it assumes a ten-element array and loops over every
-/// processing row for each element (measured: 755 ms instead of 6 ms for 500 rows among 17,000
-/// processing ones). The finalize statements must never run on a generic plan: not on the
-/// pool's connections (which set `plan_cache_mode = force_custom_plan`), and not on a plain
-/// connection either, since diesel's `sql_query` is never cached as a named statement, so every
-/// execution is planned for its own array. Seven executions each: the generic plan is tried from
-/// the sixth.
+/// The claim and the finalizes stay prepared on the pool's connections (one round trip per
+/// run instead of two), and never run on a generic plan there. The plan-cache trap
+/// (STACK-NOTES): once PostgreSQL caches a generic plan for `UPDATE ... FROM unnest($1, $2)`, it
+/// may assume a ten-element array and loop over every processing row for each element
+/// (measured: 755 ms instead of 6 ms for 500 rows among 17,000 processing ones); the pool sets
+/// `plan_cache_mode = force_custom_plan`. Seven runs: the generic plan is tried from the sixth.
 #[tokio::test]
-async fn finalize_statements_never_run_on_a_generic_plan() {
+async fn claim_and_finalize_stay_prepared_and_never_run_on_a_generic_plan() {
     let db = TestDb::new().await;
-    db.seed(140, "a").await;
-    let mut plain = db.conn().await;
+    db.seed(70, "a").await;
     let mut pooled = db.pool.get().await.unwrap();
     #[derive(QueryableByName)]
     struct Setting {
@@ -379,37 +379,34 @@ async fn finalize_statements_never_run_on_a_generic_plan() {
     let mode: Setting = diesel::sql_query("SHOW plan_cache_mode").get_result(&mut *pooled).await.unwrap();
     assert_eq!(mode.plan_cache_mode, "force_custom_plan", "the pool sets up its connections");
 
-    #[derive(QueryableByName)]
+    for _ in 0..7 {
+        let claimed = claim(&mut pooled, "A", 10, LONG, 12).await.messages;
+        assert_eq!(claimed.len(), 10);
+        let fences: Vec<_> = claimed.iter().map(|m| m.fence()).collect();
+        assert_eq!(store::mark_done(&mut pooled, &fences).await.unwrap().len(), 10);
+    }
+    #[derive(QueryableByName, Debug)]
     struct Cached {
         #[diesel(sql_type = diesel::sql_types::Text)]
         statement: String,
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         generic_plans: i64,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        custom_plans: i64,
     }
-    let generic = async |conn: &mut AsyncPgConnection| -> Vec<Cached> {
-        diesel::sql_query(
-            "SELECT statement, generic_plans FROM pg_prepared_statements
-             WHERE generic_plans > 0 AND statement NOT LIKE '%pg_prepared_statements%'",
-        )
-        .load(conn)
-        .await
-        .unwrap()
-    };
-    for conn in [&mut plain, &mut *pooled] {
-        for _ in 0..7 {
-            let claimed = claim(conn, "A", 10, LONG, 12).await.messages;
-            assert_eq!(claimed.len(), 10);
-            let fences: Vec<_> = claimed.iter().map(|m| m.fence()).collect();
-            assert_eq!(store::mark_done(conn, &fences).await.unwrap().len(), 10);
-        }
-        let cached: Vec<String> = generic(conn)
-            .await
-            .into_iter()
-            .map(|c| format!("{} generic plans: {}", c.generic_plans, c.statement))
-            .collect();
-        assert!(cached.is_empty(), "statements ran on a generic plan: {cached:?}");
+    let cached: Vec<Cached> = diesel::sql_query(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements
+         WHERE (statement LIKE '%WITH reaped AS%' OR statement LIKE '%SET status = ''done''%')
+           AND statement NOT LIKE '%pg_prepared_statements%'",
+    )
+    .load(&mut *pooled)
+    .await
+    .unwrap();
+    assert_eq!(cached.len(), 2, "one prepared statement each for the claim and mark_done: {cached:?}");
+    for c in &cached {
+        assert_eq!((c.generic_plans, c.custom_plans), (0, 7), "{}", c.statement);
     }
-    assert_eq!(db.count_status("done").await, 140);
+    assert_eq!(db.count_status("done").await, 70);
 }
 
 /// The heartbeat extends a live claim's lease and is fenced like every other write.
@@ -447,6 +444,55 @@ async fn claim_respects_available_at_and_orders_by_id() {
     let lease = row.lease_until.unwrap() - chrono::Utc::now();
     assert!(lease > chrono::Duration::seconds(25) && lease <= chrono::Duration::seconds(31), "lease {lease}");
     assert_eq!(m[0].payload, serde_json::json!({"n": 0}));
+}
+
+/// A claim given a resume position walks the pending rows from there: a row before it (here
+/// one committed late with an old `available_at`) is left for the next claim that walks from
+/// the start. `Claim::resume` is the earliest pending row the claim took.
+#[tokio::test]
+async fn resumed_claim_starts_at_its_position_and_a_full_walk_finds_what_it_skipped() {
+    let db = TestDb::new().await;
+    let ids = db.seed(6, "a").await;
+    let mut conn = db.conn().await;
+    let params = |resume| ClaimParams {
+        owner: "A",
+        batch: 2,
+        lease: LONG,
+        max_attempts: 12,
+        fifo: &actix_outbox::Fifo::Off,
+        resume,
+    };
+    let first = store::claim(&mut conn, &params(None)).await.unwrap();
+    assert_eq!(first.messages.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..2]);
+    let resume = first.resume.expect("took pending rows");
+    assert_eq!(resume.id, ids[0]);
+    assert_eq!(resume.available_at, db.row(ids[0]).await.available_at);
+
+    let late: i64 = diesel::sql_query(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, available_at)
+         VALUES ('t', 'late', 'e', '{}', now() - interval '1 hour') RETURNING id",
+    )
+    .get_result::<Id>(&mut conn)
+    .await
+    .unwrap()
+    .id;
+    let resumed = store::claim(&mut conn, &params(Some(resume))).await.unwrap();
+    assert_eq!(
+        resumed.messages.iter().map(|m| m.id).collect::<Vec<_>>(),
+        ids[2..4],
+        "the late row is before the position"
+    );
+    assert_eq!(resumed.resume.map(|r| r.id), Some(ids[2]));
+
+    let full = store::claim(&mut conn, &params(None)).await.unwrap();
+    assert_eq!(full.messages.iter().map(|m| m.id).collect::<Vec<_>>(), vec![ids[4], late]);
+    assert_eq!(full.resume.map(|r| r.id), Some(late), "the late row comes first in (available_at, id) order");
+}
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    id: i64,
 }
 
 /// The producer's event commits with the business change, and vanishes when it rolls back.
