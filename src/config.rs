@@ -5,7 +5,7 @@ use std::time::Duration;
 /// Claim actors started by default.
 pub const DEFAULT_WORKERS: usize = 4;
 /// Rows one claim takes at most by default.
-pub const DEFAULT_BATCH: usize = 50;
+pub const DEFAULT_BATCH: usize = 200;
 /// How long a claim owns its rows by default.
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 /// Claims a row gets before it goes dead, by default.
@@ -45,7 +45,11 @@ pub const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 pub struct DispatcherConfig {
     /// Claim actors, each with its own owner id `<owner>:worker-<n>`. Default 4.
     pub workers: usize,
-    /// Rows one claim takes at most. Default 50.
+    /// Rows one claim takes at most. Default 200: each claim and each finalize flush costs a
+    /// statement (planned afresh every run), so larger batches spend less database CPU per
+    /// message (benchmark: database ceiling +50 % from 50 to 200). Smaller batches spread a
+    /// short backlog over more workers and bound what one crashed worker leaves waiting for its
+    /// lease.
     pub batch: usize,
     /// Rows one worker holds claimed at once (publishing or finalizing). The worker claims the
     /// next batch while the previous one publishes, up to this bound. Default `2 × batch`.

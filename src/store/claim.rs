@@ -114,6 +114,7 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
 ///     lease: std::time::Duration::from_secs(60),
 ///     max_attempts: 12,
 ///     fifo: &Fifo::All,
+///     resume: None,
 /// };
 /// for line in explain_claim(conn, &params, true).await? {
 ///     println!("{line}");
