@@ -35,9 +35,12 @@ impl StoreError {
         match self {
             StoreError::Pool(_) | StoreError::Connect(_) => true,
             StoreError::Query(e) => match e {
-                E::DatabaseError(kind, _) => {
-                    matches!(kind, K::SerializationFailure | K::ClosedConnection | K::ReadOnlyTransaction)
-                }
+                // diesel-async reports a connection that died mid-statement as
+                // `UnableToSendCommand` ("connection closed"): the next checkout gets a new one.
+                E::DatabaseError(kind, _) => matches!(
+                    kind,
+                    K::SerializationFailure | K::ClosedConnection | K::UnableToSendCommand | K::ReadOnlyTransaction
+                ),
                 E::BrokenTransactionManager => true,
                 _ => false,
             },

@@ -129,8 +129,11 @@ impl Handler<Flushed> for FinalizeActor {
 /// Attempts per statement before the rows are left to lease expiry.
 const FLUSH_TRIES: u32 = 4;
 
-/// Runs `f` on a pooled connection, retrying transient failures with a short backoff.
-async fn with_retry<T, F>(shared: &Shared, what: &str, mut f: F) -> Result<T, StoreError>
+/// Runs `f` on a pooled connection, retrying transient failures with a short backoff. The flag
+/// says whether an earlier try failed mid-way: its write may have committed before the
+/// connection dropped, so rows the returned try did not win may be rows that try already wrote
+/// (see [`settled_before`]).
+async fn with_retry<T, F>(shared: &Shared, what: &str, mut f: F) -> (Result<T, StoreError>, bool)
 where
     F: AsyncFnMut(&mut diesel_async::AsyncPgConnection) -> Result<T, StoreError>,
 {
@@ -146,7 +149,37 @@ where
                 warn!(error = %e, attempt, "{what} failed, retrying");
                 tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
             }
-            other => return other,
+            other => return (other, attempt > 0),
+        }
+    }
+}
+
+/// After a retried write: the rows of `fences` outside `won` that an earlier try wrote (settled
+/// at their claim's version in a status that `wrote` accepts). Without this, a write whose
+/// commit outlived its connection would be reported as a lost lease.
+async fn settled_before(
+    shared: &Shared,
+    fences: impl Iterator<Item = Fence>,
+    won: &HashSet<i64>,
+    wrote: impl Fn(Status) -> bool,
+) -> Vec<(i64, Status)> {
+    let unsure: Vec<Fence> = fences.filter(|f| !won.contains(&f.id)).collect();
+    if unsure.is_empty() {
+        return Vec::new();
+    }
+    let (settled, _) =
+        with_retry(shared, "read back a retried write", async |c| store::settled_at_version(c, &unsure).await).await;
+    match settled {
+        Ok(rows) => {
+            let rows: Vec<_> = rows.into_iter().filter(|&(_, status)| wrote(status)).collect();
+            if !rows.is_empty() {
+                debug!(rows = rows.len(), "an earlier try of a retried write had committed");
+            }
+            rows
+        }
+        Err(e) => {
+            warn!(error = %e, rows = unsure.len(), "cannot read back a retried write; its rows count as lost leases");
+            Vec::new()
         }
     }
 }
@@ -192,7 +225,12 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
     };
 
     if !done.is_empty() {
-        let result = with_retry(shared, "mark done", async |c| store::mark_done(c, &done).await).await;
+        let (mut result, in_doubt) = with_retry(shared, "mark done", async |c| store::mark_done(c, &done).await).await;
+        if in_doubt && let Ok(won) = &mut result {
+            let seen = won.iter().copied().collect();
+            let earlier = settled_before(shared, done.iter().copied(), &seen, |s| s == Status::Done).await;
+            won.extend(earlier.into_iter().map(|(id, _)| id));
+        }
         match &result {
             Ok(won) => Metrics::add(&metrics.done, won.len()),
             Err(e) => report_failure(shared, "mark done", done.len(), e),
@@ -200,7 +238,14 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         answer(&mut done.iter().copied(), result.as_deref().ok());
     }
     if !resched.is_empty() {
-        let result = with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
+        let (mut result, in_doubt) =
+            with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
+        if in_doubt && let Ok(rows) = &mut result {
+            let seen = rows.iter().map(|r| r.id).collect();
+            let fences = resched.iter().map(|r| r.fence);
+            let earlier = settled_before(shared, fences, &seen, |s| matches!(s, Status::Pending | Status::Dead)).await;
+            rows.extend(earlier.into_iter().map(|(id, status)| store::Rescheduled { id, status }));
+        }
         let ids: Option<Vec<i64>> = match &result {
             Ok(rows) => {
                 let refunded: HashSet<i64> = resched.iter().filter(|r| r.refund_attempt).map(|r| r.fence.id).collect();
@@ -223,7 +268,13 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         answer(&mut resched.iter().map(|r| r.fence), ids.as_deref());
     }
     if !dead.is_empty() {
-        let result = with_retry(shared, "mark dead", async |c| store::mark_dead(c, &dead).await).await;
+        let (mut result, in_doubt) = with_retry(shared, "mark dead", async |c| store::mark_dead(c, &dead).await).await;
+        if in_doubt && let Ok(won) = &mut result {
+            let seen = won.iter().copied().collect();
+            let fences = dead.iter().map(|b| b.fence);
+            let earlier = settled_before(shared, fences, &seen, |s| s == Status::Dead).await;
+            won.extend(earlier.into_iter().map(|(id, _)| id));
+        }
         match &result {
             Ok(won) => {
                 Metrics::add(&metrics.dead, won.len());
@@ -237,7 +288,9 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
     }
     if !heartbeats.is_empty() {
         let lease = shared.config.lease;
-        match with_retry(shared, "lease heartbeat", async |c| store::extend_leases(c, &heartbeats, lease).await).await {
+        // Extending a lease again is harmless, so a retried heartbeat needs no read-back.
+        match with_retry(shared, "lease heartbeat", async |c| store::extend_leases(c, &heartbeats, lease).await).await.0
+        {
             Ok(won) => {
                 for f in heartbeats.iter().filter(|f| !won.contains(&f.id)) {
                     warn!(

@@ -185,3 +185,41 @@ pub async fn extend_leases(
     .await?;
     Ok(won.into_iter().map(|w| w.id).collect())
 }
+
+/// The rows of `fences` that are no longer `processing` at their fence's `lease_version`, with
+/// their status now.
+///
+/// This answers a finalize whose outcome was in doubt: when the connection drops while a fenced
+/// write runs, the write may have committed before the answer was lost, and running it again
+/// then finds nothing to win. A row settled at the version of the caller's own claim was written
+/// by that claim's holder (only the claim's holder writes at its version, and the reaper, which
+/// sends it dead).
+pub async fn settled_at_version(
+    conn: &mut AsyncPgConnection,
+    fences: &[Fence],
+) -> Result<Vec<(i64, Status)>, StoreError> {
+    use diesel::{ExpressionMethods, QueryDsl};
+
+    use crate::schema::outbox;
+
+    if fences.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids: Vec<i64> = fences.iter().map(|f| f.id).collect();
+    let rows: Vec<(i64, i64, String)> = outbox::table
+        .filter(outbox::id.eq_any(&ids))
+        .filter(outbox::status.ne(Status::Processing.as_str()))
+        .select((outbox::id, outbox::lease_version, outbox::status))
+        .load(conn)
+        .await?;
+    let versions: std::collections::HashMap<i64, i64> = fences.iter().map(|f| (f.id, f.lease_version)).collect();
+    rows.into_iter()
+        .filter(|(id, version, _)| versions.get(id) == Some(version))
+        .map(|(id, _, status)| {
+            let status = status.parse().map_err(|e: crate::model::UnknownStatus| {
+                StoreError::Query(diesel::result::Error::DeserializationError(Box::new(e)))
+            })?;
+            Ok((id, status))
+        })
+        .collect()
+}

@@ -24,7 +24,9 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
 pub use claim::{Claim, ClaimParams, ReadyPosition, claim, explain_claim};
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
-pub use finalize::{Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule};
+pub use finalize::{
+    Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
+};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 
 use crate::error::StoreError;

@@ -429,3 +429,46 @@ async fn a_row_behind_the_resume_position_is_claimed_within_the_full_walk_interv
     dispatcher.send(Shutdown).await.unwrap();
     assert!(pending >= 300, "the late row waited for the backlog to drain ({pending} rows left)");
 }
+
+/// The database commits a `mark done` and the connection dies before the answer arrives. The
+/// finalizer runs the write again on a new connection, finds the row already done at its
+/// claim's version, and counts it as done, not as a lost lease.
+#[actix_rt::test]
+async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_lease() {
+    let db = TestDb::new().await;
+    db.seed(1, "a").await;
+    let proxy = Arc::new(crate::proxy::Proxy::start("127.0.0.1:5432".into()).await);
+    // One connection, which the first row's claim and finalize leave with both statements
+    // prepared: a statement not yet prepared would wait for the silent database before it ran.
+    let pool = actix_outbox::connect_pool(&proxy.route(&db.url), 1).await.unwrap();
+    // From the publish of the `stall` row on, nothing the database says reaches the dispatcher:
+    // that row's `mark done` commits, its answer is held back.
+    let (sink, _rx) = ChannelSink::new();
+    let stalling = proxy.clone();
+    let sink = sink.with_script(move |m| {
+        if m.event_type == "stall" {
+            stalling.stall_downstream();
+        }
+        SinkAction::Deliver
+    });
+    let quiet = config().workers(1).poll_interval(Duration::from_millis(100)).listen_for_inserts(false);
+    let dispatcher = OutboxSupervisor::start(quiet, pool, sink).unwrap();
+    all_done(&db, 1).await;
+    let mut conn = db.conn().await;
+    let stall = actix_outbox::NewEvent::new("test", "a", "stall", serde_json::json!({}));
+    let id = actix_outbox::enqueue(&mut conn, &stall).await.unwrap();
+    all_done(&db, 2).await;
+    proxy.sever();
+    proxy.resume();
+
+    eventually(WITHIN, "the finalizer settles the row", || async {
+        let m = dispatcher.send(GetMetrics).await.unwrap();
+        m.done + m.lost_leases + m.finalize_errors > 1
+    })
+    .await;
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!((m.done, m.lost_leases, m.finalize_errors), (2, 0, 0), "{m:?}");
+    let row = db.row(id).await;
+    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Done, 1, 1));
+}

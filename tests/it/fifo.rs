@@ -783,3 +783,30 @@ impl Drop for RabbitScratch {
         .join();
     }
 }
+
+/// When the oldest pending rows all wait behind their aggregate's row in flight, the claim
+/// still finds the heads of other aggregates further on (the skip scan over aggregates), in
+/// claim order, and never a row behind an unfinished one.
+#[tokio::test]
+async fn heads_beyond_a_blocked_backlog_are_found() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let fifo = Fifo::All;
+    // Aggregate `hot` has 30 rows; `b` and `c` one each, after all of them.
+    let hot: Vec<(&str, &str, &str)> = vec![("order", "hot", "e"); 30];
+    let hot_ids = insert(&mut conn, &hot).await;
+    let later = insert(&mut conn, &[("order", "c", "e"), ("order", "b", "e")]).await;
+    let small = |batch| ClaimParams { batch, ..params("A", &fifo) };
+
+    let first = store::claim(&mut conn, &small(1)).await.unwrap();
+    assert_eq!(ids(&first), vec![hot_ids[0]], "the oldest head first");
+    // Batch 2: the walk looks at the 8 oldest pending rows, all behind `hot`'s first row.
+    let second = store::claim(&mut conn, &small(2)).await.unwrap();
+    assert_eq!(ids(&second), later, "`c` and `b` head their aggregates");
+    let third = store::claim(&mut conn, &small(2)).await.unwrap();
+    assert!(third.messages.is_empty(), "every pending row waits: {:?}", ids(&third));
+
+    done(&mut conn, &fences(&first)).await;
+    let fourth = store::claim(&mut conn, &small(2)).await.unwrap();
+    assert_eq!(ids(&fourth), vec![hot_ids[1]], "only `hot`'s next row");
+}

@@ -49,6 +49,14 @@ impl Proxy {
         Proxy { addr, mode, accept }
     }
 
+    /// `url` with its host and port replaced by the proxy's (`scheme://user@host:port/path`).
+    pub fn route(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").expect("url has a scheme");
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let user = authority.rsplit_once('@').map_or(String::new(), |(user, _)| format!("{user}@"));
+        format!("{scheme}://{user}{}/{path}", self.addr)
+    }
+
     /// `amqp://guest:guest@<proxy address>/%2f`.
     pub fn amqp_url(&self) -> String {
         format!("amqp://guest:guest@{}/%2f", self.addr)
