@@ -259,43 +259,30 @@ macro_rules! ready_walk {
     };
 }
 
-/// No gate: any ready row.
-const CLAIM_SQL: &str = claim_sql!("");
-
-/// Every row waits for the earlier unfinished rows of its aggregate. The probe is a range scan
-/// of the partial index `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, whose predicate
-/// is exactly the unfinished statuses.
-///
-/// Pending rows are found two ways, the second only when the first comes back
-/// short:
-///
-/// - `walk`: the oldest `4 × batch` pending rows, each probed by the gate. Cheap when most
-///   pending rows head their aggregate (many aggregates, short backlogs each).
-/// - `heads`: a skip scan of `outbox_fifo_gate` that visits each aggregate with unfinished rows
-///   once and takes its first unfinished row: claimable if pending. It costs one index descent
-///   per such aggregate, whatever their backlogs.
-///
-/// A walk of rows alone degrades when the free heads are fewer than the batch (few aggregates,
-/// or every aggregate's head in flight): it then walks every pending row, a probe each, to find
-/// them: about a second per claim at 100,000 pending rows in 1,000 aggregates, against 20 ms for
-/// both parts (`EXPLAIN ANALYZE`). The resume position does not apply: a walk passes over
-/// blocked rows, and a hint would hide them once they are unblocked.
-const CLAIM_FIFO_SQL: &str = claim_sql!(
-    r#"
-      AND NOT EXISTS (
-          SELECT 1 FROM outbox AS prev
-          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
-            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#,
-    r#"walk AS (
-    SELECT w.id, w.available_at
-    FROM (SELECT o.id, o.available_at, o.aggregate_type, o.aggregate_id FROM outbox AS o
-          WHERE o.status = 'pending' AND o.available_at <= now()
-          ORDER BY o.available_at, o.id
-          LIMIT $2 * 4) AS w
-    WHERE NOT EXISTS (
-        SELECT 1 FROM outbox AS prev
-        WHERE prev.aggregate_type = w.aggregate_type AND prev.aggregate_id = w.aggregate_id
-          AND prev.id < w.id AND prev.status IN ('pending', 'processing', 'dead'))
+// `ready` under the FIFO gate (see `CLAIM_FIFO_SQL`): a walk of the oldest pending rows, each
+// `o` passing `$gate`, that stops at the batch or at the end of a window of `4 × batch` rows;
+// then, only when it came back short, the first unfinished row of each aggregate. Both lock as
+// they go (`SKIP LOCKED`), so concurrent claims pass over each other's rows.
+macro_rules! fifo_ready {
+    ($gate:literal) => {
+        concat!(
+            r#"window_end AS (
+    SELECT available_at, id FROM outbox
+    WHERE status = 'pending' AND available_at <= now()
+    ORDER BY available_at, id
+    OFFSET $2 * 4 - 1
+    LIMIT 1
+), walk AS (
+    SELECT o.id FROM outbox AS o
+    WHERE o.status = 'pending' AND o.available_at <= now()
+      AND o.available_at <= coalesce((SELECT available_at FROM window_end), 'infinity')
+      AND (o.available_at, o.id) <= (coalesce((SELECT available_at FROM window_end), 'infinity'),
+                                     coalesce((SELECT id FROM window_end), 9223372036854775807))"#,
+            $gate,
+            r#"
+    ORDER BY o.available_at, o.id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
 ), heads AS (
     WITH RECURSIVE first_unfinished (aggregate_type, aggregate_id, id) AS (
         (SELECT aggregate_type, aggregate_id, id FROM outbox
@@ -312,20 +299,54 @@ const CLAIM_FIFO_SQL: &str = claim_sql!(
             ORDER BY aggregate_type, aggregate_id, id
             LIMIT 1) AS next
     )
-    SELECT o.id, o.available_at
-    FROM first_unfinished AS f JOIN outbox AS o ON o.id = f.id
+    SELECT o.id FROM first_unfinished AS f JOIN outbox AS o ON o.id = f.id
     WHERE o.status = 'pending' AND o.available_at <= now()
-), candidates AS (
-    SELECT id, available_at FROM walk
-    UNION ALL
-    SELECT id, available_at FROM heads WHERE (SELECT count(*) FROM walk) < $2
+      AND o.id NOT IN (SELECT id FROM walk)
+    ORDER BY o.available_at, o.id
+    LIMIT (SELECT $2 - count(*) FROM walk)
+    FOR UPDATE OF o SKIP LOCKED
 ), ready AS (
-    SELECT o.id
-    FROM (SELECT DISTINCT id, available_at FROM candidates) AS c JOIN outbox AS o ON o.id = c.id
-    WHERE o.status = 'pending' AND o.available_at <= now()
-    ORDER BY c.available_at, c.id
-    LIMIT $2
-    FOR UPDATE OF o SKIP LOCKED"#
+    SELECT id FROM walk
+    UNION ALL
+    SELECT id FROM heads"#
+        )
+    };
+}
+
+/// No gate: any ready row.
+const CLAIM_SQL: &str = claim_sql!("");
+
+/// Every row waits for the earlier unfinished rows of its aggregate. The probe is a range scan
+/// of the partial index `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, whose predicate
+/// is exactly the unfinished statuses.
+///
+/// Pending rows are found two ways, the second only when the first comes back short:
+///
+/// - `walk`: the oldest pending rows in claim order, each probed by the gate, until the batch
+///   is full or `4 × batch` rows have been seen. Cheap when most pending rows head their
+///   aggregate (many aggregates, short backlogs each).
+/// - `heads`: a skip scan of `outbox_fifo_gate` that visits each aggregate with unfinished rows
+///   once and takes its first unfinished row: claimable if pending. It costs one index descent
+///   per such aggregate, whatever their backlogs.
+///
+/// A walk of rows alone degrades when the free heads are fewer than the batch (few aggregates,
+/// or every aggregate's head in flight): it then walks every pending row, a probe each, to find
+/// them: about a second per claim at 100,000 pending rows in 1,000 aggregates, against 20 ms for
+/// both parts (`EXPLAIN ANALYZE`). The resume position does not apply: a walk passes over
+/// blocked rows, and a hint would hide them once they are unblocked.
+const CLAIM_FIFO_SQL: &str = claim_sql!(
+    r#"
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox AS prev
+          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
+            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#,
+    fifo_ready!(
+        r#"
+      AND NOT EXISTS (
+          SELECT 1 FROM outbox AS prev
+          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
+            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#
+    )
 );
 
 /// Rows of the types in $7 wait for the earlier unfinished rows of those types of their
@@ -333,6 +354,11 @@ const CLAIM_FIFO_SQL: &str = claim_sql!(
 /// runs only for gated rows and stops at the first match; written as an anti-join with the
 /// outer test inside, PostgreSQL evaluates that test as a join filter after the probe, and an
 /// unlisted row behind a long backlog of its aggregate then walks the whole backlog.
+///
+/// This variant walks rows only, without the bound and the skip scan of [`CLAIM_FIFO_SQL`]: a
+/// bounded walk could leave unlisted rows (which never wait) stuck behind a window of blocked
+/// listed ones. Its cost grows with the pending rows it passes over when the free rows are
+/// fewer than the batch.
 const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
     r#"
       AND (o.event_type <> ALL($7) OR NOT EXISTS (
