@@ -331,7 +331,7 @@ const CLAIM_SQL: &str = claim_sql!("");
 ///
 /// A walk of rows alone degrades when the free heads are fewer than the batch (few aggregates,
 /// or every aggregate's head in flight): it then walks every pending row, a probe each, to find
-/// them: about a second per claim at 100,000 pending rows in 1,000 aggregates, against 20 ms for
+/// them: about a second per claim at 100,000 pending rows in 1,000 aggregates, against 28 ms for
 /// both parts (`EXPLAIN ANALYZE`). The resume position does not apply: a walk passes over
 /// blocked rows, and a hint would hide them once they are unblocked.
 const CLAIM_FIFO_SQL: &str = claim_sql!(

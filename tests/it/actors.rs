@@ -451,7 +451,10 @@ async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_le
         }
         SinkAction::Deliver
     });
-    let quiet = config().workers(1).poll_interval(Duration::from_millis(100)).listen_for_inserts(false);
+    // The `stall` row is claimed on its insert's NOTIFY; the next poll comes a second later, when
+    // the finalizer already holds the one connection (a poll claim holding it instead would keep
+    // the finalize from running at all).
+    let quiet = config().workers(1).poll_interval(Duration::from_secs(1));
     let dispatcher = OutboxSupervisor::start(quiet, pool, sink).unwrap();
     all_done(&db, 1).await;
     let mut conn = db.conn().await;
