@@ -475,3 +475,29 @@ async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_le
     let row = db.row(id).await;
     assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Done, 1, 1));
 }
+
+/// Every database connection drops at once (a restart, a failover): pooled connections are not
+/// pinged on checkout, so each dead one fails one statement and is then replaced, and the
+/// dispatcher goes on with nothing lost and nothing published twice.
+#[actix_rt::test]
+async fn the_dispatcher_recovers_when_its_database_connections_drop() {
+    let db = TestDb::new().await;
+    let mut ids = db.seed(50, "a").await;
+    let proxy = crate::proxy::Proxy::start("127.0.0.1:5432".into()).await;
+    let pool = actix_outbox::connect_pool(&proxy.route(&db.url), 6).await.unwrap();
+    let (sink, mut rx) = ChannelSink::new();
+    let dispatcher = OutboxSupervisor::start(config().workers(4).batch(10), pool, sink).unwrap();
+    all_done(&db, 50).await;
+
+    proxy.sever();
+    ids.extend(db.seed(50, "b").await);
+    all_done(&db, 100).await;
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let mut published: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
+    published.sort();
+    assert_eq!(published, ids, "every row published once");
+    assert_eq!((m.done, m.lost_leases, m.finalize_errors), (100, 0, 0), "{m:?}");
+    assert!(m.claim_errors > 0, "the dead connections were used and failed: {m:?}");
+}
