@@ -29,7 +29,7 @@ use crate::config::Fifo;
 use crate::finalize::FinalizeActor;
 use crate::metrics::Metrics;
 use crate::publish::{PublishActor, PublishFinished};
-use crate::store::{self, ClaimParams, ReadyPosition};
+use crate::store::{self, AggregateKey, ClaimParams, HeadsScan, ReadyPosition};
 use crate::supervisor::Shared;
 
 /// A resumed walk of the pending rows goes back to the oldest one at least this often.
@@ -75,6 +75,8 @@ pub(crate) struct ClaimActor {
     resume: Option<ReadyPosition>,
     /// When the next claim must walk from the oldest pending row.
     full_walk_due: Instant,
+    /// Under `Fifo::All`: the aggregate after which the next scan for free heads starts.
+    heads_after: Option<AggregateKey>,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
@@ -100,6 +102,7 @@ impl ClaimActor {
             timer: None,
             resume: None,
             full_walk_due: Instant::now(),
+            heads_after: None,
             draining: false,
             drain_waiters: Vec::new(),
         }
@@ -145,6 +148,7 @@ impl ClaimActor {
         self.claiming = true;
         let shared = self.shared.clone();
         let owner = self.owner.clone();
+        let heads_after = self.heads_after.clone();
         let query = async move {
             let mut conn = shared.pool.get().await?;
             let params = ClaimParams {
@@ -154,6 +158,7 @@ impl ClaimActor {
                 max_attempts: shared.config.max_attempts,
                 fifo: &shared.config.fifo,
                 resume,
+                heads_after: heads_after.as_ref(),
             };
             store::claim(&mut conn, &params).await
         };
@@ -190,6 +195,11 @@ impl ClaimActor {
                             ctx.address().recipient(),
                         )
                         .start();
+                    }
+                    match claim.heads {
+                        HeadsScan::NotRun => {}
+                        HeadsScan::ReachedEnd => act.heads_after = None,
+                        HeadsScan::StoppedAfter(key) => act.heads_after = Some(key),
                     }
                     act.backlog = n == batch;
                     // A short claim reached the end of the pending rows: start over next time.

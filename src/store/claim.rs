@@ -39,6 +39,33 @@ pub struct ClaimParams<'a> {
     ///
     /// [`ClaimActor`]: crate::OutboxSupervisor
     pub resume: Option<ReadyPosition>,
+    /// Under [`Fifo::All`]: where the scan of aggregates for free heads starts, the
+    /// [`HeadsScan::StoppedAfter`] of this worker's previous claim (`None`: from the first
+    /// aggregate). Each scan visits at most `4 × batch` aggregates, so successive claims take
+    /// turns over all of them.
+    pub heads_after: Option<&'a AggregateKey>,
+}
+
+/// An aggregate, as the FIFO gate sees it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct AggregateKey {
+    /// `aggregate_type`.
+    pub aggregate_type: String,
+    /// `aggregate_id`.
+    pub aggregate_id: String,
+}
+
+/// How far a claim's scan of aggregates for free heads went (only under [`Fifo::All`], and only
+/// when the walk of the oldest pending rows came back short).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum HeadsScan {
+    /// The claim found enough rows without scanning aggregates.
+    #[default]
+    NotRun,
+    /// The scan reached the last aggregate: the next one starts from the first.
+    ReachedEnd,
+    /// The scan stopped at its bound after this aggregate: the next one starts after it.
+    StoppedAfter(AggregateKey),
 }
 
 /// A place in the order in which pending rows are claimed: `(available_at, id)`.
@@ -61,6 +88,8 @@ pub struct Claim {
     /// The earliest pending row this claim took (expired leases aside): where the next claim
     /// may start its walk ([`ClaimParams::resume`]). `None` if it took no pending row.
     pub resume: Option<ReadyPosition>,
+    /// Where the scan of aggregates stopped, for [`ClaimParams::heads_after`].
+    pub heads: HeadsScan,
 }
 
 /// Reaps, then leases up to `batch` rows: pending rows whose `available_at` has passed, and
@@ -80,9 +109,22 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
     let rows: Vec<ClaimRow> = claim_query(claim_sql(params.fifo), params).load(conn).await?;
     let mut claim = Claim::default();
     for row in rows {
-        if row.reaped {
-            claim.reaped.push(Fence { id: row.id, lease_version: row.lease_version });
-            continue;
+        match row.kind {
+            KIND_REAPED => {
+                claim.reaped.push(Fence { id: row.id, lease_version: row.lease_version });
+                continue;
+            }
+            KIND_HEADS_END => {
+                claim.heads = match row.heads_bounded {
+                    Some(true) => HeadsScan::StoppedAfter(AggregateKey {
+                        aggregate_type: row.aggregate_type,
+                        aggregate_id: row.aggregate_id,
+                    }),
+                    _ => HeadsScan::ReachedEnd,
+                };
+                continue;
+            }
+            _ => {}
         }
         if let Some(available_at) = row.ready_at {
             let here = ReadyPosition { available_at, id: row.id };
@@ -115,6 +157,7 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
 ///     max_attempts: 12,
 ///     fifo: &Fifo::All,
 ///     resume: None,
+///     heads_after: None,
 /// };
 /// for line in explain_claim(conn, &params, true).await? {
 ///     println!("{line}");
@@ -163,7 +206,10 @@ fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Prepared<'a> {
         .bind::<Nullable<Int8>, _>(params.resume.map(|r| r.id));
     match params.fifo {
         Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types),
-        Fifo::Off | Fifo::All => query,
+        Fifo::All => query
+            .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_type.as_str()))
+            .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_id.as_str())),
+        Fifo::Off => query,
     }
 }
 
@@ -174,16 +220,19 @@ pub(crate) fn interval(d: Duration) -> PgInterval {
 // The claim statement. `$gate` is appended to the expired-lease branch (the candidate row is
 // `o`); `$ready` is the CTE list that defines `ready`, the pending rows to lease. $1
 // max_attempts, $2 batch, $3 owner, $4 lease, $5 and $6 the resume position (both NULL for a
-// walk from the start), $7 the gated event types (only when the gate names them).
+// walk from the start), then either $7 the gated event types (when the gate names them) or $7
+// and $8 the aggregate after which the scan of heads starts (gate on all types). `$tail` adds
+// rows to the result. Each result row is claimed (kind 0), reaped (1) or where the heads scan
+// ended (2).
 //
 // The reaper runs first in the same statement; its rows (attempts >= max) and the claim's
 // (attempts < max) are disjoint, so no row is written twice. It is not gated: a dead row blocks
 // its aggregate as well as a processing one does.
 macro_rules! claim_sql {
     ($gate:literal) => {
-        claim_sql!($gate, ready_walk!($gate))
+        claim_sql!($gate, ready_walk!($gate), "")
     };
-    ($gate:literal, $ready:expr) => {
+    ($gate:literal, $ready:expr, $tail:expr) => {
         concat!(
             r#"
 WITH reaped AS (
@@ -230,13 +279,14 @@ WITH reaped AS (
               o.attempts, o.lease_version, o.lease_until,
               CASE WHEN picked.from_ready THEN o.available_at END AS ready_at
 )
-SELECT false AS reaped, id, aggregate_type, aggregate_id, event_type, payload, created_at,
-       attempts, lease_version, lease_until, ready_at
+SELECT 0 AS kind, id, aggregate_type, aggregate_id, event_type, payload, created_at,
+       attempts, lease_version, lease_until, ready_at, NULL::bool AS heads_bounded
 FROM claimed
 UNION ALL
-SELECT true, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL, NULL
-FROM reaped
-"#
+SELECT 1, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL, NULL, NULL
+FROM reaped"#,
+            $tail,
+            "\n"
         )
     };
 }
@@ -284,13 +334,14 @@ macro_rules! fifo_ready {
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ), heads AS (
-    WITH RECURSIVE first_unfinished (aggregate_type, aggregate_id, id) AS (
-        (SELECT aggregate_type, aggregate_id, id FROM outbox
+    WITH RECURSIVE first_unfinished (aggregate_type, aggregate_id, id, step) AS (
+        (SELECT aggregate_type, aggregate_id, id, 1 FROM outbox
          WHERE status IN ('pending', 'processing', 'dead')
+           AND ($7::text IS NULL OR (aggregate_type, aggregate_id) > ($7, $8))
          ORDER BY aggregate_type, aggregate_id, id
          LIMIT 1)
         UNION ALL
-        SELECT next.aggregate_type, next.aggregate_id, next.id
+        SELECT next.aggregate_type, next.aggregate_id, next.id, f.step + 1
         FROM first_unfinished AS f
         CROSS JOIN LATERAL (
             SELECT aggregate_type, aggregate_id, id FROM outbox
@@ -298,17 +349,25 @@ macro_rules! fifo_ready {
               AND (aggregate_type, aggregate_id) > (f.aggregate_type, f.aggregate_id)
             ORDER BY aggregate_type, aggregate_id, id
             LIMIT 1) AS next
+        WHERE f.step < $2 * 4
     )
-    SELECT o.id FROM first_unfinished AS f JOIN outbox AS o ON o.id = f.id
+    SELECT * FROM first_unfinished WHERE (SELECT count(*) FROM walk) < $2
+), heads_ready AS (
+    SELECT o.id FROM heads AS h JOIN outbox AS o ON o.id = h.id
     WHERE o.status = 'pending' AND o.available_at <= now()
       AND o.id NOT IN (SELECT id FROM walk)
     ORDER BY o.available_at, o.id
     LIMIT (SELECT $2 - count(*) FROM walk)
     FOR UPDATE OF o SKIP LOCKED
+), heads_end AS (
+    SELECT last.aggregate_type, last.aggregate_id, coalesce(last.step >= $2 * 4, false) AS bounded
+    FROM (SELECT 1) AS one
+    LEFT JOIN LATERAL (SELECT * FROM heads ORDER BY step DESC LIMIT 1) AS last ON true
+    WHERE (SELECT count(*) FROM walk) < $2
 ), ready AS (
     SELECT id FROM walk
     UNION ALL
-    SELECT id FROM heads"#
+    SELECT id FROM heads_ready"#
         )
     };
 }
@@ -346,7 +405,12 @@ const CLAIM_FIFO_SQL: &str = claim_sql!(
           SELECT 1 FROM outbox AS prev
           WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
             AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#
-    )
+    ),
+    r#"
+UNION ALL
+SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null'::jsonb, now(), 0, 0, NULL, NULL,
+       bounded
+FROM heads_end"#
 );
 
 /// Rows of the types in $7 wait for the earlier unfinished rows of those types of their
@@ -370,8 +434,9 @@ const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
 
 #[derive(QueryableByName)]
 struct ClaimRow {
-    #[diesel(sql_type = Bool)]
-    reaped: bool,
+    /// 0: a claimed row; `KIND_REAPED`; `KIND_HEADS_END`.
+    #[diesel(sql_type = Int4)]
+    kind: i32,
     #[diesel(sql_type = Int8)]
     id: i64,
     #[diesel(sql_type = Text)]
@@ -393,7 +458,13 @@ struct ClaimRow {
     /// `available_at` of a row taken from the pending ones (not an expired lease).
     #[diesel(sql_type = Nullable<Timestamptz>)]
     ready_at: Option<DateTime<Utc>>,
+    /// For the heads-scan row: whether the scan stopped at its bound (else it reached the end).
+    #[diesel(sql_type = Nullable<Bool>)]
+    heads_bounded: Option<bool>,
 }
+
+const KIND_REAPED: i32 = 1;
+const KIND_HEADS_END: i32 = 2;
 
 impl ClaimRow {
     fn into_message(self) -> OutboxMessage {

@@ -22,7 +22,7 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
-pub use claim::{Claim, ClaimParams, ReadyPosition, claim, explain_claim};
+pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim};
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
 pub use finalize::{
     Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,

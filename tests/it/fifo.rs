@@ -25,7 +25,7 @@ const LEASE: Duration = Duration::from_secs(60);
 const MAX_ATTEMPTS: i32 = 12;
 
 fn params<'a>(owner: &'a str, fifo: &'a Fifo) -> ClaimParams<'a> {
-    ClaimParams { owner, batch: 50, lease: LEASE, max_attempts: MAX_ATTEMPTS, fifo, resume: None }
+    ClaimParams { owner, batch: 50, lease: LEASE, max_attempts: MAX_ATTEMPTS, fifo, resume: None, heads_after: None }
 }
 
 async fn claim(conn: &mut AsyncPgConnection, owner: &str, fifo: &Fifo) -> Claim {
@@ -809,4 +809,50 @@ async fn heads_beyond_a_blocked_backlog_are_found() {
     done(&mut conn, &fences(&first)).await;
     let fourth = store::claim(&mut conn, &small(2)).await.unwrap();
     assert_eq!(ids(&fourth), vec![hot_ids[1]], "only `hot`'s next row");
+}
+
+/// The scan for free heads visits at most `4 × batch` aggregates per claim and the next claim
+/// goes on after the last one visited, so a free head far along the aggregates is reached in
+/// turn, and the scan starts over after the last aggregate.
+#[tokio::test]
+async fn the_heads_scan_takes_turns_over_the_aggregates() {
+    use actix_outbox::store::{AggregateKey, HeadsScan};
+
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let fifo = Fifo::All;
+    // agg-0 .. agg-8: a head then a second row each; agg-9's only row comes last.
+    let keys: Vec<String> = (0..10).map(|i| format!("agg-{i}")).collect();
+    let heads: Vec<(&str, &str, &str)> = keys[..9].iter().map(|k| ("order", k.as_str(), "e")).collect();
+    insert(&mut conn, &heads).await;
+    insert(&mut conn, &heads).await;
+    let free = insert(&mut conn, &[("order", "agg-9", "e")]).await;
+    let taken = store::claim(&mut conn, &ClaimParams { batch: 9, ..params("A", &fifo) }).await.unwrap();
+    assert_eq!(taken.messages.len(), 9, "the nine heads are now in flight");
+
+    let key = |i: usize| AggregateKey { aggregate_type: "order".into(), aggregate_id: keys[i].clone() };
+    // Batch 1: the walk sees 4 blocked rows, then the scan visits 4 aggregates per claim.
+    let mut after: Option<AggregateKey> = None;
+    let mut scans = Vec::new();
+    let mut claimed = Vec::new();
+    for _ in 0..4 {
+        let p = ClaimParams { batch: 1, heads_after: after.as_ref(), ..params("B", &fifo) };
+        let c = store::claim(&mut conn, &p).await.unwrap();
+        claimed.push(ids(&c));
+        after = match &c.heads {
+            HeadsScan::StoppedAfter(k) => Some(k.clone()),
+            HeadsScan::ReachedEnd | HeadsScan::NotRun => None,
+        };
+        scans.push(c.heads);
+    }
+    assert_eq!(
+        scans,
+        vec![
+            HeadsScan::StoppedAfter(key(3)),
+            HeadsScan::StoppedAfter(key(7)),
+            HeadsScan::ReachedEnd,
+            HeadsScan::StoppedAfter(key(3)),
+        ]
+    );
+    assert_eq!(claimed, vec![vec![], vec![], free.clone(), vec![]], "agg-9's row on the third turn");
 }

@@ -16,7 +16,15 @@ const LONG: Duration = Duration::from_secs(30);
 async fn claim(conn: &mut AsyncPgConnection, owner: &str, batch: usize, lease: Duration, max: i32) -> store::Claim {
     store::claim(
         conn,
-        &ClaimParams { owner, batch, lease, max_attempts: max, fifo: &actix_outbox::Fifo::Off, resume: None },
+        &ClaimParams {
+            owner,
+            batch,
+            lease,
+            max_attempts: max,
+            fifo: &actix_outbox::Fifo::Off,
+            resume: None,
+            heads_after: None,
+        },
     )
     .await
     .expect("claim")
@@ -461,6 +469,7 @@ async fn resumed_claim_starts_at_its_position_and_a_full_walk_finds_what_it_skip
         max_attempts: 12,
         fifo: &actix_outbox::Fifo::Off,
         resume,
+        heads_after: None,
     };
     let first = store::claim(&mut conn, &params(None)).await.unwrap();
     assert_eq!(first.messages.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..2]);
