@@ -310,12 +310,14 @@ pub enum ConfigError {
 /// `(available_at, id)` order and skips each row that waits behind its aggregate with one index
 /// probe (about 5 µs each). Under `All`, that walk stops after `4 × batch` rows; when it found
 /// fewer free rows than the batch (a long backlog of a few aggregates ahead of the others, or
-/// every aggregate's first row in flight), a skip scan visits each aggregate with unfinished
-/// rows once instead, one index descent each: about 20 ms for 1,000 such aggregates, whatever
-/// their backlogs. `EventTypes` walks the pending rows without that bound, so there a long
-/// blocked backlog ahead of the free rows is walked by every claim: 5,000 such rows cost about
-/// 25 ms per claim, against about 1 ms without them (`examples/fifo_explain.rs` measures both on
-/// a million-row table). Gate only the event types that need order.
+/// every aggregate's first row in flight), a skip scan visits up to `4 × batch` aggregates with
+/// unfinished rows instead, one index descent each, and the worker's next scan goes on where
+/// this one stopped: about 25 ms per 200-row claim, whatever the backlogs and however many
+/// aggregates. `EventTypes` walks the pending rows without that bound (a bounded walk could
+/// leave unlisted rows, which never wait, behind a window of blocked listed ones), so there a
+/// claim pays one probe for every blocked listed row ahead of the free rows it finds.
+/// `examples/fifo_explain.rs` measures both on a million-row table. Gate only the event types
+/// that need order.
 ///
 /// ```
 /// use actix_outbox::{DispatcherConfig, Fifo};
