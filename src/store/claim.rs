@@ -311,8 +311,9 @@ macro_rules! ready_walk {
 
 // `ready` under the FIFO gate (see `CLAIM_FIFO_SQL`): a walk of the oldest pending rows, each
 // `o` passing `$gate`, that stops at the batch or at the end of a window of `4 × batch` rows;
-// then, only when it came back short, the first unfinished row of each aggregate. Both lock as
-// they go (`SKIP LOCKED`), so concurrent claims pass over each other's rows.
+// then, only when it came back short, the first unfinished row of each of up to `4 × batch`
+// aggregates after $7/$8 (`heads_end` reports where that scan stopped). Both lock as they go
+// (`SKIP LOCKED`), so concurrent claims pass over each other's rows.
 macro_rules! fifo_ready {
     ($gate:literal) => {
         concat!(
