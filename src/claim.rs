@@ -15,7 +15,9 @@
 //! starts from the oldest row again after a short claim and at least every
 //! [`FULL_WALK_EVERY`], which bounds how long a row the hint skips (one committed late with an
 //! old `available_at`) can wait. Under the FIFO gate every walk starts from the oldest row: the
-//! walk passes over blocked rows, and a hint would hide them once unblocked.
+//! walk passes over blocked rows, and a hint would hide them once unblocked. Instead, under
+//! `Fifo::All`, the worker keeps where its last scan of aggregates for free heads stopped
+//! ([`ClaimParams::heads_after`]), so that its scans take turns over all the aggregates.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
