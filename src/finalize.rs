@@ -184,6 +184,21 @@ async fn settled_before(
     }
 }
 
+/// After a retried `mark done` or `mark dead`: adds to the ids won those of `fences` that an
+/// earlier try had already set to `status`.
+async fn add_settled(
+    shared: &Shared,
+    result: &mut Result<Vec<i64>, StoreError>,
+    fences: impl Iterator<Item = Fence>,
+    status: Status,
+) {
+    if let Ok(won) = result {
+        let seen = won.iter().copied().collect();
+        let earlier = settled_before(shared, fences, &seen, |s| s == status).await;
+        won.extend(earlier.into_iter().map(|(id, _)| id));
+    }
+}
+
 async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence>) {
     let metrics = &shared.metrics;
     let mut done = Vec::new();
@@ -226,10 +241,8 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
 
     if !done.is_empty() {
         let (mut result, in_doubt) = with_retry(shared, "mark done", async |c| store::mark_done(c, &done).await).await;
-        if in_doubt && let Ok(won) = &mut result {
-            let seen = won.iter().copied().collect();
-            let earlier = settled_before(shared, done.iter().copied(), &seen, |s| s == Status::Done).await;
-            won.extend(earlier.into_iter().map(|(id, _)| id));
+        if in_doubt {
+            add_settled(shared, &mut result, done.iter().copied(), Status::Done).await;
         }
         match &result {
             Ok(won) => Metrics::add(&metrics.done, won.len()),
@@ -269,11 +282,8 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
     }
     if !dead.is_empty() {
         let (mut result, in_doubt) = with_retry(shared, "mark dead", async |c| store::mark_dead(c, &dead).await).await;
-        if in_doubt && let Ok(won) = &mut result {
-            let seen = won.iter().copied().collect();
-            let fences = dead.iter().map(|b| b.fence);
-            let earlier = settled_before(shared, fences, &seen, |s| s == Status::Dead).await;
-            won.extend(earlier.into_iter().map(|(id, _)| id));
+        if in_doubt {
+            add_settled(shared, &mut result, dead.iter().map(|b| b.fence), Status::Dead).await;
         }
         match &result {
             Ok(won) => {
