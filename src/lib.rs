@@ -60,25 +60,23 @@
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 
 mod backoff;
-mod claim;
-pub mod cli;
 pub mod config;
+mod dispatcher;
 mod error;
-mod finalize;
-mod listener;
 mod metrics;
 mod model;
-mod publish;
 mod publisher;
 #[allow(missing_docs)]
 pub mod schema;
 pub mod sink;
 mod step;
 pub mod store;
-mod supervisor;
 
 pub use backoff::{backoff_ceiling, full_jitter};
 pub use config::{ConfigError, DispatcherConfig, Fifo, default_owner};
+#[doc(hidden)]
+pub use dispatcher::CrashWorker;
+pub use dispatcher::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
@@ -89,6 +87,3 @@ pub use store::{
     BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, blocked_aggregates_count, check_connection, connect_pool,
     enqueue, enqueue_many, enqueue_ordered, ensure_database, lock_aggregate, mask_password, migrate, migrate_blocking,
 };
-#[doc(hidden)]
-pub use supervisor::CrashWorker;
-pub use supervisor::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};

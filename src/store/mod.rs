@@ -32,7 +32,7 @@ pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 use crate::error::StoreError;
 
 /// The migrations of `migrations/`, compiled into the crate.
-pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations");
+pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/outbox");
 
 /// A bb8 pool of diesel-async PostgreSQL connections, each set up for the dispatcher; made by
 /// [`connect_pool`] and nothing else, so the dispatcher never runs on a connection that lacks

@@ -5,7 +5,6 @@ mod proxy;
 mod support;
 
 mod actors;
-mod cli;
 mod fifo;
 mod rabbit;
 mod store;

@@ -2,7 +2,7 @@
 
 use clap::Args;
 
-use super::{CliError, DatabaseArgs, try_connect};
+use crate::{CliError, DatabaseArgs, try_connect};
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Create the database named in the URL if it does not exist (through the server's `postgres` \
@@ -25,13 +25,13 @@ pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     match try_connect(&url).await {
         Ok(_) => {}
         Err(e) if e.is_missing_database() => {
-            if crate::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
+            if actix_outbox::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
                 println!("created database {database}");
             }
         }
         Err(e) => return Err(e.into_cli(&url)),
     }
-    let applied = crate::migrate(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    let applied = actix_outbox::migrate(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if applied.is_empty() {
         println!("database {database} is up to date: no pending migrations");
     }

@@ -2,8 +2,8 @@
 
 use clap::Args;
 
-use super::{CliError, DatabaseArgs, connect, parse_json};
-use crate::model::NewEvent;
+use crate::{CliError, DatabaseArgs, connect, parse_json};
+use actix_outbox::NewEvent;
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Insert one event into the outbox, as a producer would, and print its id (only the id, so that \
@@ -44,7 +44,7 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, args.payload);
-    let id = crate::enqueue(&mut conn, &event).await.map_err(|e| CliError::store(&url, e))?;
+    let id = actix_outbox::enqueue(&mut conn, &event).await.map_err(|e| CliError::store(&url, e))?;
     println!("{id}");
     Ok(())
 }

@@ -22,7 +22,15 @@ use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::{Value, json};
 
-use crate::support::{TestDb, eventually, server_url};
+// The fixtures of the library's integration tests; this binary uses only part of them.
+#[allow(dead_code)]
+#[path = "../../tests/it/proxy.rs"]
+mod proxy;
+#[allow(dead_code)]
+#[path = "../../tests/it/support.rs"]
+mod support;
+
+use support::{TestDb, eventually, server_url};
 
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
 const WITHIN: Duration = Duration::from_secs(60);

@@ -2,8 +2,8 @@
 
 use clap::Args;
 
-use super::{CliError, DatabaseArgs, connect};
-use crate::store;
+use crate::{CliError, DatabaseArgs, connect};
+use actix_outbox::store;
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Delete `done` rows whose done_at is older than --older-than (database clock), --batch rows \

@@ -13,12 +13,12 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
+use super::shared::Shared;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::model::{Fence, Status};
 use crate::step::Step;
 use crate::store;
-use crate::supervisor::Shared;
 
 /// Whether a fenced write took effect.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,10 +11,10 @@ use std::time::Duration;
 use clap::Args;
 use serde::Serialize;
 
-use super::dead::{BlockedView, blocked_view, render_blocked_summary};
-use super::{CliError, DatabaseArgs, FifoArgs, connect};
-use crate::model::Status;
-use crate::store::{self, Stats};
+use crate::dead::{BlockedView, blocked_view, render_blocked_summary};
+use crate::{CliError, DatabaseArgs, FifoArgs, connect};
+use actix_outbox::Status;
+use actix_outbox::store::{self, Stats};
 
 /// Blocked aggregates `stats --fifo` lists (`dead blocked` lists more); [`LONG_ABOUT`] says 20.
 const BLOCKED_SHOWN: i64 = 20;

@@ -8,11 +8,11 @@ use clap::{Args, Subcommand};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::Serialize;
 
-use super::{CliError, DatabaseArgs, DatabaseUrl, FifoArgs, connect, distinct, id_list, table, truncate};
-use crate::config::Fifo;
-use crate::error::StoreError;
-use crate::model::OutboxRow;
-use crate::store::{self, BlockedAggregate};
+use crate::{CliError, DatabaseArgs, DatabaseUrl, FifoArgs, connect, distinct, id_list, table, truncate};
+use actix_outbox::Fifo;
+use actix_outbox::OutboxRow;
+use actix_outbox::StoreError;
+use actix_outbox::store::{self, BlockedAggregate};
 
 /// `--help` text.
 pub(super) const LIST_LONG_ABOUT: &str = "List dead rows, oldest first: id, aggregate (type/id), event type, attempts, created_at and \

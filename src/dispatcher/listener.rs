@@ -5,25 +5,25 @@
 
 use std::time::Duration;
 
-use actix::WeakAddr;
 use diesel_async::SimpleAsyncConnection;
 use futures_util::{FutureExt, StreamExt};
 use tracing::{debug, warn};
 
 use crate::store::PgPool;
-use crate::supervisor::{OutboxSupervisor, WakeWorkers};
 
 /// The channel the migration's trigger notifies on every `INSERT` statement into `outbox`.
 pub(crate) const CHANNEL: &str = "outbox_insert";
 
-/// Listens until the supervisor goes away, reconnecting with a capped backoff.
+/// Listens until the dispatcher is gone, reconnecting with a capped backoff.
 ///
-/// Holds only a weak address, so the listener never keeps a dropped dispatcher alive.
-pub(crate) async fn listen(pool: PgPool, supervisor: WeakAddr<OutboxSupervisor>) {
+/// `wake(burst)` wakes a worker after `burst` notifications (`0` only asks whether the
+/// dispatcher is still there) and returns false once it is gone. The supervisor hands in one
+/// that holds a weak address, so the listener never keeps a dropped dispatcher alive.
+pub(crate) async fn listen(pool: PgPool, wake: impl Fn(usize) -> bool) {
     let mut backoff = Duration::from_millis(100);
-    while supervisor.upgrade().is_some() {
-        match listen_once(&pool, &supervisor).await {
-            Ok(()) => backoff = Duration::from_millis(100),
+    while wake(0) {
+        match listen_once(&pool, &wake).await {
+            Ok(()) => return,
             Err(e) => {
                 warn!(error = %e, retry_in = ?backoff, "insert listener lost its connection; polling meanwhile");
                 tokio::time::sleep(backoff).await;
@@ -33,7 +33,8 @@ pub(crate) async fn listen(pool: PgPool, supervisor: WeakAddr<OutboxSupervisor>)
     }
 }
 
-async fn listen_once(pool: &PgPool, supervisor: &WeakAddr<OutboxSupervisor>) -> Result<(), String> {
+/// `Ok` when the dispatcher is gone.
+async fn listen_once(pool: &PgPool, wake: &impl Fn(usize) -> bool) -> Result<(), String> {
     // Not a pooled connection: LISTEN state must not leak to other users, and the stream holds
     // the connection for as long as we listen.
     let mut conn = pool.dedicated_connection().await.map_err(|e| e.to_string())?;
@@ -43,9 +44,9 @@ async fn listen_once(pool: &PgPool, supervisor: &WeakAddr<OutboxSupervisor>) -> 
     loop {
         // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the connection.
         let next = tokio::time::timeout(Duration::from_secs(5), notifications.next()).await;
-        let Some(addr) = supervisor.upgrade() else { return Ok(()) };
         match next {
-            Err(_elapsed) => continue,
+            Err(_elapsed) if wake(0) => continue,
+            Err(_elapsed) => return Ok(()),
             Ok(Some(Ok(_))) => {}
             Ok(Some(Err(e))) => return Err(e.to_string()),
             // The backend went away; polling this stream again would panic.
@@ -57,6 +58,8 @@ async fn listen_once(pool: &PgPool, supervisor: &WeakAddr<OutboxSupervisor>) -> 
             burst += 1;
         }
         debug!(burst, "rows inserted; waking a worker");
-        addr.do_send(WakeWorkers);
+        if !wake(burst) {
+            return Ok(());
+        }
     }
 }

@@ -26,13 +26,13 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 
+use super::finalize::FinalizeActor;
+use super::publish::{PublishActor, PublishFinished};
+use super::shared::Shared;
 use crate::backoff::jittered;
 use crate::config::Fifo;
-use crate::finalize::FinalizeActor;
 use crate::metrics::Metrics;
-use crate::publish::{PublishActor, PublishFinished};
 use crate::store::{self, AggregateKey, ClaimParams, HeadsScan, ReadyPosition};
-use crate::supervisor::Shared;
 
 /// A resumed walk of the pending rows goes back to the oldest one at least this often.
 pub(crate) const FULL_WALK_EVERY: Duration = Duration::from_secs(1);

@@ -1,9 +1,9 @@
-//! The `actix-outbox` command line (DESIGN §7): the operator's face over this library.
+//! The `actix-outbox` command line: the operator's face over the `actix-outbox` library.
 //!
-//! The binary is one line, `fn main() -> ExitCode { actix_outbox::cli::main() }`. Every command
-//! goes through the crate's public API ([`store`](crate::store), [`migrate`](crate::migrate),
-//! [`OutboxSupervisor`](crate::OutboxSupervisor)), so whatever an operator does here an
-//! application can do from Rust. An application with its own clap CLI can also embed [`Command`]
+//! The binary is one line, `fn main() -> ExitCode { actix_outbox_cli::main() }`. Every command
+//! goes through the library's public API ([`actix_outbox::migrate`],
+//! [`actix_outbox::OutboxSupervisor`], the operator queries), so whatever an operator does here
+//! an application can do from Rust. An application with its own clap CLI can also embed [`Command`]
 //! as a subcommand and call [`Command::execute`].
 //!
 //! | command | what it does |
@@ -43,9 +43,9 @@ pub use purge::PurgeArgs;
 pub use run::{DEFAULT_AMQP_URL, RunArgs};
 pub use stats::StatsArgs;
 
-use crate::config::Fifo;
-use crate::error::StoreError;
-use crate::store::mask_password;
+use actix_outbox::Fifo;
+use actix_outbox::StoreError;
+use actix_outbox::mask_password;
 
 /// Success.
 pub const EXIT_OK: u8 = 0;

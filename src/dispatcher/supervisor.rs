@@ -8,22 +8,14 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
-use crate::claim::{ClaimActor, Crash, Drain, UseFinalizer, Wake};
+use super::claim::{ClaimActor, Crash, Drain, UseFinalizer, Wake};
+use super::finalize::{FinalizeActor, Flushed};
+use super::shared::Shared;
 use crate::config::DispatcherConfig;
 use crate::error::Error;
-use crate::finalize::{FinalizeActor, Flushed};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::publisher::Publisher;
 use crate::store::PgPool;
-
-/// What every actor of one dispatcher shares.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub(crate) config: DispatcherConfig,
-    pub(crate) pool: PgPool,
-    pub(crate) publisher: Arc<dyn Publisher>,
-    pub(crate) metrics: Metrics,
-}
 
 /// How often the supervisor checks that its actors are alive.
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
@@ -151,7 +143,15 @@ impl Actor for OutboxSupervisor {
         self.finalizer = Some(finalizer);
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
         if config.listen_for_inserts {
-            let listener = crate::listener::listen(self.shared.pool.clone(), ctx.address().downgrade());
+            let supervisor = ctx.address().downgrade();
+            let wake = move |burst: usize| {
+                let alive = supervisor.upgrade();
+                if let (Some(addr), true) = (&alive, burst > 0) {
+                    addr.do_send(WakeWorkers);
+                }
+                alive.is_some()
+            };
+            let listener = super::listener::listen(self.shared.pool.clone(), wake);
             self.listener = Some(ctx.spawn(listener.into_actor(self)));
         }
     }

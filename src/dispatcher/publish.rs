@@ -8,12 +8,12 @@ use actix::prelude::*;
 use futures_util::FutureExt;
 use tracing::{Instrument, debug, error, info_span};
 
+use super::finalize::{Fenced, Finalize, FinalizeActor, Heartbeat};
+use super::shared::Shared;
 use crate::error::PublishError;
-use crate::finalize::{Fenced, Finalize, FinalizeActor, Heartbeat};
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
 use crate::step::decide;
-use crate::supervisor::Shared;
 
 /// Sent to the claim actor when a message no longer counts against its in-flight window.
 #[derive(Debug, Message)]

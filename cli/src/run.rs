@@ -9,7 +9,7 @@
 //! claiming, lets every publish already started finish and be finalized (bounded by the publish
 //! timeout), and answers; then the broker connection is closed and the process exits 0 with no
 //! row left `processing` under its owner. A second signal while draining exits at once with
-//! [`EXIT_ABORTED`](super::EXIT_ABORTED); the rows still held are reclaimed by other workers
+//! [`EXIT_ABORTED`](crate::EXIT_ABORTED); the rows still held are reclaimed by other workers
 //! when their lease expires.
 
 use std::time::Duration;
@@ -18,10 +18,10 @@ use clap::Args;
 use rand::RngExt;
 use tracing::{info, warn};
 
-use super::{CliError, DatabaseArgs, FifoArgs, connect};
-use crate::config::{self, DispatcherConfig};
-use crate::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
-use crate::supervisor::{OutboxSupervisor, Shutdown};
+use crate::{CliError, DatabaseArgs, FifoArgs, connect};
+use actix_outbox::config::{self, DispatcherConfig};
+use actix_outbox::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::{OutboxSupervisor, Shutdown};
 
 /// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -127,7 +127,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let mut signals = Signals::register()?;
 
     connect(&url).await?;
-    let pending = crate::store::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    let pending = actix_outbox::store::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if !pending.is_empty() {
         return Err(CliError::Failed(format!(
             "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate` first",
@@ -135,7 +135,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             pending.join(", ")
         )));
     }
-    let pool = crate::connect_pool(url.expose(), (config.workers + EXTRA_CONNECTIONS) as u32)
+    let pool = actix_outbox::connect_pool(url.expose(), (config.workers + EXTRA_CONNECTIONS) as u32)
         .await
         .map_err(|e| CliError::store(&url, e))?;
 
@@ -244,8 +244,8 @@ impl Signals {
 mod tests {
     use clap::Parser;
 
-    use crate::cli::{Cli, Command};
-    use crate::config::Fifo;
+    use crate::{Cli, Command};
+    use actix_outbox::Fifo;
 
     fn fifo_of(flags: &[&str]) -> Fifo {
         let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);

@@ -1,0 +1,23 @@
+//! The dispatcher: the actors that connect the store to a sink.
+//!
+//! - `supervisor`: [`OutboxSupervisor`], which starts the others, replaces any that die and
+//!   owns the shutdown protocol;
+//! - `claim`: one claim actor per worker, which reaps, leases batches and paces itself;
+//! - `publish`: one publish actor per claimed message, which calls the sink outside any
+//!   transaction;
+//! - `finalize`: the finalize actor, which applies the fenced writes in batches;
+//! - `listener`: the insert listener, which wakes a worker when rows are inserted;
+//! - `shared`: the state they all read (configuration, pool, sink, counters).
+//!
+//! Each actor's messages sit beside it. Only the supervisor and its messages are public.
+
+mod claim;
+mod finalize;
+mod listener;
+mod publish;
+mod shared;
+mod supervisor;
+
+#[doc(hidden)]
+pub use supervisor::CrashWorker;
+pub use supervisor::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
