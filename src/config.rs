@@ -18,6 +18,8 @@ pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a claim that came back short, by default.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Pause between two probes of an unavailable sink, by default.
+pub const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// Age (since `created_at`) past which a deferral sends the row dead, by default.
 pub const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -85,6 +87,11 @@ pub struct DispatcherConfig {
     /// once, instead of waiting for the poll. Needs a session-capable connection (not a
     /// transaction-mode PgBouncer). Default true.
     pub listen_for_inserts: bool,
+    /// While the sink is unavailable, how often one row is claimed to try it with (a probe).
+    /// The first publish that gets through resumes claiming at full speed. A sink that reports
+    /// its own state ([`Publisher::state`](crate::Publisher::state)) is probed as soon as it
+    /// says it is up. Default 500 ms.
+    pub sink_probe_interval: Duration,
 }
 
 impl Default for DispatcherConfig {
@@ -104,6 +111,7 @@ impl Default for DispatcherConfig {
             finalize_batch: 1000,
             fifo: Fifo::Off,
             listen_for_inserts: true,
+            sink_probe_interval: DEFAULT_SINK_PROBE_INTERVAL,
         }
     }
 }
@@ -160,6 +168,8 @@ impl DispatcherConfig {
         fifo: Fifo,
         /// Sets [`DispatcherConfig::listen_for_inserts`].
         listen_for_inserts: bool,
+        /// Sets [`DispatcherConfig::sink_probe_interval`].
+        sink_probe_interval: Duration,
     }
 
     /// Sets [`DispatcherConfig::max_in_flight`].
@@ -202,6 +212,9 @@ impl DispatcherConfig {
         }
         if self.poll_interval.is_zero() {
             return Err(ZeroPollInterval);
+        }
+        if self.sink_probe_interval.is_zero() {
+            return Err(ZeroSinkProbeInterval);
         }
         if self.backoff_base > self.backoff_cap {
             return Err(BackoffBaseAboveCap { base: self.backoff_base, cap: self.backoff_cap });
@@ -257,6 +270,9 @@ pub enum ConfigError {
     /// A zero poll interval would spin on an empty table.
     #[error("poll interval must be above zero")]
     ZeroPollInterval,
+    /// A zero probe interval would hammer an unavailable sink.
+    #[error("sink probe interval must be above zero")]
+    ZeroSinkProbeInterval,
     /// Backoff base above its cap.
     #[error("backoff base ({base:?}) must not exceed the backoff cap ({cap:?})")]
     BackoffBaseAboveCap {

@@ -56,8 +56,13 @@ impl From<diesel::ConnectionError> for StoreError {
 }
 
 /// What a sink reports when a publish did not succeed. The dispatcher turns it into the row's
-/// next state (DESIGN §3); a sink that cannot classify a failure should panic rather than guess,
-/// and the lease plus the attempt budget bound the damage.
+/// next state; a sink that cannot classify a failure should panic rather than guess, and the
+/// lease plus the attempt budget bound the damage.
+///
+/// The classes say whose fault the failure is. [`PublishError::Retryable`] and
+/// [`PublishError::Permanent`] are the message's: they spend one of its attempts.
+/// [`PublishError::Unavailable`] is the sink's: the message is put back untouched and the
+/// dispatcher pauses until the sink is back, so an outage of any length costs no attempt.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
@@ -65,6 +70,14 @@ pub enum PublishError {
     /// backoff, dead once the row's attempts reach the maximum.
     #[error("retryable: {0}")]
     Retryable(String),
+    /// The sink cannot take messages right now (its link is down, it is reconnecting, the
+    /// transport failed mid-publish): not this message's fault. The row goes back to pending
+    /// at once with its attempt refunded, and the dispatcher stops claiming until the sink is
+    /// back (see [`SinkState`](crate::SinkState)). Never sends a row dead. A message whose
+    /// transport failed after it was handed over may have arrived: it is published again with
+    /// the same id.
+    #[error("sink unavailable: {0}")]
+    Unavailable(String),
     /// A failure that will not heal by retrying (unroutable, rejected): dead at once.
     #[error("permanent: {0}")]
     Permanent(String),
@@ -84,8 +97,17 @@ impl PublishError {
     /// Whether the row is tried again (after a backoff or a deferral).
     pub fn will_retry(&self) -> bool {
         match self {
-            PublishError::Retryable(_) | PublishError::Defer { .. } => true,
+            PublishError::Retryable(_) | PublishError::Unavailable(_) | PublishError::Defer { .. } => true,
             PublishError::Permanent(_) => false,
+        }
+    }
+
+    /// Whether the sink as a whole is unavailable (the dispatcher pauses), rather than this
+    /// message having failed.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            PublishError::Unavailable(_) => true,
+            PublishError::Retryable(_) | PublishError::Permanent(_) | PublishError::Defer { .. } => false,
         }
     }
 
@@ -93,7 +115,7 @@ impl PublishError {
     pub fn spends_attempt(&self) -> bool {
         match self {
             PublishError::Retryable(_) | PublishError::Permanent(_) => true,
-            PublishError::Defer { .. } => false,
+            PublishError::Unavailable(_) | PublishError::Defer { .. } => false,
         }
     }
 }

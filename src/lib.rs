@@ -80,7 +80,7 @@ pub use dispatcher::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
-pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher};
+pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher, SinkState};
 pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
 pub use step::{Step, decide};
 pub use store::{

@@ -38,6 +38,9 @@ counters! {
     retried,
     /// Rows put back to pending by a deferral.
     deferred,
+    /// Rows put back to pending, attempt refunded, because the sink was unavailable (an
+    /// outage costs no attempt).
+    released,
     /// Rows finalized `dead` (retries exhausted, permanent failure, or deferred too long).
     dead,
     /// Rows the claim's reaper sent dead (lease expired with no attempt left).
@@ -50,8 +53,12 @@ counters! {
     restarts,
     /// Claims that failed on the database.
     claim_errors,
-    /// Finalize flushes that failed on the database.
+    /// Finalize flushes that failed on the database after every retry.
     finalize_errors,
+    /// Finalize statements retried after a transient database failure.
+    finalize_retries,
+    /// Times claiming paused because the sink became unavailable.
+    sink_outages,
 }
 
 impl Metrics {

@@ -17,13 +17,58 @@ pub type PublishResult = Result<(), PublishError>;
 /// not be `Send`.
 pub type PublishFuture = Pin<Box<dyn Future<Output = PublishResult> + 'static>>;
 
+/// How a sink is doing as a whole, as far as it knows (see [`Publisher::state`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SinkState {
+    /// Taking messages.
+    Up,
+    /// Connected, but the other side holds publishes back for now (RabbitMQ's
+    /// `connection.blocked`, raised by a memory or disk alarm). What was sent is held, not lost:
+    /// the dispatcher claims nothing new and lets the publishes in flight wait past the publish
+    /// timeout (keeping their leases alive) instead of timing them out and publishing again.
+    Blocked(String),
+    /// Cannot take messages (link down, reconnecting): the dispatcher claims nothing and puts
+    /// back, attempt refunded, whatever it had claimed but not handed over.
+    Down(String),
+}
+
+impl SinkState {
+    /// Whether the sink takes messages.
+    pub fn is_up(&self) -> bool {
+        matches!(self, SinkState::Up)
+    }
+}
+
+impl std::fmt::Display for SinkState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SinkState::Up => f.write_str("up"),
+            SinkState::Blocked(why) => write!(f, "blocked: {why}"),
+            SinkState::Down(why) => write!(f, "down: {why}"),
+        }
+    }
+}
+
 /// A sink: sends one claimed message somewhere and says how it went.
 ///
 /// The dispatcher calls it outside any database transaction, bounded by the publish timeout
-/// (an elapsed timeout counts as [`PublishError::Retryable`]), and many calls run at once. A
+/// (an elapsed timeout counts as [`PublishError::Retryable`], or as
+/// [`PublishError::Unavailable`] when the sink says it is down), and many calls run at once. A
 /// panic is treated as a crash of that publish: the row is left `processing` and is reclaimed
 /// when its lease expires, spending an attempt. Return errors you can classify; panic on what
 /// you cannot.
+///
+/// # Outages
+///
+/// Tell a failure of the message from a failure of the sink: return
+/// [`PublishError::Unavailable`] when the sink itself cannot take messages (no connection,
+/// reconnecting, the transport broke mid-publish). The row goes back with its attempt refunded,
+/// the dispatcher stops claiming, and it probes the sink with one message at a time until one
+/// gets through, then resumes at full speed. That is all a simple sink needs. A sink that knows
+/// its own health can also report it through [`Publisher::state`], so that the dispatcher
+/// pauses before a message fails, and waits instead of timing out while the sink is
+/// [`SinkState::Blocked`].
 ///
 /// ```
 /// use std::sync::Arc;
@@ -47,11 +92,23 @@ pub type PublishFuture = Pin<Box<dyn Future<Output = PublishResult> + 'static>>;
 pub trait Publisher: Send + Sync + std::fmt::Debug + 'static {
     /// Publishes `message`. The message's `id` is its stable identity across attempts.
     fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture;
+
+    /// The sink's health right now. Called often (every 100 ms and at each publish timeout), so
+    /// it must be cheap and must not block. The default, for sinks that cannot tell, is
+    /// [`SinkState::Up`]: the dispatcher then learns of an outage from
+    /// [`PublishError::Unavailable`] alone.
+    fn state(&self) -> SinkState {
+        SinkState::Up
+    }
 }
 
 impl<P: Publisher + ?Sized> Publisher for Arc<P> {
     fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
         (**self).publish(message)
+    }
+
+    fn state(&self) -> SinkState {
+        (**self).state()
     }
 }
 
@@ -108,8 +165,8 @@ impl Publisher for ActorPublisher {
             match recipient.send(Publish { message }).await {
                 Ok(result) => result,
                 // The sink actor is gone (it panicked or stopped): nothing was published, and
-                // a later attempt may find it restarted.
-                Err(e) => Err(PublishError::Retryable(format!("publish actor unavailable: {e}"))),
+                // a later attempt may find it restarted. Not the message's fault.
+                Err(e) => Err(PublishError::Unavailable(format!("publish actor unavailable: {e}"))),
             }
         })
     }

@@ -1,5 +1,4 @@
-//! The state machine's publish edges (DESIGN §3): from a publish outcome to the row's next
-//! state. One pure function, shared by the finalize actor and by anyone driving the store by
+//! The state machine's publish edges: from a publish outcome to the row's next state. One pure function, shared by the finalize actor and by anyone driving the store by
 //! hand.
 
 use crate::backoff::full_jitter;
@@ -36,6 +35,8 @@ impl Step {
 /// - [`PublishError::Permanent`] → dead;
 /// - [`PublishError::Retryable`] → pending after a full-jitter backoff, or dead when the row's
 ///   attempts have reached `max_attempts`;
+/// - [`PublishError::Unavailable`] → pending at once with the attempt refunded (an outage is
+///   not the message's fault, whatever its length);
 /// - [`PublishError::Defer`] → pending after the delay with the attempt refunded, or dead when
 ///   the row is older than `max_defer_age` (decided in SQL, on the database clock).
 ///
@@ -64,6 +65,7 @@ pub fn decide(message: &OutboxMessage, outcome: &PublishResult, config: &Dispatc
             refund_attempt: false,
             dead_if_older_than: None,
         }),
+        Err(PublishError::Unavailable(e)) => release(fence, format!("sink unavailable: {e}")),
         Err(PublishError::Defer { delay, reason }) => Step::Reschedule(Reschedule {
             fence,
             delay: *delay,
@@ -72,4 +74,16 @@ pub fn decide(message: &OutboxMessage, outcome: &PublishResult, config: &Dispatc
             dead_if_older_than: Some(config.max_defer_age),
         }),
     }
+}
+
+/// Puts a claimed row back untouched: pending now, its attempt refunded. For rows the sink
+/// could not take (an outage) and rows never handed to it (claimed as the sink went away).
+pub(crate) fn release(fence: Fence, why: String) -> Step {
+    Step::Reschedule(Reschedule {
+        fence,
+        delay: std::time::Duration::ZERO,
+        error: why,
+        refund_attempt: true,
+        dead_if_older_than: None,
+    })
 }

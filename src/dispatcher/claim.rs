@@ -9,6 +9,11 @@
 //! FIFO gate, a finished publish also triggers a claim, since it may have unblocked the next row
 //! of its aggregate.
 //!
+//! The sink gate comes first: while the sink is unavailable the worker claims nothing, and
+//! when the supervisor asks it to [`Probe`], it claims a single row to try the sink with. A
+//! claim that fails on the database backs off (100 ms doubling to 1 s, jittered), so a database
+//! outage costs a few cheap attempts a second and claiming resumes within a second of its end.
+//!
 //! Resuming: while the backlog is deep, each claim starts its walk of the pending rows where
 //! the worker's previous claim took its first one ([`ClaimParams::resume`]), so it does not
 //! step over the dead index entries of everything claimed since the last `VACUUM`. The walk
@@ -26,7 +31,8 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{debug, error, info, warn};
 
-use super::finalize::FinalizeActor;
+use super::finalize::FinalizerSlot;
+use super::gate::Claimable;
 use super::publish::{PublishActor, PublishFinished};
 use super::shared::Shared;
 use crate::backoff::jittered;
@@ -47,10 +53,15 @@ pub(crate) struct Wake;
 #[rtype(result = "()")]
 pub(crate) struct Drain;
 
-/// Use this finalizer from now on (the supervisor restarted it).
-#[derive(Debug, Message)]
+/// Claim one row to try the sink with (the sink gate is probing).
+#[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
-pub(crate) struct UseFinalizer(pub(crate) Addr<FinalizeActor>);
+pub(crate) struct Probe;
+
+/// First pause after a claim failed on the database; it doubles up to [`CLAIM_RETRY_MAX`].
+const CLAIM_RETRY_MIN: Duration = Duration::from_millis(100);
+/// Longest pause between claims while the database fails.
+const CLAIM_RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Panics inside the worker's handler, to exercise the supervisor's restart path.
 #[derive(Debug, Message)]
@@ -61,7 +72,7 @@ pub(crate) struct ClaimActor {
     worker: usize,
     owner: String,
     shared: Arc<Shared>,
-    finalizer: Addr<FinalizeActor>,
+    finalizer: Arc<FinalizerSlot>,
     /// Claimed messages not yet finalized.
     in_flight: usize,
     /// A claim statement is running.
@@ -79,6 +90,10 @@ pub(crate) struct ClaimActor {
     full_walk_due: Instant,
     /// Under `Fifo::All`: the aggregate after which the next scan for free heads starts.
     heads_after: Option<AggregateKey>,
+    /// The supervisor asked for a probe: the next claim takes one row, gate closed or not.
+    probe: bool,
+    /// Claims that failed on the database in a row (paces the retries).
+    failures: u32,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
@@ -91,7 +106,7 @@ impl std::fmt::Debug for ClaimActor {
 }
 
 impl ClaimActor {
-    pub(crate) fn new(worker: usize, shared: Arc<Shared>, finalizer: Addr<FinalizeActor>) -> Self {
+    pub(crate) fn new(worker: usize, shared: Arc<Shared>, finalizer: Arc<FinalizerSlot>) -> Self {
         Self {
             worker,
             owner: shared.config.worker_owner(worker),
@@ -105,16 +120,21 @@ impl ClaimActor {
             resume: None,
             full_walk_due: Instant::now(),
             heads_after: None,
+            probe: false,
+            failures: 0,
             draining: false,
             drain_waiters: Vec::new(),
         }
     }
 
     fn schedule_poll(&mut self, ctx: &mut Context<Self>) {
+        self.schedule_claim(ctx, jittered(self.shared.config.poll_interval));
+    }
+
+    fn schedule_claim(&mut self, ctx: &mut Context<Self>, delay: Duration) {
         if let Some(timer) = self.timer.take() {
             ctx.cancel_future(timer);
         }
-        let delay = jittered(self.shared.config.poll_interval);
         self.timer = Some(ctx.run_later(delay, |act, ctx| {
             act.timer = None;
             act.claim(ctx);
@@ -125,13 +145,23 @@ impl ClaimActor {
         if self.claiming || self.draining {
             return;
         }
+        let probe = std::mem::take(&mut self.probe);
+        if !probe && self.shared.gate.claimable() == Claimable::No {
+            // The supervisor wakes every worker when the sink is back; the poll is a fallback.
+            self.schedule_poll(ctx);
+            return;
+        }
         let config = &self.shared.config;
         let room = config.in_flight_limit().saturating_sub(self.in_flight);
+        if probe && room == 0 {
+            self.shared.gate.probe_aborted();
+            return;
+        }
         // Claim a whole batch or wait: claiming whatever room the last finished publish freed
         // degenerates into a stream of one-row claims (measured: a third of all claims took a
         // single row, and the database ceiling fell by half), each costing a full statement.
         // `validate()` keeps the window at least one batch wide, so an empty window always fits.
-        if room < config.batch {
+        if room < config.batch && !probe {
             // PublishFinished claims again once a batch fits.
             self.backlog = true;
             return;
@@ -139,7 +169,7 @@ impl ClaimActor {
         if let Some(timer) = self.timer.take() {
             ctx.cancel_future(timer);
         }
-        let batch = room.min(config.batch);
+        let batch = if probe { 1 } else { room.min(config.batch) };
         let resume = match config.fifo {
             Fifo::Off if Instant::now() < self.full_walk_due => self.resume,
             _ => None,
@@ -151,6 +181,9 @@ impl ClaimActor {
         let shared = self.shared.clone();
         let owner = self.owner.clone();
         let heads_after = self.heads_after.clone();
+        // A lower bound of the database's `now()` at the claim: the leases run at least until
+        // this plus the lease.
+        let lease_deadline = Instant::now() + config.lease;
         let query = async move {
             let mut conn = shared.pool.get().await?;
             let params = ClaimParams {
@@ -168,6 +201,13 @@ impl ClaimActor {
             act.claiming = false;
             match result {
                 Ok(claim) => {
+                    act.failures = 0;
+                    act.shared.db.answered();
+                    if probe && claim.messages.is_empty() {
+                        // Nothing to try the sink with: nothing is lost by opening the gate, and
+                        // the next rows find out.
+                        act.shared.gate.delivered();
+                    }
                     let metrics = &act.shared.metrics;
                     if !claim.reaped.is_empty() {
                         Metrics::add(&metrics.reaped, claim.reaped.len());
@@ -195,6 +235,7 @@ impl ClaimActor {
                             act.shared.clone(),
                             act.finalizer.clone(),
                             ctx.address().recipient(),
+                            lease_deadline,
                         )
                         .start();
                     }
@@ -203,7 +244,7 @@ impl ClaimActor {
                         HeadsScan::ReachedEnd => act.heads_after = None,
                         HeadsScan::StoppedAfter(key) => act.heads_after = Some(key),
                     }
-                    act.backlog = n == batch;
+                    act.backlog = n == batch && !probe;
                     // A short claim reached the end of the pending rows: start over next time.
                     act.resume = if act.backlog { claim.resume.or(resume) } else { None };
                     if act.backlog || std::mem::take(&mut act.woken) {
@@ -214,9 +255,19 @@ impl ClaimActor {
                 }
                 Err(e) => {
                     Metrics::add(&act.shared.metrics.claim_errors, 1);
-                    error!(worker = %act.owner, error = %e, "claim failed; retrying after the poll interval");
+                    if probe {
+                        act.shared.gate.probe_aborted();
+                    }
                     act.backlog = false;
-                    act.schedule_poll(ctx);
+                    if e.is_transient() {
+                        act.shared.db.failed("claim", &e);
+                        act.failures += 1;
+                        let ceiling = CLAIM_RETRY_MIN.saturating_mul(1 << act.failures.min(10)).min(CLAIM_RETRY_MAX);
+                        act.schedule_claim(ctx, jittered(ceiling));
+                    } else {
+                        error!(worker = %act.owner, error = %e, "claim failed; retrying after the poll interval");
+                        act.schedule_poll(ctx);
+                    }
                 }
             }
             // A drain that arrived mid-claim is answered once this claim's rows are done.
@@ -299,11 +350,20 @@ impl Handler<Drain> for ClaimActor {
     }
 }
 
-impl Handler<UseFinalizer> for ClaimActor {
+impl Handler<Probe> for ClaimActor {
     type Result = ();
 
-    fn handle(&mut self, msg: UseFinalizer, _: &mut Context<Self>) {
-        self.finalizer = msg.0;
+    fn handle(&mut self, _: Probe, ctx: &mut Context<Self>) {
+        if self.draining {
+            self.shared.gate.probe_aborted();
+            return;
+        }
+        // A claim running now takes the probe when it returns.
+        self.probe = true;
+        if self.claiming {
+            self.woken = true;
+        }
+        self.claim(ctx);
     }
 }
 

@@ -4,12 +4,22 @@
 //! group-commits: while one flush runs, new requests queue, and the next flush takes them all
 //! (one statement per outcome kind), so a busy dispatcher finalizes hundreds of rows per round
 //! trip while an idle one finalizes a lone row at once.
+//!
+//! A database that fails (an outage, a failover) does not cost the rows their lease: a flush
+//! keeps its fences and retries with capped, jittered backoff for as long as the leases of its
+//! rows run, so that rows already published become `done` when the database is back, instead
+//! of waiting for their lease to expire and being published again. The outage is logged once
+//! (see [`DbHealth`](super::shared::DbHealth)).
+//!
+//! The actor's address lives in a [`FinalizerSlot`]: when it dies, the supervisor puts a new one
+//! there (while draining too), and a publish whose request died with the old one sends it again.
 
 use std::collections::HashSet;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use rand::RngExt;
 use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
@@ -27,14 +37,20 @@ pub(crate) enum Fenced {
     Won,
     /// The row had been taken over (or was no longer processing): nothing written.
     Lost,
-    /// The database failed; the row stays `processing` until its lease expires.
+    /// The database kept failing until the lease ran out; the row stays `processing` until its
+    /// lease expires.
     Failed,
 }
 
-/// Apply one fenced write.
+/// Apply one fenced write. Answers `None` if the actor died before it could (send it again to
+/// its replacement).
 #[derive(Debug, Message)]
-#[rtype(result = "Fenced")]
-pub(crate) struct Finalize(pub(crate) Step);
+#[rtype(result = "Option<Fenced>")]
+pub(crate) struct Finalize {
+    pub(crate) step: Step,
+    /// Retry a failing database until then (the claim's lease, local clock).
+    pub(crate) lease_deadline: Instant,
+}
 
 /// Extend one claim's lease (a publish running long).
 #[derive(Debug, Message)]
@@ -46,11 +62,49 @@ pub(crate) struct Heartbeat(pub(crate) Fence);
 #[rtype(result = "()")]
 pub(crate) struct Flushed;
 
+/// Where the current finalize actor is, for everyone who sends to it.
+#[derive(Debug)]
+pub(crate) struct FinalizerSlot(Mutex<Addr<FinalizeActor>>);
+
+/// How long a publish waits before sending its write again to a replaced finalizer (the
+/// supervisor's watchdog replaces a dead one within 200 ms).
+const RESEND_PAUSE: Duration = Duration::from_millis(50);
+
+impl FinalizerSlot {
+    pub(crate) fn new(addr: Addr<FinalizeActor>) -> Self {
+        Self(Mutex::new(addr))
+    }
+
+    /// The current finalizer.
+    pub(crate) fn get(&self) -> Addr<FinalizeActor> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Puts a new finalizer in place of a dead one.
+    pub(crate) fn set(&self, addr: Addr<FinalizeActor>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = addr;
+    }
+
+    /// Applies `step`, sending it again to the replacement when the finalizer died holding it.
+    pub(crate) async fn finalize(&self, step: Step, lease_deadline: Instant) -> Fenced {
+        loop {
+            match self.get().send(Finalize { step: step.clone(), lease_deadline }).await {
+                Ok(Some(fenced)) => return fenced,
+                Ok(None) | Err(_) if Instant::now() < lease_deadline => {
+                    debug!("the finalizer died holding this write; sending it to its replacement");
+                    tokio::time::sleep(RESEND_PAUSE).await;
+                }
+                Ok(None) | Err(_) => return Fenced::Failed,
+            }
+        }
+    }
+}
+
 type Reply = oneshot::Sender<Fenced>;
 
 pub(crate) struct FinalizeActor {
     shared: Arc<Shared>,
-    queue: Vec<(Step, Reply)>,
+    queue: Vec<(Finalize, Reply)>,
     heartbeats: Vec<Fence>,
     flushing: bool,
     idle_waiters: Vec<oneshot::Sender<()>>,
@@ -94,13 +148,14 @@ impl Actor for FinalizeActor {
 }
 
 impl Handler<Finalize> for FinalizeActor {
-    type Result = ResponseFuture<Fenced>;
+    type Result = ResponseFuture<Option<Fenced>>;
 
     fn handle(&mut self, msg: Finalize, ctx: &mut Context<Self>) -> Self::Result {
         let (tx, rx) = oneshot::channel();
-        self.queue.push((msg.0, tx));
+        self.queue.push((msg, tx));
         self.flush(ctx);
-        Box::pin(async move { rx.await.unwrap_or(Fenced::Failed) })
+        // The reply is dropped unanswered only if the actor dies first.
+        Box::pin(async move { rx.await.ok() })
     }
 }
 
@@ -126,30 +181,43 @@ impl Handler<Flushed> for FinalizeActor {
     }
 }
 
-/// Attempts per statement before the rows are left to lease expiry.
-const FLUSH_TRIES: u32 = 4;
+/// First pause before retrying a failed statement; it doubles (with jitter) up to
+/// [`RETRY_MAX`].
+const RETRY_MIN: Duration = Duration::from_millis(50);
+/// Longest pause between two tries, so that a database that comes back is used within it.
+const RETRY_MAX: Duration = Duration::from_secs(1);
 
-/// Runs `f` on a pooled connection, retrying transient failures with a short backoff. The flag
-/// says whether an earlier try failed mid-way: its write may have committed before the
-/// connection dropped, so rows the returned try did not win may be rows that try already wrote
-/// (see [`settled_before`]).
-async fn with_retry<T, F>(shared: &Shared, what: &str, mut f: F) -> (Result<T, StoreError>, bool)
+/// Runs `f` on a pooled connection, retrying transient failures with capped, jittered backoff
+/// until `deadline` (the earliest lease of the rows written). The flag says whether an earlier
+/// try failed mid-way: its write may have committed before the connection dropped, so rows the
+/// returned try did not win may be rows that try already wrote (see [`settled_before`]).
+async fn with_retry<T, F>(shared: &Shared, what: &str, deadline: Instant, mut f: F) -> (Result<T, StoreError>, bool)
 where
     F: AsyncFnMut(&mut diesel_async::AsyncPgConnection) -> Result<T, StoreError>,
 {
-    let mut attempt = 0;
+    let mut tries = 0_u32;
+    let mut ceiling = RETRY_MIN;
     loop {
         let result = match shared.pool.get().await {
             Ok(mut conn) => f(&mut conn).await,
             Err(e) => Err(e.into()),
         };
         match result {
-            Err(e) if e.is_transient() && attempt + 1 < FLUSH_TRIES => {
-                attempt += 1;
-                warn!(error = %e, attempt, "{what} failed, retrying");
-                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+            Err(e) if e.is_transient() && Instant::now() + ceiling < deadline => {
+                tries += 1;
+                Metrics::add(&shared.metrics.finalize_retries, 1);
+                shared.db.failed(what, &e);
+                let pause = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+                debug!(error = %e, tries, retry_in = ?pause, "{what} failed; retrying with the same fences");
+                tokio::time::sleep(pause).await;
+                ceiling = (ceiling * 2).min(RETRY_MAX);
             }
-            other => return (other, attempt > 0),
+            other => {
+                if other.is_ok() {
+                    shared.db.answered();
+                }
+                return (other, tries > 0);
+            }
         }
     }
 }
@@ -167,8 +235,10 @@ async fn settled_before(
     if unsure.is_empty() {
         return Vec::new();
     }
+    let deadline = Instant::now() + RETRY_MAX * 10;
     let (settled, _) =
-        with_retry(shared, "read back a retried write", async |c| store::settled_at_version(c, &unsure).await).await;
+        with_retry(shared, "read back a retried write", deadline, async |c| store::settled_at_version(c, &unsure).await)
+            .await;
     match settled {
         Ok(rows) => {
             let rows: Vec<_> = rows.into_iter().filter(|&(_, status)| wrote(status)).collect();
@@ -199,13 +269,14 @@ async fn add_settled(
     }
 }
 
-async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence>) {
+async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: Vec<Fence>) {
     let metrics = &shared.metrics;
     let mut done = Vec::new();
     let mut resched = Vec::new();
     let mut dead = Vec::new();
     let mut replies = std::collections::HashMap::with_capacity(batch.len());
-    for (op, reply) in batch {
+    let deadline = batch.iter().map(|(f, _)| f.lease_deadline).min().unwrap_or_else(Instant::now);
+    for (Finalize { step: op, .. }, reply) in batch {
         let fence = op.fence();
         replies.insert(fence, reply);
         match op {
@@ -214,6 +285,10 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
             Step::Dead(b) => dead.push(b),
         }
     }
+
+    // A heartbeat queued beside its row's outcome is moot: the outcome ends the lease (and,
+    // applied after it, the heartbeat would find the row finalized and report a lost lease).
+    heartbeats.retain(|fence| !replies.contains_key(fence));
 
     // `won` is None when the statement failed: the rows' fate is unknown until lease expiry.
     let mut answer = |fences: &mut dyn Iterator<Item = Fence>, won: Option<&[i64]>| {
@@ -240,7 +315,8 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
     };
 
     if !done.is_empty() {
-        let (mut result, in_doubt) = with_retry(shared, "mark done", async |c| store::mark_done(c, &done).await).await;
+        let (mut result, in_doubt) =
+            with_retry(shared, "mark done", deadline, async |c| store::mark_done(c, &done).await).await;
         if in_doubt {
             add_settled(shared, &mut result, done.iter().copied(), Status::Done).await;
         }
@@ -252,7 +328,7 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
     }
     if !resched.is_empty() {
         let (mut result, in_doubt) =
-            with_retry(shared, "reschedule", async |c| store::reschedule(c, &resched).await).await;
+            with_retry(shared, "reschedule", deadline, async |c| store::reschedule(c, &resched).await).await;
         if in_doubt && let Ok(rows) = &mut result {
             let seen = rows.iter().map(|r| r.id).collect();
             let fences = resched.iter().map(|r| r.fence);
@@ -261,13 +337,21 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         }
         let ids: Option<Vec<i64>> = match &result {
             Ok(rows) => {
-                let refunded: HashSet<i64> = resched.iter().filter(|r| r.refund_attempt).map(|r| r.fence.id).collect();
+                // A deferral refunds and may age out; a release (an outage, a row never sent)
+                // refunds and never does.
+                let deferred: HashSet<i64> =
+                    resched.iter().filter(|r| r.dead_if_older_than.is_some()).map(|r| r.fence.id).collect();
+                let released: HashSet<i64> = resched
+                    .iter()
+                    .filter(|r| r.refund_attempt && r.dead_if_older_than.is_none())
+                    .map(|r| r.fence.id)
+                    .collect();
                 for row in rows {
-                    let refund = refunded.contains(&row.id);
-                    let counter = match (row.status, refund) {
-                        (Status::Dead, _) => &metrics.dead,
-                        (_, true) => &metrics.deferred,
-                        (_, false) => &metrics.retried,
+                    let counter = match row.status {
+                        Status::Dead => &metrics.dead,
+                        _ if deferred.contains(&row.id) => &metrics.deferred,
+                        _ if released.contains(&row.id) => &metrics.released,
+                        _ => &metrics.retried,
                     };
                     Metrics::add(counter, 1);
                 }
@@ -281,7 +365,8 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
         answer(&mut resched.iter().map(|r| r.fence), ids.as_deref());
     }
     if !dead.is_empty() {
-        let (mut result, in_doubt) = with_retry(shared, "mark dead", async |c| store::mark_dead(c, &dead).await).await;
+        let (mut result, in_doubt) =
+            with_retry(shared, "mark dead", deadline, async |c| store::mark_dead(c, &dead).await).await;
         if in_doubt {
             add_settled(shared, &mut result, dead.iter().map(|b| b.fence), Status::Dead).await;
         }
@@ -299,10 +384,14 @@ async fn apply(shared: &Shared, batch: Vec<(Step, Reply)>, heartbeats: Vec<Fence
     if !heartbeats.is_empty() {
         let lease = shared.config.lease;
         // Extending a lease again is harmless, so a retried heartbeat needs no read-back.
-        match with_retry(shared, "lease heartbeat", async |c| store::extend_leases(c, &heartbeats, lease).await).await.0
+        let deadline = Instant::now() + lease / 3;
+        match with_retry(shared, "lease heartbeat", deadline, async |c| store::extend_leases(c, &heartbeats, lease).await)
+            .await
+            .0
         {
             Ok(won) => {
                 for f in heartbeats.iter().filter(|f| !won.contains(&f.id)) {
+                    Metrics::add(&metrics.lost_leases, 1);
                     warn!(
                         outbox_id = f.id,
                         lease_version = f.lease_version,

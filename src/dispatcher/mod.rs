@@ -6,6 +6,7 @@
 //! - `publish`: one publish actor per claimed message, which calls the sink outside any
 //!   transaction;
 //! - `finalize`: the finalize actor, which applies the fenced writes in batches;
+//! - `gate`: the sink gate, which pauses claiming while the sink is unavailable and probes it;
 //! - `listener`: the insert listener, which wakes a worker when rows are inserted;
 //! - `shared`: the state they all read (configuration, pool, sink, counters).
 //!
@@ -13,6 +14,7 @@
 
 mod claim;
 mod finalize;
+mod gate;
 mod listener;
 mod publish;
 mod shared;

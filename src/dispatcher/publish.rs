@@ -1,19 +1,33 @@
 //! `PublishActor`: one per claimed message. Calls the sink outside any transaction, bounded by
 //! the publish timeout; turns a panic into a crash report; hands the outcome to the finalizer.
+//!
+//! The sink's health is part of every publish:
+//! - a row claimed while the sink went away (the gate closed after the claim) is handed back,
+//!   attempt refunded, without calling the sink;
+//! - [`PublishError::Unavailable`] closes the gate (claiming pauses) and a delivery opens it;
+//! - at the publish timeout, a sink that says it is [`SinkState::Blocked`] still holds what it
+//!   was sent: the publish keeps waiting, its lease kept alive by a heartbeat, instead of
+//!   timing out and being published again; a sink that says it is [`SinkState::Down`] turns the
+//!   timeout into [`PublishError::Unavailable`].
 
+use std::cell::Cell;
 use std::panic::AssertUnwindSafe;
+use std::pin::pin;
+use std::rc::Rc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use futures_util::FutureExt;
 use tracing::{Instrument, debug, error, info_span};
 
-use super::finalize::{Fenced, Finalize, FinalizeActor, Heartbeat};
+use super::finalize::{Fenced, FinalizerSlot, Heartbeat};
 use super::shared::Shared;
 use crate::error::PublishError;
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
-use crate::step::decide;
+use crate::publisher::{PublishResult, SinkState};
+use crate::step::{decide, release};
 
 /// Sent to the claim actor when a message no longer counts against its in-flight window.
 #[derive(Debug, Message)]
@@ -23,8 +37,14 @@ pub(crate) struct PublishFinished;
 pub(crate) struct PublishActor {
     message: Arc<OutboxMessage>,
     shared: Arc<Shared>,
-    finalizer: Addr<FinalizeActor>,
+    finalizer: Arc<FinalizerSlot>,
     owner: Recipient<PublishFinished>,
+    /// Until when the claim's lease surely runs (local clock, a lower bound; a heartbeat moves
+    /// it on): the finalizer retries a failing database until then.
+    lease_deadline: Rc<Cell<Instant>>,
+    /// The outcome is decided: no heartbeat may follow it (applied after the outcome, it would
+    /// find the row finalized and report a lost lease).
+    decided: Rc<Cell<bool>>,
 }
 
 impl std::fmt::Debug for PublishActor {
@@ -37,16 +57,19 @@ impl PublishActor {
     pub(crate) fn new(
         message: OutboxMessage,
         shared: Arc<Shared>,
-        finalizer: Addr<FinalizeActor>,
+        finalizer: Arc<FinalizerSlot>,
         owner: Recipient<PublishFinished>,
+        lease_deadline: Instant,
     ) -> Self {
-        Self { message: Arc::new(message), shared, finalizer, owner }
+        Self { message: Arc::new(message), shared, finalizer, owner, lease_deadline: Rc::new(Cell::new(lease_deadline)),
+            decided: Rc::new(Cell::new(false)),
+        }
     }
 }
 
 /// How the sink call ended.
 enum Attempt {
-    Finished(Result<(), PublishError>),
+    Finished(PublishResult),
     /// The sink panicked: we do not know whether the message left.
     Crashed(String),
 }
@@ -62,54 +85,112 @@ impl Actor for PublishActor {
         // A sink slower than a third of the lease keeps its claim alive (fenced). When the
         // publish timeout ends every publish before that mark (the default: 10 s against 20 s),
         // no heartbeat could ever fire, so the timer is not armed at all: one timer less per
-        // message. A heartbeat after the publish ended would buy nothing either: the outcome
-        // is already queued at the finalizer, which applies it before any later heartbeat.
+        // message. A publish held past its timeout by a blocked broker sends its own heartbeats.
         let heartbeat_every = self.shared.config.lease / 3;
         if self.shared.config.publish_timeout >= heartbeat_every {
             let fence = message.fence();
-            ctx.run_interval(heartbeat_every, move |act, _| act.finalizer.do_send(Heartbeat(fence)));
+            ctx.run_interval(heartbeat_every, move |act, _| {
+                if act.decided.get() {
+                    return;
+                }
+                act.lease_deadline.set(Instant::now() + act.shared.config.lease);
+                act.finalizer.get().do_send(Heartbeat(fence));
+            });
         }
 
         let shared = self.shared.clone();
         let finalizer = self.finalizer.clone();
         let owner = self.owner.clone();
+        let lease_deadline = self.lease_deadline.clone();
+        let decided = self.decided.clone();
         let work = async move {
-            let timeout = shared.config.publish_timeout;
-            // The sink is called inside the guarded future, so a panic while building its
-            // future is caught as well as one while polling it.
-            let call = {
-                let (publisher, message) = (shared.publisher.clone(), message.clone());
-                async move { publisher.publish(message).await }
-            };
-            let attempt = match AssertUnwindSafe(tokio::time::timeout(timeout, call)).catch_unwind().await {
-                Ok(Ok(result)) => Attempt::Finished(result),
-                Ok(Err(_)) => Attempt::Finished(Err(PublishError::Retryable(format!(
-                    "publish timed out after {}",
-                    humantime::format_duration(timeout)
-                )))),
-                Err(panic) => Attempt::Crashed(panic_text(&*panic)),
-            };
-            match attempt {
-                Attempt::Crashed(why) => {
-                    Metrics::add(&shared.metrics.publish_crashes, 1);
-                    error!(panic = %why, "sink panicked; the row stays processing until its lease expires");
+            let step = if shared.gate.may_publish() {
+                match call_sink(&shared, &message, &finalizer, &lease_deadline).await {
+                    Attempt::Crashed(why) => {
+                        Metrics::add(&shared.metrics.publish_crashes, 1);
+                        error!(panic = %why, "sink panicked; the row stays processing until its lease expires");
+                        None
+                    }
+                    Attempt::Finished(result) => {
+                        match &result {
+                            Ok(()) => {
+                                Metrics::add(&shared.metrics.published, 1);
+                                shared.gate.delivered();
+                            }
+                            Err(e) if e.is_unavailable() => {
+                                if shared.gate.unavailable(&e.to_string()) {
+                                    Metrics::add(&shared.metrics.sink_outages, 1);
+                                }
+                            }
+                            Err(_) => {}
+                        }
+                        debug!(outcome = ?result, "published");
+                        Some(decide(&message, &result, &shared.config))
+                    }
                 }
-                Attempt::Finished(result) => {
-                    if result.is_ok() {
-                        Metrics::add(&shared.metrics.published, 1);
-                    }
-                    debug!(outcome = ?result, "published");
-                    let step = decide(&message, &result, &shared.config);
-                    match finalizer.send(Finalize(step)).await {
-                        Ok(Fenced::Won | Fenced::Lost | Fenced::Failed) => {}
-                        Err(e) => error!(error = %e, "finalizer unavailable; the row waits for lease expiry"),
-                    }
+            } else {
+                debug!("the sink is unavailable: handing the row back unsent");
+                Some(release(message.fence(), "released unsent: the sink was unavailable".into()))
+            };
+            decided.set(true);
+            if let Some(step) = step {
+                match finalizer.finalize(step, lease_deadline.get()).await {
+                    Fenced::Won | Fenced::Lost => {}
+                    Fenced::Failed => error!("finalize failed; the row waits for lease expiry"),
                 }
             }
             owner.do_send(PublishFinished);
         }
         .instrument(span);
         ctx.spawn(work.into_actor(self).map(|(), _, ctx| ctx.stop()));
+    }
+}
+
+/// Calls the sink, bounded by the publish timeout, which a blocked sink suspends.
+async fn call_sink(
+    shared: &Shared,
+    message: &Arc<OutboxMessage>,
+    finalizer: &FinalizerSlot,
+    lease_deadline: &Cell<Instant>,
+) -> Attempt {
+    let timeout = shared.config.publish_timeout;
+    // The sink is called inside the guarded future, so a panic while building its future is
+    // caught as well as one while polling it.
+    let call = {
+        let (publisher, message) = (shared.publisher.clone(), message.clone());
+        async move { publisher.publish(message).await }
+    };
+    let mut call = pin!(AssertUnwindSafe(call).catch_unwind());
+    let mut deadline = tokio::time::Instant::now() + timeout;
+    let mut held = Duration::ZERO;
+    loop {
+        match tokio::time::timeout_at(deadline, call.as_mut()).await {
+            Ok(Ok(result)) => return Attempt::Finished(result),
+            Err(_elapsed) => match shared.publisher.state() {
+                SinkState::Blocked(why) => {
+                    // What the sink was sent is held, not lost: wait, and keep the claim alive
+                    // (the heartbeat is fenced, so a lost lease is reported, never overwritten).
+                    held += timeout;
+                    debug!(blocked = %why, held = ?held, "publish held by a blocked sink; still waiting");
+                    finalizer.get().do_send(Heartbeat(message.fence()));
+                    lease_deadline.set(Instant::now() + shared.config.lease);
+                    deadline += timeout;
+                }
+                SinkState::Down(why) => {
+                    return Attempt::Finished(Err(PublishError::Unavailable(format!(
+                        "no answer within {} and the sink is down: {why}",
+                        humantime::format_duration(timeout)
+                    ))));
+                }
+                SinkState::Up => {
+                    return Attempt::Finished(Err(PublishError::Retryable(format!(
+                        "publish timed out after {}",
+                        humantime::format_duration(timeout)
+                    ))));
+                }
+            },
+            Ok(Err(panic)) => return Attempt::Crashed(panic_text(&*panic)),
+        }
     }
 }
 

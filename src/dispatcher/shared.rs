@@ -1,17 +1,64 @@
 //! What every actor of one dispatcher shares: set up once by the supervisor, read by all.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use tracing::{debug, info, warn};
+
+use super::gate::SinkGate;
 use crate::config::DispatcherConfig;
+use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::publisher::Publisher;
 use crate::store::PgPool;
 
-/// The configuration, the pool, the sink and the counters of one dispatcher.
+/// The configuration, the pool, the sink and the counters of one dispatcher, and what it knows
+/// of the health of the two services it depends on.
 #[derive(Debug)]
 pub(crate) struct Shared {
     pub(crate) config: DispatcherConfig,
     pub(crate) pool: PgPool,
     pub(crate) publisher: Arc<dyn Publisher>,
     pub(crate) metrics: Metrics,
+    /// Whether claims may run, given the sink's health.
+    pub(crate) gate: SinkGate,
+    /// Whether the database answers, so that an outage is logged once, not once per statement.
+    pub(crate) db: DbHealth,
+}
+
+impl Shared {
+    pub(crate) fn new(config: DispatcherConfig, pool: PgPool, publisher: Arc<dyn Publisher>) -> Self {
+        let gate = SinkGate::new(config.sink_probe_interval, config.publish_timeout);
+        Self { config, pool, publisher, metrics: Metrics::default(), gate, db: DbHealth::default() }
+    }
+}
+
+/// The database's health as the dispatcher's statements see it.
+#[derive(Debug, Default)]
+pub(crate) struct DbHealth {
+    down_since: Mutex<Option<Instant>>,
+}
+
+impl DbHealth {
+    /// A statement failed on a transient error. The first failure of an outage is logged as a
+    /// warning; the others at debug level.
+    pub(crate) fn failed(&self, what: &str, e: &StoreError) {
+        let mut down = self.down_since.lock().unwrap_or_else(|e| e.into_inner());
+        if down.is_none() {
+            *down = Some(Instant::now());
+            warn!(error = %e, during = what,
+                "database unreachable: claims back off, finalizes keep their fences and retry while the leases run");
+        } else {
+            debug!(error = %e, during = what, "database still unreachable");
+        }
+    }
+
+    /// A statement succeeded: logs the end of an outage, with its length.
+    pub(crate) fn answered(&self) {
+        let mut down = self.down_since.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(since) = down.take() {
+            let outage = Duration::from_millis(since.elapsed().as_millis() as u64);
+            info!(outage = %humantime::format_duration(outage), "database reachable again");
+        }
+    }
 }

@@ -2,23 +2,26 @@
 //! and finalize actors, restarts any that die, reports metrics and runs the shutdown protocol.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
-use super::claim::{ClaimActor, Crash, Drain, UseFinalizer, Wake};
-use super::finalize::{FinalizeActor, Flushed};
+use super::claim::{ClaimActor, Crash, Drain, Probe, Wake};
+use super::finalize::{FinalizeActor, FinalizerSlot, Flushed};
+use super::gate::Check;
 use super::shared::Shared;
 use crate::config::DispatcherConfig;
 use crate::error::Error;
 use crate::metrics::{Metrics, MetricsSnapshot};
-use crate::publisher::Publisher;
+use crate::publisher::{Publisher, SinkState};
 use crate::store::PgPool;
 
 /// How often the supervisor checks that its actors are alive.
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
+/// How often the supervisor asks the sink how it is ([`Publisher::state`]).
+const SINK_CHECK_PERIOD: Duration = Duration::from_millis(100);
 
 /// The dispatcher: register it in an actix application and it moves outbox rows to the
 /// publisher until it is shut down.
@@ -49,8 +52,10 @@ const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
 pub struct OutboxSupervisor {
     shared: Arc<Shared>,
     workers: Vec<Addr<ClaimActor>>,
-    finalizer: Option<Addr<FinalizeActor>>,
+    finalizer: Option<Arc<FinalizerSlot>>,
     state: State,
+    /// What the sink said at the last check, and since when.
+    sink: (SinkState, Instant),
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     /// The insert listener, cancelled at shutdown.
     listener: Option<SpawnHandle>,
@@ -80,12 +85,13 @@ impl OutboxSupervisor {
     /// Fails if the configuration is invalid; nothing starts until the actor does.
     pub fn new(config: DispatcherConfig, pool: PgPool, publisher: impl Publisher) -> Result<Self, Error> {
         config.validate()?;
-        let shared = Arc::new(Shared { config, pool, publisher: Arc::new(publisher), metrics: Metrics::default() });
+        let shared = Arc::new(Shared::new(config, pool, Arc::new(publisher)));
         Ok(Self {
             shared,
             workers: Vec::new(),
             finalizer: None,
             state: State::Running,
+            sink: (SinkState::Up, Instant::now()),
             shutdown_waiters: Vec::new(),
             listener: None,
             next_wake: 0,
@@ -97,34 +103,63 @@ impl OutboxSupervisor {
         Ok(Self::new(config, pool, publisher)?.start())
     }
 
-    fn start_worker(&self, n: usize, finalizer: Addr<FinalizeActor>) -> Addr<ClaimActor> {
+    fn start_worker(&self, n: usize, finalizer: Arc<FinalizerSlot>) -> Addr<ClaimActor> {
         ClaimActor::new(n, self.shared.clone(), finalizer).start()
     }
 
-    /// Replaces any actor that died.
+    /// Replaces any actor that died. The finalizer is replaced while draining too: the drain
+    /// waits for every publish to be finalized, and a publish whose write died with the old
+    /// finalizer sends it again to the new one.
     fn watchdog(&mut self) {
+        if self.state == State::Stopped {
+            return;
+        }
+        let Some(slot) = self.finalizer.clone() else { return };
+        if !slot.get().connected() {
+            error!("finalize actor died; restarting it");
+            Metrics::add(&self.shared.metrics.restarts, 1);
+            slot.set(FinalizeActor::new(self.shared.clone()).start());
+        }
         if self.state != State::Running {
             return;
         }
-        let finalizer = match &self.finalizer {
-            Some(f) if f.connected() => f.clone(),
-            _ => {
-                error!("finalize actor died; restarting it");
-                Metrics::add(&self.shared.metrics.restarts, 1);
-                let f = FinalizeActor::new(self.shared.clone()).start();
-                for w in &self.workers {
-                    w.do_send(UseFinalizer(f.clone()));
-                }
-                self.finalizer = Some(f.clone());
-                f
-            }
-        };
         for n in 0..self.workers.len() {
             if !self.workers[n].connected() {
                 error!(worker = %self.shared.config.worker_owner(n),
                     "claim actor died; restarting it (its rows are reclaimed when their lease expires)");
                 Metrics::add(&self.shared.metrics.restarts, 1);
-                self.workers[n] = self.start_worker(n, finalizer.clone());
+                self.workers[n] = self.start_worker(n, slot.clone());
+            }
+        }
+    }
+
+    /// Asks the sink how it is, logs its changes of state, and acts on the gate's verdict.
+    fn check_sink(&mut self) {
+        if self.state != State::Running {
+            return;
+        }
+        let state = self.shared.publisher.state();
+        if state != self.sink.0 {
+            let lasted = Duration::from_millis(self.sink.1.elapsed().as_millis() as u64);
+            let lasted = humantime::format_duration(lasted);
+            match &state {
+                SinkState::Up => info!(was = %self.sink.0, lasted = %lasted, "sink is up"),
+                SinkState::Blocked(why) => warn!(reason = %why, after = %lasted, "sink is blocked"),
+                SinkState::Down(why) => warn!(reason = %why, after = %lasted, "sink is down"),
+            }
+            self.sink = (state.clone(), Instant::now());
+        }
+        match self.shared.gate.check(&state) {
+            Check::Nothing => {}
+            Check::Paused => Metrics::add(&self.shared.metrics.sink_outages, 1),
+            Check::WakeAll => {
+                for w in &self.workers {
+                    w.do_send(Wake);
+                }
+            }
+            Check::Probe => {
+                self.next_wake = (self.next_wake + 1) % self.workers.len();
+                self.workers[self.next_wake].do_send(Probe);
             }
         }
     }
@@ -138,10 +173,11 @@ impl Actor for OutboxSupervisor {
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
             fifo = %config.fifo, "outbox dispatcher starting");
-        let finalizer = FinalizeActor::new(self.shared.clone()).start();
+        let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
         self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
         self.finalizer = Some(finalizer);
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
+        ctx.run_interval(SINK_CHECK_PERIOD, |act, _| act.check_sink());
         if config.listen_for_inserts {
             let supervisor = ctx.address().downgrade();
             let wake = move |burst: usize| {
@@ -226,8 +262,8 @@ impl Handler<Shutdown> for OutboxSupervisor {
                             warn!(error = %e, "a worker died while draining; its rows wait for lease expiry");
                         }
                     }
-                    if let Some(f) = finalizer {
-                        let _ = f.send(Flushed).await;
+                    if let Some(slot) = finalizer {
+                        let _ = slot.get().send(Flushed).await;
                     }
                 };
                 ctx.spawn(drained.into_actor(self).map(|(), act, _| {
