@@ -24,7 +24,7 @@ pub use lapin::ExchangeKind;
 use crate::backoff::backoff_ceiling;
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
-use crate::publisher::{PublishFuture, PublishResult, Publisher};
+use crate::publisher::{PublishFuture, PublishResult, Publisher, SinkState};
 use crate::store::mask_password;
 
 /// The exchange published to by default.
@@ -38,6 +38,9 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
 /// Longest delay between two reconnection attempts, by default.
 pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
+/// How long a broker may confirm nothing while publishes wait before the link is taken for
+/// dead, by default.
+pub const DEFAULT_UNRESPONSIVE_AFTER: Duration = Duration::from_secs(5);
 
 /// How often the connection manager looks at the connection's and channel's status, on top of
 /// reacting at once to connection events and failed publishes. Catches a channel the broker
@@ -69,12 +72,13 @@ pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RabbitConfig {
-    /// The AMQP URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f` (the `%2f` is the vhost `/`).
-    /// Query options are honoured by lapin; `?heartbeat=10` bounds how long a broker that went
-    /// silent without closing the TCP connection (a dead host, a stuck network path) looks
-    /// alive: the link is rebuilt after about two missed heartbeats. Until then publishes time
-    /// out and are retried, which loses nothing.
-    pub url: String,
+    /// The AMQP URLs of the broker, one per node of a cluster (at least one), e.g.
+    /// `amqp://guest:guest@127.0.0.1:5672/%2f` (the `%2f` is the vhost `/`). The sink connects
+    /// to the first; each later connection attempt (after a failed one, or after the link was
+    /// lost) moves on to the next, in turn. Query options are honoured by lapin;
+    /// `?heartbeat=10` bounds how long a broker that went silent without closing the TCP
+    /// connection (a dead host, a stuck network path) looks alive.
+    pub urls: Vec<String>,
     /// The exchange every message is published to. Default [`DEFAULT_EXCHANGE`] (`outbox`).
     pub exchange: String,
     /// The exchange's type, used when the sink declares it. Default [`ExchangeKind::Topic`].
@@ -96,13 +100,19 @@ pub struct RabbitConfig {
     pub reconnect_max: Duration,
     /// The connection name shown in RabbitMQ's management UI. Default: the `app_id`.
     pub connection_name: Option<String>,
+    /// A link whose broker has confirmed nothing for this long while publishes wait (and that
+    /// is not blocked by the broker) is taken for dead: the sink reports itself
+    /// [`SinkState::Down`], drops the link and reconnects, and the waiting publishes fail as
+    /// [`PublishError::Unavailable`] (attempt refunded). Keep it below the dispatcher's publish
+    /// timeout. Default [`DEFAULT_UNRESPONSIVE_AFTER`] (5 s).
+    pub unresponsive_after: Duration,
     routing_key: Option<Arc<RoutingKeyFn>>,
 }
 
 impl std::fmt::Debug for RabbitConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitConfig")
-            .field("url", &mask_password(&self.url))
+            .field("urls", &self.urls.iter().map(|u| mask_password(u)).collect::<Vec<_>>())
             .field("exchange", &self.exchange)
             .field("exchange_kind", &self.exchange_kind)
             .field("declare_exchange", &self.declare_exchange)
@@ -111,6 +121,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("reconnect_min", &self.reconnect_min)
             .field("reconnect_max", &self.reconnect_max)
             .field("connection_name", &self.connection_name)
+            .field("unresponsive_after", &self.unresponsive_after)
             .field("routing_key", &if self.routing_key.is_some() { "custom" } else { "event_type" })
             .finish()
     }
@@ -119,8 +130,19 @@ impl std::fmt::Debug for RabbitConfig {
 impl RabbitConfig {
     /// A configuration for the broker at `url`, with every other setting at its default.
     pub fn new(url: impl Into<String>) -> Self {
+        Self::cluster([url.into()])
+    }
+
+    /// A configuration for a cluster whose nodes are at `urls` (tried in turn; see
+    /// [`RabbitConfig::urls`]), with every other setting at its default.
+    ///
+    /// ```
+    /// let config = actix_outbox::RabbitConfig::cluster(["amqp://rabbit-1:5672/%2f", "amqp://rabbit-2:5672/%2f"]);
+    /// assert_eq!(config.urls.len(), 2);
+    /// ```
+    pub fn cluster<U: Into<String>>(urls: impl IntoIterator<Item = U>) -> Self {
         Self {
-            url: url.into(),
+            urls: urls.into_iter().map(Into::into).collect(),
             exchange: DEFAULT_EXCHANGE.to_owned(),
             exchange_kind: ExchangeKind::Topic,
             declare_exchange: true,
@@ -129,8 +151,16 @@ impl RabbitConfig {
             reconnect_min: DEFAULT_RECONNECT_MIN,
             reconnect_max: DEFAULT_RECONNECT_MAX,
             connection_name: None,
+            unresponsive_after: DEFAULT_UNRESPONSIVE_AFTER,
             routing_key: None,
         }
+    }
+
+    /// Sets [`RabbitConfig::unresponsive_after`].
+    #[must_use]
+    pub fn unresponsive_after(mut self, after: Duration) -> Self {
+        self.unresponsive_after = after;
+        self
     }
 
     /// Sets [`RabbitConfig::exchange`].
@@ -202,8 +232,16 @@ impl RabbitConfig {
     /// Checks the URL and the rules that span fields. [`RabbitSink::connect`] calls it first.
     pub fn validate(&self) -> Result<(), RabbitError> {
         let invalid = |why: String| Err(RabbitError::Config(why));
-        if let Err(e) = self.url.parse::<lapin::uri::AMQPUri>() {
-            return invalid(format!("malformed AMQP URL {:?}: {e}", mask_password(&self.url)));
+        if self.urls.is_empty() {
+            return invalid("at least one AMQP URL is needed".into());
+        }
+        for url in &self.urls {
+            if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
+                return invalid(format!("malformed AMQP URL {:?}: {e}", mask_password(url)));
+            }
+        }
+        if self.unresponsive_after.is_zero() {
+            return invalid("unresponsive_after must be above zero".into());
         }
         if ShortString::try_new(self.exchange.as_str()).is_err() {
             return invalid(format!("exchange name is {} bytes long; AMQP allows 255", self.exchange.len()));
@@ -378,7 +416,7 @@ impl RabbitSink {
         let (stop_tx, stop_rx) = watch::channel(false);
         let (finished_tx, finished_rx) = watch::channel(false);
         let (first_tx, first_rx) = oneshot::channel();
-        let manager = Manager { config, link: link.clone(), stop: stop_rx, finished: finished_tx };
+        let manager = Manager { config, next_node: 0, link: link.clone(), stop: stop_rx, finished: finished_tx };
         std::thread::Builder::new()
             .name("actix-outbox-amqp".to_owned())
             .spawn(move || {
@@ -433,11 +471,25 @@ impl Publisher for RabbitSink {
         let link = self.handle.link.clone();
         Box::pin(async move { link.publish(&message).await })
     }
+
+    /// [`SinkState::Down`] while there is no link (connecting, reconnecting, closed) or the
+    /// broker has confirmed nothing for [`RabbitConfig::unresponsive_after`] while publishes
+    /// wait; [`SinkState::Blocked`] while the broker has blocked the connection
+    /// (`connection.blocked`, a resource alarm); else [`SinkState::Up`].
+    fn state(&self) -> SinkState {
+        self.handle.link.state()
+    }
 }
 
 /// What publishes and the connection manager share.
 struct LinkState {
-    url: String,
+    /// The node connected to (or last tried), password masked.
+    url: Mutex<String>,
+    unresponsive_after: Duration,
+    /// Why the broker blocked the connection, while it does.
+    blocked: Mutex<Option<String>>,
+    /// Publishes on the current link waiting for their confirm.
+    waits: Mutex<Waits>,
     exchange: ShortString,
     app_id: ShortString,
     routing_key: Option<Arc<RoutingKeyFn>>,
@@ -474,7 +526,10 @@ enum LinkHealth {
 impl LinkState {
     fn new(config: &RabbitConfig) -> Self {
         Self {
-            url: mask_password(&config.url),
+            url: Mutex::new(mask_password(&config.urls[0])),
+            unresponsive_after: config.unresponsive_after,
+            blocked: Mutex::new(None),
+            waits: Mutex::new(Waits { generation: 0, count: 0, since: Instant::now() }),
             // validate() checked both lengths.
             exchange: ShortString::try_new(config.exchange.as_str()).unwrap_or_default(),
             app_id: ShortString::try_new(config.app_id.as_str()).unwrap_or_default(),
@@ -491,8 +546,52 @@ impl LinkState {
         self.current.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    fn url(&self) -> String {
+        self.url.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_url(&self, url: &str) {
+        *self.url.lock().unwrap_or_else(|e| e.into_inner()) = mask_password(url);
+    }
+
+    fn set_blocked(&self, reason: Option<String>) {
+        *self.blocked.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+    }
+
+    fn state(&self) -> SinkState {
+        if let Some(reason) = self.blocked.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return SinkState::Blocked(format!("RabbitMQ blocked the connection: {reason}"));
+        }
+        if let Some(silent) = self.unresponsive() {
+            return SinkState::Down(format!(
+                "RabbitMQ at {} confirmed nothing for {} while publishes wait",
+                self.url(),
+                humantime::format_duration(Duration::from_millis(silent.as_millis() as u64))
+            ));
+        }
+        let current = self.current();
+        match current.link {
+            Some(_) => SinkState::Up,
+            None => SinkState::Down(format!("no link to RabbitMQ at {}: {}", self.url(), current.down_reason)),
+        }
+    }
+
+    /// How long publishes on the current link have waited without any confirm, once that is
+    /// past `unresponsive_after`.
+    fn unresponsive(&self) -> Option<Duration> {
+        let waits = self.waits();
+        let silent = waits.since.elapsed();
+        (waits.count > 0 && silent >= self.unresponsive_after).then_some(silent)
+    }
+
     fn set_link(&self, link: Link) {
+        // Publishes stranded on the old link no longer say anything about the new one.
+        *self.waits() = Waits { generation: link.generation, count: 0, since: Instant::now() };
         self.current().link = Some(link);
+    }
+
+    fn waits(&self) -> MutexGuard<'_, Waits> {
+        self.waits.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn clear_link(&self, reason: String) {
@@ -523,14 +622,18 @@ impl LinkState {
             match &current.link {
                 Some(link) => link.clone(),
                 None => {
-                    return Err(PublishError::Retryable(format!(
+                    return Err(PublishError::Unavailable(format!(
                         "RabbitMQ link to {} is down: {}",
-                        self.url, current.down_reason
+                        self.url(),
+                        current.down_reason
                     )));
                 }
             }
         };
         let options = BasicPublishOptions { mandatory: true, immediate: false };
+        // Counted until its confirm arrives (or the dispatcher gives up on it), so that a broker
+        // that stops answering is noticed: see `unresponsive`.
+        let waiting = Waiting::start(self, link.generation);
         let sent = async {
             let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, &body, properties));
             // lapin takes the delivery tag and queues the frames in the first poll, under two
@@ -549,11 +652,59 @@ impl LinkState {
             confirm.await
         }
         .await;
+        waiting.answered();
         let (result, health) = classify(sent, self.exchange.as_str(), &routing_key);
         if health == LinkHealth::Broken {
             self.report_broken(link.generation);
         }
         result
+    }
+}
+
+/// The publishes of one link generation waiting for a confirm, and since when the broker has
+/// said nothing to them.
+struct Waits {
+    generation: u64,
+    count: u64,
+    /// The last answer, or when the first of the waiting publishes began to wait (the silence
+    /// is measured from then, not from the last answer before an idle spell).
+    since: Instant,
+}
+
+/// One publish waiting for its confirm; dropping it (answered, failed or abandoned) stops the
+/// count.
+struct Waiting<'a> {
+    link: &'a LinkState,
+    generation: u64,
+}
+
+impl<'a> Waiting<'a> {
+    fn start(link: &'a LinkState, generation: u64) -> Self {
+        let mut waits = link.waits();
+        if waits.generation == generation {
+            if waits.count == 0 {
+                waits.since = Instant::now();
+            }
+            waits.count += 1;
+        }
+        Self { link, generation }
+    }
+
+    /// The broker answered (whatever it said): it is alive.
+    fn answered(&self) {
+        let mut waits = self.link.waits();
+        if waits.generation == self.generation {
+            waits.since = Instant::now();
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut waits = self.link.waits();
+        if waits.generation == self.generation {
+            waits.count = waits.count.saturating_sub(1);
+        }
     }
 }
 
@@ -607,11 +758,12 @@ fn classify(
         ),
         // The channel lost confirm mode: only a new channel can restore it.
         Ok(Confirmation::NotRequested) => {
-            (Err(PublishError::Retryable("channel is not in confirm mode; reopening it".into())), LinkHealth::Broken)
+            (Err(PublishError::Unavailable("channel is not in confirm mode; reopening it".into())), LinkHealth::Broken)
         }
-        Err(e) => {
-            (Err(PublishError::Retryable(format!("RabbitMQ channel or connection failed: {e}"))), LinkHealth::Broken)
-        }
+        Err(e) => (
+            Err(PublishError::Unavailable(format!("RabbitMQ channel or connection failed: {e}"))),
+            LinkHealth::Broken,
+        ),
     }
 }
 
@@ -621,11 +773,16 @@ enum Ended {
     Stop,
     /// The link broke; the reason is logged and shown to publishes until it is rebuilt.
     Broken(String),
+    /// The broker stopped answering: the connection is dropped, not reused, even if it still
+    /// looks connected.
+    Silent(String),
 }
 
 /// The connection manager: runs on the sink's own thread and runtime.
 struct Manager {
     config: RabbitConfig,
+    /// Index (modulo the number of URLs) of the node the next new connection goes to.
+    next_node: usize,
     link: Arc<LinkState>,
     stop: watch::Receiver<bool>,
     finished: watch::Sender<bool>,
@@ -641,7 +798,7 @@ impl Manager {
             let attempt = tokio::time::timeout(self.config.connect_timeout, self.establish(connection.take())).await;
             let attempt = attempt.unwrap_or_else(|_| {
                 Err(RabbitError::Unreachable {
-                    url: self.link.url.clone(),
+                    url: self.link.url(),
                     reason: format!(
                         "no answer within the connect timeout ({})",
                         humantime::format_duration(self.config.connect_timeout)
@@ -653,22 +810,31 @@ impl Manager {
                     generation += 1;
                     self.link.set_link(Link { channel: channel.clone(), generation });
                     if let Some(first) = first.take() {
-                        info!(url = %self.link.url, exchange = %self.link.exchange, "connected to RabbitMQ");
+                        info!(url = %self.link.url(), exchange = %self.link.exchange, "connected to RabbitMQ");
                         if first.send(Ok(())).is_err() {
                             // Whoever called connect() is gone: nobody will ever publish.
                             break self.shut(Some(conn)).await;
                         }
                     } else {
                         self.link.reconnects.fetch_add(1, Ordering::Relaxed);
-                        info!(url = %self.link.url, exchange = %self.link.exchange, "reconnected to RabbitMQ");
+                        info!(url = %self.link.url(), exchange = %self.link.exchange, "reconnected to RabbitMQ");
                     }
                     let since = Instant::now();
                     match self.watch(&conn, &channel, generation).await {
                         Ended::Stop => break self.shut(Some(conn)).await,
-                        Ended::Broken(reason) => {
-                            warn!(url = %self.link.url, reason = %reason,
-                                "RabbitMQ link lost; publishes fail as retryable until it is back");
+                        Ended::Silent(reason) => {
+                            warn!(url = %self.link.url(), reason = %reason,
+                                "RabbitMQ stopped answering; dropping the connection and reconnecting");
                             self.link.clear_link(format!("{reason} (reconnecting)"));
+                            self.link.set_blocked(None);
+                            let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(320, "unresponsive".into())).await;
+                            drop(conn);
+                        }
+                        Ended::Broken(reason) => {
+                            warn!(url = %self.link.url(), reason = %reason,
+                                "RabbitMQ link lost; claiming pauses until it is back (nothing is spent meanwhile)");
+                            self.link.clear_link(format!("{reason} (reconnecting)"));
+                            self.link.set_blocked(None);
                             // A link that held for a while starts the backoff afresh.
                             if since.elapsed() >= self.config.reconnect_max {
                                 failures = 0;
@@ -706,16 +872,20 @@ impl Manager {
 
     /// A channel in confirm mode with the exchange declared, on `reuse` if it is still
     /// connected, else on a new connection.
-    async fn establish(&self, reuse: Option<Connection>) -> Result<(Connection, Channel), RabbitError> {
-        let url = &self.link.url;
+    async fn establish(&mut self, reuse: Option<Connection>) -> Result<(Connection, Channel), RabbitError> {
         let conn = match reuse.filter(|c| c.status().connected()) {
             Some(conn) => conn,
             None => {
+                // Each new connection goes to the next node of the cluster, in turn.
+                let node = &self.config.urls[self.next_node % self.config.urls.len()];
+                self.next_node += 1;
+                self.link.set_url(node);
                 let name = self.config.connection_name.as_deref().unwrap_or(&self.config.app_id);
                 let properties = ConnectionProperties::default().with_connection_name(name.into());
-                Connection::connect(&self.config.url, properties).await.map_err(|e| connect_error(url, &e))?
+                Connection::connect(node, properties).await.map_err(|e| connect_error(&self.link.url(), &e))?
             }
         };
+        let url = &self.link.url();
         let refused =
             |what: &str, e: lapin::Error| RabbitError::Refused { url: url.clone(), reason: format!("{what}: {e}") };
         let channel = conn.create_channel().await.map_err(|e| refused("opening a channel", e))?;
@@ -750,9 +920,13 @@ impl Manager {
                 event = events.next() => match event {
                     Some(Event::Error(e)) => return Ended::Broken(format!("connection error: {e}")),
                     Some(Event::ConnectionBlocked(reason)) => {
-                        warn!(reason = %reason, "RabbitMQ blocked the connection; publishes wait (and time out)");
+                        warn!(reason = %reason, "RabbitMQ blocked the connection: publishes in flight wait for it, nothing new is claimed");
+                        self.link.set_blocked(Some(reason.to_string()));
                     }
-                    Some(Event::ConnectionUnblocked) => info!("RabbitMQ unblocked the connection"),
+                    Some(Event::ConnectionUnblocked) => {
+                        info!("RabbitMQ unblocked the connection");
+                        self.link.set_blocked(None);
+                    }
                     Some(_) => {}
                     None => return Ended::Broken("connection event stream ended".into()),
                 },
@@ -762,6 +936,9 @@ impl Manager {
                     }
                     if !channel.status().connected() {
                         return Ended::Broken(format!("channel is no longer open: {:?}", channel.status()));
+                    }
+                    if let SinkState::Down(why) = self.link.state() {
+                        return Ended::Silent(why);
                     }
                 }
             }
