@@ -75,7 +75,7 @@ pub mod store;
 pub use backoff::{backoff_ceiling, full_jitter};
 pub use config::{ConfigError, DispatcherConfig, Fifo, default_owner};
 #[doc(hidden)]
-pub use dispatcher::CrashWorker;
+pub use dispatcher::{CrashFinalizer, CrashWorker};
 pub use dispatcher::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;

@@ -62,6 +62,19 @@ pub(crate) struct Heartbeat(pub(crate) Fence);
 #[rtype(result = "()")]
 pub(crate) struct Flushed;
 
+/// Panics inside the finalizer's handler, to exercise the supervisor's restart path.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub(crate) struct Crash;
+
+impl Handler<Crash> for FinalizeActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Crash, _: &mut Context<Self>) {
+        panic!("finalize actor crashed on request ({} writes queued)", self.queue.len());
+    }
+}
+
 /// Where the current finalize actor is, for everyone who sends to it.
 #[derive(Debug)]
 pub(crate) struct FinalizerSlot(Mutex<Addr<FinalizeActor>>);
@@ -236,9 +249,10 @@ async fn settled_before(
         return Vec::new();
     }
     let deadline = Instant::now() + RETRY_MAX * 10;
-    let (settled, _) =
-        with_retry(shared, "read back a retried write", deadline, async |c| store::settled_at_version(c, &unsure).await)
-            .await;
+    let (settled, _) = with_retry(shared, "read back a retried write", deadline, async |c| {
+        store::settled_at_version(c, &unsure).await
+    })
+    .await;
     match settled {
         Ok(rows) => {
             let rows: Vec<_> = rows.into_iter().filter(|&(_, status)| wrote(status)).collect();
@@ -385,9 +399,11 @@ async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: V
         let lease = shared.config.lease;
         // Extending a lease again is harmless, so a retried heartbeat needs no read-back.
         let deadline = Instant::now() + lease / 3;
-        match with_retry(shared, "lease heartbeat", deadline, async |c| store::extend_leases(c, &heartbeats, lease).await)
-            .await
-            .0
+        match with_retry(shared, "lease heartbeat", deadline, async |c| {
+            store::extend_leases(c, &heartbeats, lease).await
+        })
+        .await
+        .0
         {
             Ok(won) => {
                 for f in heartbeats.iter().filter(|f| !won.contains(&f.id)) {

@@ -104,7 +104,10 @@ impl SinkGate {
         let next_probe = Instant::now() + self.probe_interval;
         match &mut inner.mode {
             Mode::Open => {
-                warn!(reason, "sink unavailable: claiming paused; rows claimed but not sent go back with their attempt refunded");
+                warn!(
+                    reason,
+                    "sink unavailable: claiming paused; rows claimed but not sent go back with their attempt refunded"
+                );
                 inner.away_since = Some(Instant::now());
                 inner.mode = Mode::Closed { reason: reason.to_owned(), next_probe };
                 true

@@ -21,5 +21,5 @@ mod shared;
 mod supervisor;
 
 #[doc(hidden)]
-pub use supervisor::CrashWorker;
+pub use supervisor::{CrashFinalizer, CrashWorker};
 pub use supervisor::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};

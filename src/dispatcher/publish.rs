@@ -61,7 +61,12 @@ impl PublishActor {
         owner: Recipient<PublishFinished>,
         lease_deadline: Instant,
     ) -> Self {
-        Self { message: Arc::new(message), shared, finalizer, owner, lease_deadline: Rc::new(Cell::new(lease_deadline)),
+        Self {
+            message: Arc::new(message),
+            shared,
+            finalizer,
+            owner,
+            lease_deadline: Rc::new(Cell::new(lease_deadline)),
             decided: Rc::new(Cell::new(false)),
         }
     }

@@ -169,13 +169,17 @@ impl Actor for OutboxSupervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let config = &self.shared.config;
+        let shared = self.shared.clone();
+        let config = &shared.config;
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
             fifo = %config.fifo, "outbox dispatcher starting");
         let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
         self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
         self.finalizer = Some(finalizer);
+        // Before the workers' first claim (they start on the next turn of the arbiter): a sink
+        // that is down at start pauses claiming from the outset.
+        self.check_sink();
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
         ctx.run_interval(SINK_CHECK_PERIOD, |act, _| act.check_sink());
         if config.listen_for_inserts {
@@ -287,6 +291,23 @@ impl Handler<Shutdown> for OutboxSupervisor {
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
 pub struct CrashWorker(pub usize);
+
+/// Makes the finalize actor panic, so that tests and drills can watch the supervisor replace
+/// it (while draining too). Not for production use.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct CrashFinalizer;
+
+impl Handler<CrashFinalizer> for OutboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: CrashFinalizer, _: &mut Context<Self>) {
+        if let Some(slot) = &self.finalizer {
+            slot.get().do_send(super::finalize::Crash);
+        }
+    }
+}
 
 impl Handler<CrashWorker> for OutboxSupervisor {
     type Result = ();

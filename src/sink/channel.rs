@@ -7,7 +7,7 @@ use tokio::sync::mpsc;
 
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
-use crate::publisher::{PublishFuture, Publisher};
+use crate::publisher::{PublishFuture, Publisher, SinkState};
 
 /// What a [`ChannelSink`] does with one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,6 +23,7 @@ pub enum SinkAction {
 }
 
 type Script = dyn Fn(&OutboxMessage) -> SinkAction + Send + Sync;
+type StateFn = dyn Fn() -> SinkState + Send + Sync;
 
 /// An in-process [`Publisher`]: every delivered message is sent to an unbounded channel. For
 /// tests, demos and applications whose consumer lives in the same process.
@@ -41,6 +42,7 @@ type Script = dyn Fn(&OutboxMessage) -> SinkAction + Send + Sync;
 pub struct ChannelSink {
     tx: mpsc::UnboundedSender<Arc<OutboxMessage>>,
     script: Option<Arc<Script>>,
+    state: Option<Arc<StateFn>>,
 }
 
 impl std::fmt::Debug for ChannelSink {
@@ -53,13 +55,21 @@ impl ChannelSink {
     /// A sink that delivers everything, and the receiving end of its channel.
     pub fn new() -> (Self, mpsc::UnboundedReceiver<Arc<OutboxMessage>>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        (Self { tx, script: None }, rx)
+        (Self { tx, script: None, state: None }, rx)
     }
 
     /// Decides per message what happens, from the message (its id, type, attempt...).
     #[must_use]
     pub fn with_script(mut self, script: impl Fn(&OutboxMessage) -> SinkAction + Send + Sync + 'static) -> Self {
         self.script = Some(Arc::new(script));
+        self
+    }
+
+    /// Reports `state()` as the sink's health ([`Publisher::state`]); without it the sink is
+    /// always [`SinkState::Up`].
+    #[must_use]
+    pub fn with_state(mut self, state: impl Fn() -> SinkState + Send + Sync + 'static) -> Self {
+        self.state = Some(Arc::new(state));
         self
     }
 }
@@ -75,7 +85,11 @@ impl Publisher for ChannelSink {
                 SinkAction::Panic => panic!("sink panicked on outbox id {} (scripted)", message.id),
                 SinkAction::Stall(d) => tokio::time::sleep(d).await,
             }
-            tx.send(message).map_err(|_| PublishError::Retryable("channel receiver dropped".into()))
+            tx.send(message).map_err(|_| PublishError::Unavailable("channel receiver dropped".into()))
         })
+    }
+
+    fn state(&self) -> SinkState {
+        self.state.as_ref().map_or(SinkState::Up, |state| state())
     }
 }

@@ -760,10 +760,9 @@ fn classify(
         Ok(Confirmation::NotRequested) => {
             (Err(PublishError::Unavailable("channel is not in confirm mode; reopening it".into())), LinkHealth::Broken)
         }
-        Err(e) => (
-            Err(PublishError::Unavailable(format!("RabbitMQ channel or connection failed: {e}"))),
-            LinkHealth::Broken,
-        ),
+        Err(e) => {
+            (Err(PublishError::Unavailable(format!("RabbitMQ channel or connection failed: {e}"))), LinkHealth::Broken)
+        }
     }
 }
 

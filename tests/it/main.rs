@@ -6,5 +6,6 @@ mod support;
 
 mod actors;
 mod fifo;
+mod outage;
 mod rabbit;
 mod store;
