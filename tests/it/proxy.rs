@@ -20,6 +20,10 @@ struct Mode {
     stall_down: bool,
     /// New connections are accepted and closed at once (the broker looks down).
     refuse: bool,
+    /// AMQP only: the broker has "blocked" every connection (as under a resource alarm): the
+    /// proxy sends `connection.blocked` to the client at the next frame boundary and stops
+    /// reading the client's bytes, as RabbitMQ does; lifting it sends `connection.unblocked`.
+    amqp_blocked: bool,
 }
 
 /// Forwards every connection accepted on `127.0.0.1:<port>` to `upstream`.
@@ -87,6 +91,18 @@ impl Proxy {
     pub fn resume(&self) {
         self.mode.send_modify(|m| (m.stall_up, m.stall_down) = (false, false));
     }
+
+    /// Behaves like a RabbitMQ under a memory alarm towards every AMQP connection through it:
+    /// `connection.blocked` to the client, and the client's bytes left unread, until
+    /// [`Proxy::amqp_unblock`].
+    pub fn amqp_block(&self) {
+        self.mode.send_modify(|m| m.amqp_blocked = true);
+    }
+
+    /// Ends [`Proxy::amqp_block`]: `connection.unblocked`, and the held bytes flow on.
+    pub fn amqp_unblock(&self) {
+        self.mode.send_modify(|m| m.amqp_blocked = false);
+    }
 }
 
 impl Drop for Proxy {
@@ -103,8 +119,66 @@ async fn forward(client: TcpStream, broker: TcpStream, mode: watch::Receiver<Mod
     let (broker_read, broker_write) = broker.into_split();
     // Whichever direction ends first closes both sockets.
     tokio::select! {
-        () = pipe(client_read, broker_write, mode.clone(), generation, |m| m.stall_up) => {}
-        () = pipe(broker_read, client_write, mode, generation, |m| m.stall_down) => {}
+        () = pipe(client_read, broker_write, mode.clone(), generation, |m| m.stall_up || m.amqp_blocked, None) => {}
+        () = pipe(broker_read, client_write, mode, generation, |m| m.stall_down, Some(Frames::default())) => {}
+    }
+}
+
+/// Where the broker -> client stream stands in AMQP frames (type, channel, size, payload, end
+/// byte), so that a method frame can be slipped in between two frames.
+#[derive(Default)]
+struct Frames {
+    /// Bytes of a frame header seen so far (at most 7).
+    header: Vec<u8>,
+    /// Bytes of the current frame's payload and end byte still to come.
+    rest: usize,
+    /// Whether the client has been told it is blocked.
+    told_blocked: bool,
+}
+
+impl Frames {
+    fn at_boundary(&self) -> bool {
+        self.header.is_empty() && self.rest == 0
+    }
+
+    /// Follows `bytes` through the frame structure.
+    fn advance(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            if self.rest > 0 {
+                let n = self.rest.min(bytes.len());
+                self.rest -= n;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = (7 - self.header.len()).min(bytes.len());
+            self.header.extend_from_slice(&bytes[..n]);
+            bytes = &bytes[n..];
+            if self.header.len() == 7 {
+                let size = u32::from_be_bytes([self.header[3], self.header[4], self.header[5], self.header[6]]);
+                self.rest = size as usize + 1;
+                self.header.clear();
+            }
+        }
+    }
+
+    /// The frame to send now, if the blocked state changed and the stream is between frames.
+    fn pending_notice(&mut self, blocked: bool) -> Option<Vec<u8>> {
+        if blocked == self.told_blocked || !self.at_boundary() {
+            return None;
+        }
+        self.told_blocked = blocked;
+        // connection.blocked (class 10, method 60, reason) / connection.unblocked (10, 61).
+        let mut payload = vec![0, 10, 0, if blocked { 60 } else { 61 }];
+        if blocked {
+            let reason = b"low on memory (test proxy)";
+            payload.push(reason.len() as u8);
+            payload.extend_from_slice(reason);
+        }
+        let mut frame = vec![1, 0, 0];
+        frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+        frame.extend_from_slice(&payload);
+        frame.push(0xCE);
+        Some(frame)
     }
 }
 
@@ -114,11 +188,17 @@ async fn pipe(
     mut mode: watch::Receiver<Mode>,
     generation: u64,
     stalled: fn(&Mode) -> bool,
+    mut frames: Option<Frames>,
 ) {
     let mut buf = vec![0_u8; 64 * 1024];
     loop {
         let now = *mode.borrow_and_update();
         if now.generation != generation {
+            return;
+        }
+        if let Some(notice) = frames.as_mut().and_then(|f| f.pending_notice(now.amqp_blocked))
+            && to.write_all(&notice).await.is_err()
+        {
             return;
         }
         if stalled(&now) {
@@ -131,6 +211,9 @@ async fn pipe(
             read = from.read(&mut buf) => match read {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
+                    if let Some(frames) = frames.as_mut() {
+                        frames.advance(&buf[..n]);
+                    }
                     if to.write_all(&buf[..n]).await.is_err() {
                         return;
                     }

@@ -315,10 +315,11 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
     // The publish timeout is far above the time the test holds the confirms back, so that the
     // only failures are the cut's.
+    // Three attempts: before outages were refunded, a cut this long sent rows dead.
     let config = dispatcher_config()
         .workers(4)
         .batch(50)
-        .max_attempts(10_000)
+        .max_attempts(3)
         .lease(Duration::from_secs(60))
         .publish_timeout(Duration::from_secs(40));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
@@ -544,5 +545,112 @@ async fn sink_outlives_the_arbiter_that_created_it() {
     let published = tokio::time::timeout(Duration::from_secs(10), sink.publish(message(1, "order.created"))).await;
     assert_eq!(published, Ok(Ok(())), "publishing after the creating arbiter stopped");
     assert_eq!(message_id(&broker.take(&queue, 1).await[0]), 1);
+    sink.close().await;
+}
+
+/// The copies of each message id among `deliveries`.
+fn copies_by_id(deliveries: &[Delivery]) -> BTreeMap<i64, usize> {
+    let mut copies = BTreeMap::new();
+    for d in deliveries {
+        *copies.entry(message_id(d)).or_default() += 1;
+    }
+    copies
+}
+
+/// (f) The broker blocks the connection (`connection.blocked`, as under a memory alarm; the
+/// proxy plays the broker's part) while 200 publishes wait for their confirms. They wait past
+/// the publish timeout and past the lease, kept alive by heartbeats, instead of timing out and
+/// going again; nothing new is claimed; when the broker unblocks, every row ends done on its
+/// first attempt and the queue holds each message exactly once.
+#[actix_rt::test]
+async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("blocked").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let proxy = Proxy::start(amqp_addr()).await;
+    let sink =
+        RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange).unresponsive_after(Duration::from_secs(1)))
+            .await
+            .unwrap();
+    let config = dispatcher_config()
+        .workers(2)
+        .batch(100)
+        .max_attempts(3)
+        .lease(Duration::from_secs(4))
+        .publish_timeout(Duration::from_secs(1));
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
+
+    proxy.stall_downstream();
+    let first = db.seed(200, "held").await;
+    eventually(WITHIN, "the broker holds all 200 while their confirms are held back", || async {
+        broker.depth(&queue).await == 200 && db.count_status("processing").await == 200
+    })
+    .await;
+    proxy.amqp_block();
+    eventually(WITHIN, "the sink says the broker blocked it, and the dispatcher paused", || async {
+        matches!(sink.state(), actix_outbox::SinkState::Blocked(_))
+            && dispatcher.send(GetMetrics).await.unwrap().sink_outages == 1
+    })
+    .await;
+    let later = db.seed(100, "later").await;
+    // Past the publish timeout (1 s) and the lease (4 s).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((metrics.retried, metrics.released, metrics.lost_leases, metrics.dead), (0, 0, 0, 0), "{metrics:?}");
+    assert_eq!(db.count_status("processing").await, 200, "the held publishes wait");
+    assert_eq!(db.count_status("pending").await, 100, "nothing new is claimed while blocked");
+
+    proxy.amqp_unblock();
+    proxy.resume();
+    eventually(WITHIN, "all 300 rows done", || async { db.count_status("done").await == 300 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let rows = db.rows().await;
+    assert!(rows.iter().all(|r| r.attempts == 1 && r.lease_version == 1), "no row retried or reclaimed");
+    assert_eq!(broker.depth(&queue).await, 300, "no duplicates");
+    let copies = copies_by_id(&broker.take(&queue, 300).await);
+    let expected: BTreeSet<i64> = first.iter().chain(&later).copied().collect();
+    assert_eq!(copies.keys().copied().collect::<BTreeSet<_>>(), expected);
+    assert!(copies.values().all(|&n| n == 1));
+    sink.close().await;
+}
+
+/// (g) The broker stops answering mid-run (the proxy holds every byte both ways, new
+/// connections included) for six seconds. The sink notices the silence (no confirm for 1 s
+/// while publishes wait), reports itself down and rebuilds its link; the dispatcher pauses,
+/// refunds the publishes it gave up on, and resumes when the broker answers again: no row
+/// dead, no attempt spent, every row delivered, and at most one in-flight window of duplicates.
+#[actix_rt::test]
+async fn a_silent_broker_is_ridden_out_with_no_attempt_spent() {
+    let db = TestDb::new().await;
+    let mut broker = Broker::new("silent").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let proxy = Proxy::start(amqp_addr()).await;
+    let sink_config = sink_config(proxy.amqp_url(), &broker.exchange)
+        .unresponsive_after(Duration::from_secs(1))
+        .connect_timeout(Duration::from_secs(2));
+    let sink = RabbitSink::connect(sink_config).await.unwrap();
+    let config = dispatcher_config().workers(2).batch(50).max_attempts(3).publish_timeout(Duration::from_secs(3));
+    let window = 2 * config.in_flight_limit();
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
+    let ids = db.seed(2000, "silent").await;
+    eventually(WITHIN, "rows flowing", || async { db.count_status("done").await >= 100 }).await;
+
+    proxy.stall();
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((metrics.retried, metrics.dead), (0, 0), "{metrics:?}");
+    proxy.resume();
+
+    eventually(WITHIN, "all 2000 rows done", || async { db.count_status("done").await == 2000 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let rows = db.rows().await;
+    let attempts: BTreeSet<i32> = rows.iter().map(|r| r.attempts).collect();
+    assert_eq!(attempts, BTreeSet::from([1]), "the silence cost no attempt");
+    let depth = broker.depth(&queue).await as usize;
+    assert!((2000..=2000 + window).contains(&depth), "{depth} messages: duplicates beyond one window ({window})");
+    let copies = copies_by_id(&broker.take(&queue, depth).await);
+    assert_eq!(copies.keys().copied().collect::<Vec<_>>(), ids, "every row delivered");
     sink.close().await;
 }
