@@ -116,6 +116,7 @@ fn params(fifo: &Fifo) -> ClaimParams<'_> {
     ClaimParams {
         owner: "explain",
         batch: 50,
+        max_bytes: usize::MAX,
         lease: Duration::from_secs(60),
         max_attempts: 12,
         fifo,

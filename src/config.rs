@@ -18,6 +18,8 @@ pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a claim that came back short, by default.
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Payload bytes a dispatcher holds claimed at once, by default (64 MiB).
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 /// Pause between two probes of an unavailable sink, by default.
 pub const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// Age (since `created_at`) past which a deferral sends the row dead, by default.
@@ -56,6 +58,12 @@ pub struct DispatcherConfig {
     /// Rows one worker holds claimed at once (publishing or finalizing). The worker claims the
     /// next batch while the previous one publishes, up to this bound. Default `2 × batch`.
     pub max_in_flight: Option<usize>,
+    /// Payload bytes (JSON text) the whole dispatcher holds claimed at once, split evenly
+    /// between its workers: next to the row window, it bounds memory when rows are large.
+    /// Claims take fewer rows when rows are large, and a row larger than a worker's share
+    /// still goes, alone. Memory stays near this bound (plus one row per worker at most) whatever
+    /// the payload size. Default 64 MiB.
+    pub max_in_flight_bytes: usize,
     /// Lease written by a claim (`lease_until = now() + lease`, database clock). A row whose
     /// worker died is reclaimed this long after its claim. Default 60 s.
     pub lease: Duration,
@@ -100,6 +108,7 @@ impl Default for DispatcherConfig {
             workers: DEFAULT_WORKERS,
             batch: DEFAULT_BATCH,
             max_in_flight: None,
+            max_in_flight_bytes: DEFAULT_MAX_IN_FLIGHT_BYTES,
             lease: DEFAULT_LEASE,
             max_attempts: DEFAULT_MAX_ATTEMPTS,
             backoff_base: DEFAULT_BACKOFF_BASE,
@@ -146,6 +155,8 @@ impl DispatcherConfig {
         workers: usize,
         /// Sets [`DispatcherConfig::batch`].
         batch: usize,
+        /// Sets [`DispatcherConfig::max_in_flight_bytes`].
+        max_in_flight_bytes: usize,
         /// Sets [`DispatcherConfig::lease`].
         lease: Duration,
         /// Sets [`DispatcherConfig::max_attempts`].
@@ -184,6 +195,12 @@ impl DispatcherConfig {
         self.max_in_flight.unwrap_or(self.batch.saturating_mul(2))
     }
 
+    /// Payload bytes one worker may hold claimed at once: its share of
+    /// [`DispatcherConfig::max_in_flight_bytes`].
+    pub fn worker_byte_budget(&self) -> usize {
+        (self.max_in_flight_bytes / self.workers.max(1)).max(1)
+    }
+
     /// The owner id of worker `n` (`<owner>:worker-<n>`).
     pub fn worker_owner(&self, n: usize) -> String {
         format!("{}:worker-{n}", self.owner)
@@ -197,6 +214,9 @@ impl DispatcherConfig {
         }
         if self.batch == 0 {
             return Err(ZeroBatch);
+        }
+        if self.max_in_flight_bytes == 0 {
+            return Err(ZeroInFlightBytes);
         }
         if self.in_flight_limit() < self.batch {
             return Err(InFlightBelowBatch { in_flight: self.in_flight_limit(), batch: self.batch });
@@ -252,6 +272,9 @@ pub enum ConfigError {
         /// The batch size.
         batch: usize,
     },
+    /// `max_in_flight_bytes` is 0: nothing could ever be claimed.
+    #[error("max in flight bytes must be above zero")]
+    ZeroInFlightBytes,
     /// `max_attempts` below 1.
     #[error("max attempts must be at least 1 (got {0})")]
     MaxAttempts(i32),

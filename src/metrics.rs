@@ -12,7 +12,7 @@ macro_rules! counters {
             $(pub(crate) $name: AtomicU64,)*
         }
 
-        /// A copy of the dispatcher's counters since it started.
+        /// A copy of the dispatcher's counters since it started (and of its gauges now).
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
         #[non_exhaustive]
         pub struct MetricsSnapshot {
@@ -59,10 +59,17 @@ counters! {
     finalize_retries,
     /// Times claiming paused because the sink became unavailable.
     sink_outages,
+    /// Payload bytes held claimed right now (a gauge: it goes down as publishes finish).
+    in_flight_bytes,
 }
 
 impl Metrics {
     pub(crate) fn add(counter: &AtomicU64, n: usize) {
         counter.fetch_add(n as u64, Relaxed);
+    }
+
+    /// Lowers a gauge.
+    pub(crate) fn sub(gauge: &AtomicU64, n: usize) {
+        gauge.fetch_sub(n as u64, Relaxed);
     }
 }

@@ -6,6 +6,7 @@ use std::str::FromStr;
 use chrono::{DateTime, Utc};
 use diesel::prelude::*;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 
 use crate::schema::outbox;
 
@@ -59,9 +60,12 @@ impl FromStr for Status {
 
 /// A row as a claim returned it: what a sink needs to publish it, and the fencing token the
 /// dispatcher needs to finalize it.
-#[derive(Debug, Clone, PartialEq, Queryable, QueryableByName, Selectable, Serialize)]
-#[diesel(table_name = outbox)]
-#[diesel(check_for_backend(diesel::pg::Pg))]
+///
+/// The payload stays the JSON text PostgreSQL sent: it is never parsed into a tree and written
+/// out again on its way to the broker (a sink that wants a [`serde_json::Value`] asks
+/// [`OutboxMessage::payload_value`]), so a claimed message costs about its payload's size in
+/// memory, once.
+#[derive(Debug, Clone, Serialize)]
 pub struct OutboxMessage {
     /// The outbox id: the stable message id consumers deduplicate on.
     pub id: i64,
@@ -71,8 +75,8 @@ pub struct OutboxMessage {
     pub aggregate_id: String,
     /// The event's type; the RabbitMQ sink's default routing key.
     pub event_type: String,
-    /// The event body.
-    pub payload: serde_json::Value,
+    /// The event body, as JSON text.
+    pub payload: Box<RawValue>,
     /// When the producer's transaction inserted the row (database clock).
     pub created_at: DateTime<Utc>,
     /// Claims so far, this one included (1 on the first attempt).
@@ -87,6 +91,30 @@ impl OutboxMessage {
     /// The fencing token of this claim.
     pub fn fence(&self) -> Fence {
         Fence { id: self.id, lease_version: self.lease_version }
+    }
+
+    /// The payload parsed into a JSON tree.
+    pub fn payload_value(&self) -> serde_json::Result<serde_json::Value> {
+        serde_json::from_str(self.payload.get())
+    }
+
+    /// The payload's size in bytes (what it holds against the dispatcher's byte budget).
+    pub fn payload_bytes(&self) -> usize {
+        self.payload.get().len()
+    }
+}
+
+impl PartialEq for OutboxMessage {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id
+            && self.aggregate_type == other.aggregate_type
+            && self.aggregate_id == other.aggregate_id
+            && self.event_type == other.event_type
+            && self.payload.get() == other.payload.get()
+            && self.created_at == other.created_at
+            && self.attempts == other.attempts
+            && self.lease_version == other.lease_version
+            && self.lease_until == other.lease_until
     }
 }
 

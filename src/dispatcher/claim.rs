@@ -38,6 +38,7 @@ use super::shared::Shared;
 use crate::backoff::jittered;
 use crate::config::Fifo;
 use crate::metrics::Metrics;
+use crate::model::OutboxMessage;
 use crate::store::{self, AggregateKey, ClaimParams, HeadsScan, ReadyPosition};
 
 /// A resumed walk of the pending rows goes back to the oldest one at least this often.
@@ -75,6 +76,8 @@ pub(crate) struct ClaimActor {
     finalizer: Arc<FinalizerSlot>,
     /// Claimed messages not yet finalized.
     in_flight: usize,
+    /// Their payload bytes, against the worker's byte budget.
+    in_flight_bytes: usize,
     /// A claim statement is running.
     claiming: bool,
     /// The last claim filled its batch: claim again as soon as the window has room.
@@ -113,6 +116,7 @@ impl ClaimActor {
             shared,
             finalizer,
             in_flight: 0,
+            in_flight_bytes: 0,
             claiming: false,
             backlog: false,
             woken: false,
@@ -166,6 +170,15 @@ impl ClaimActor {
             self.backlog = true;
             return;
         }
+        // The same for bytes: wait until a quarter of the worker's byte budget is free, rather
+        // than claim one row whenever a little room opens (a worker holding nothing claims
+        // whatever the budget: its first row goes whatever its size).
+        let budget = config.worker_byte_budget();
+        let bytes_room = budget.saturating_sub(self.in_flight_bytes);
+        if self.in_flight > 0 && bytes_room < budget / 4 && !probe {
+            self.backlog = true;
+            return;
+        }
         if let Some(timer) = self.timer.take() {
             ctx.cancel_future(timer);
         }
@@ -189,6 +202,7 @@ impl ClaimActor {
             let params = ClaimParams {
                 owner: &owner,
                 batch,
+                max_bytes: bytes_room,
                 lease: shared.config.lease,
                 max_attempts: shared.config.max_attempts,
                 fifo: &shared.config.fifo,
@@ -222,6 +236,9 @@ impl ClaimActor {
                         info!(worker = %act.owner, claimed = n, first_id = claim.messages[0].id,
                             last_id = claim.messages[n - 1].id, "claimed batch");
                     }
+                    let bytes: usize = claim.messages.iter().map(OutboxMessage::payload_bytes).sum();
+                    act.in_flight_bytes += bytes;
+                    Metrics::add(&metrics.in_flight_bytes, bytes);
                     for message in claim.messages {
                         debug!(
                             outbox_id = message.id,
@@ -244,7 +261,7 @@ impl ClaimActor {
                         HeadsScan::ReachedEnd => act.heads_after = None,
                         HeadsScan::StoppedAfter(key) => act.heads_after = Some(key),
                     }
-                    act.backlog = n == batch && !probe;
+                    act.backlog = (n == batch || claim.cut_by_budget > 0) && !probe;
                     // A short claim reached the end of the pending rows: start over next time.
                     act.resume = if act.backlog { claim.resume.or(resume) } else { None };
                     if act.backlog || std::mem::take(&mut act.woken) {
@@ -313,8 +330,10 @@ impl Handler<Wake> for ClaimActor {
 impl Handler<PublishFinished> for ClaimActor {
     type Result = ();
 
-    fn handle(&mut self, _: PublishFinished, ctx: &mut Context<Self>) {
+    fn handle(&mut self, finished: PublishFinished, ctx: &mut Context<Self>) {
         self.in_flight = self.in_flight.saturating_sub(1);
+        self.in_flight_bytes = self.in_flight_bytes.saturating_sub(finished.bytes);
+        Metrics::sub(&self.shared.metrics.in_flight_bytes, finished.bytes);
         if self.backlog {
             self.claim(ctx);
         } else if self.shared.config.fifo.is_on() {

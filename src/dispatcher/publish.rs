@@ -32,7 +32,10 @@ use crate::step::{decide, release};
 /// Sent to the claim actor when a message no longer counts against its in-flight window.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
-pub(crate) struct PublishFinished;
+pub(crate) struct PublishFinished {
+    /// The payload bytes the message held against the worker's byte budget.
+    pub(crate) bytes: usize,
+}
 
 pub(crate) struct PublishActor {
     message: Arc<OutboxMessage>,
@@ -108,6 +111,7 @@ impl Actor for PublishActor {
         let owner = self.owner.clone();
         let lease_deadline = self.lease_deadline.clone();
         let decided = self.decided.clone();
+        let bytes = message.payload_bytes();
         let work = async move {
             let step = if shared.gate.may_publish() {
                 match call_sink(&shared, &message, &finalizer, &lease_deadline).await {
@@ -144,7 +148,9 @@ impl Actor for PublishActor {
                     Fenced::Failed => error!("finalize failed; the row waits for lease expiry"),
                 }
             }
-            owner.do_send(PublishFinished);
+            // The message is dropped with this future: its bytes are free.
+            drop(message);
+            owner.do_send(PublishFinished { bytes });
         }
         .instrument(span);
         ctx.spawn(work.into_actor(self).map(|(), _, ctx| ctx.stop()));

@@ -614,8 +614,8 @@ impl LinkState {
             PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
         })?;
         let properties = properties(message, &self.app_id)?;
-        let body = serde_json::to_vec(&message.payload)
-            .map_err(|e| PublishError::Permanent(format!("payload cannot be serialised as JSON: {e}")))?;
+        // The JSON text as PostgreSQL sent it: lapin copies it into its frames, nothing else does.
+        let body = message.payload.get().as_bytes();
 
         let link = {
             let current = self.current();
@@ -635,7 +635,7 @@ impl LinkState {
         // that stops answering is noticed: see `unresponsive`.
         let waiting = Waiting::start(self, link.generation);
         let sent = async {
-            let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, &body, properties));
+            let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, body, properties));
             // lapin takes the delivery tag and queues the frames in the first poll, under two
             // separate locks. Clones publishing from several threads at once could interleave
             // them, and then a confirm would answer another message: take the first poll under

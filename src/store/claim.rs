@@ -5,7 +5,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
 use diesel::pg::data_types::PgInterval;
-use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Jsonb, Nullable, Text, Timestamptz};
+use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Nullable, Text, Timestamptz};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
 use super::prepared::{Prepared, prepared};
@@ -20,6 +20,10 @@ pub struct ClaimParams<'a> {
     pub owner: &'a str,
     /// Rows to lease at most.
     pub batch: usize,
+    /// Payload bytes (JSON text) to lease at most: rows are taken in order while they fit, and
+    /// the first row is taken whatever its size, so a row larger than the budget still goes,
+    /// alone.
+    pub max_bytes: usize,
     /// `lease_until = now() + lease`.
     pub lease: Duration,
     /// Rows whose lease expired at this many attempts are reaped instead of reclaimed.
@@ -90,6 +94,10 @@ pub struct Claim {
     pub resume: Option<ReadyPosition>,
     /// Where the scan of aggregates stopped, for [`ClaimParams::heads_after`].
     pub heads: HeadsScan,
+    /// Claimable rows left for a later claim because they did not fit in
+    /// [`ClaimParams::max_bytes`]: the backlog goes on even though the claim took fewer rows
+    /// than the batch.
+    pub cut_by_budget: usize,
 }
 
 /// Reaps, then leases up to `batch` rows: pending rows whose `available_at` has passed, and
@@ -114,6 +122,10 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
                 claim.reaped.push(Fence { id: row.id, lease_version: row.lease_version });
                 continue;
             }
+            KIND_CUT => {
+                claim.cut_by_budget = usize::try_from(row.id).unwrap_or_default();
+                continue;
+            }
             KIND_HEADS_END => {
                 claim.heads = match row.heads_bounded {
                     Some(true) => HeadsScan::StoppedAfter(AggregateKey {
@@ -130,7 +142,7 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
             let here = ReadyPosition { available_at, id: row.id };
             claim.resume = Some(claim.resume.map_or(here, |r| r.min(here)));
         }
-        claim.messages.push(row.into_message());
+        claim.messages.push(row.into_message()?);
     }
     // RETURNING order is unspecified.
     claim.messages.sort_by_key(|m| m.id);
@@ -153,6 +165,7 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
 /// let params = ClaimParams {
 ///     owner: "explain",
 ///     batch: 50,
+///     max_bytes: usize::MAX,
 ///     lease: std::time::Duration::from_secs(60),
 ///     max_attempts: 12,
 ///     fifo: &Fifo::All,
@@ -204,13 +217,17 @@ fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Prepared<'a> {
         .bind::<Interval, _>(interval(params.lease))
         .bind::<Nullable<Timestamptz>, _>(params.resume.map(|r| r.available_at))
         .bind::<Nullable<Int8>, _>(params.resume.map(|r| r.id));
-    match params.fifo {
-        Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types),
+    // $7 and $8 depend on the gate; a statement that does not use them binds placeholders that
+    // never reach the text. $9 is the byte budget.
+    let no_text = None::<&str>;
+    let query = match params.fifo {
+        Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types).bind::<Nullable<Text>, _>(no_text),
         Fifo::All => query
             .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_type.as_str()))
             .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_id.as_str())),
-        Fifo::Off => query,
-    }
+        Fifo::Off => query.bind::<Nullable<Text>, _>(no_text).bind::<Nullable<Text>, _>(no_text),
+    };
+    query.bind::<BigInt, _>(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
 }
 
 pub(crate) fn interval(d: Duration) -> PgInterval {
@@ -221,9 +238,11 @@ pub(crate) fn interval(d: Duration) -> PgInterval {
 // `o`); `$ready` is the CTE list that defines `ready`, the pending rows to lease. $1
 // max_attempts, $2 batch, $3 owner, $4 lease, $5 and $6 the resume position (both NULL for a
 // walk from the start), then either $7 the gated event types (when the gate names them) or $7
-// and $8 the aggregate after which the scan of heads starts (gate on all types). `$tail` adds
-// rows to the result. Each result row is claimed (kind 0), reaped (1) or where the heads scan
-// ended (2).
+// and $8 the aggregate after which the scan of heads starts (gate on all types), and $9 the
+// byte budget: `picked` takes the candidates in id order while their payloads (as JSON text)
+// fit in it, and the first whatever its size. `$tail` adds rows to the result. Each result row
+// is claimed (kind 0), reaped (1), where the heads scan ended (2), or how many candidates the
+// byte budget left out (3, only when some were).
 //
 // The reaper runs first in the same statement; its rows (attempts >= max) and the claim's
 // (attempts < max) are disjoint, so no row is written twice. It is not gated: a dead row blocks
@@ -238,6 +257,7 @@ macro_rules! claim_sql {
 WITH reaped AS (
     UPDATE outbox
     SET status = 'dead',
+        lease_version = lease_version + 1,
         last_error = 'reaped: lease expired after ' || attempts || ' of ' || $1::int
                      || ' attempts (the worker died or stalled mid-publish)'
                      || coalesce('; last error: ' || last_error, ''),
@@ -249,7 +269,9 @@ WITH reaped AS (
         ORDER BY lease_until
         LIMIT 1000
         FOR UPDATE SKIP LOCKED)
-    RETURNING id, lease_version
+    -- The fence of the claim that died; the row's own version moved past it, so that no
+    -- late write of that claim (nor a read-back of one) can count the reaped row as its own.
+    RETURNING id, lease_version - 1 AS lease_version
 ), expired AS (
     SELECT o.id FROM outbox AS o
     WHERE o.status = 'processing' AND o.lease_until < now() AND o.attempts < $1"#,
@@ -261,11 +283,16 @@ WITH reaped AS (
 ), "#,
             $ready,
             r#"
+), candidates AS (
+    SELECT c.id, c.from_ready, octet_length(o.payload::text) AS bytes
+    FROM (SELECT id, false AS from_ready FROM expired UNION ALL SELECT id, true FROM ready) AS c
+    JOIN outbox AS o ON o.id = c.id
+    ORDER BY c.id
+    LIMIT $2
 ), picked AS (
     SELECT id, from_ready
-    FROM (SELECT id, false AS from_ready FROM expired UNION ALL SELECT id, true FROM ready) AS candidates
-    ORDER BY id
-    LIMIT $2
+    FROM (SELECT id, from_ready, bytes, sum(bytes) OVER (ORDER BY id) - bytes AS before FROM candidates) AS w
+    WHERE before = 0 OR before + bytes <= $9
 ), claimed AS (
     UPDATE outbox AS o
     SET status = 'processing',
@@ -275,7 +302,7 @@ WITH reaped AS (
         attempts = o.attempts + 1
     FROM picked
     WHERE o.id = picked.id
-    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.created_at,
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload, o.created_at,
               o.attempts, o.lease_version, o.lease_until,
               CASE WHEN picked.from_ready THEN o.available_at END AS ready_at
 )
@@ -283,8 +310,12 @@ SELECT 0 AS kind, id, aggregate_type, aggregate_id, event_type, payload, created
        attempts, lease_version, lease_until, ready_at, NULL::bool AS heads_bounded
 FROM claimed
 UNION ALL
-SELECT 1, id, '', '', '', 'null'::jsonb, now(), 0, lease_version, NULL, NULL, NULL
-FROM reaped"#,
+SELECT 1, id, '', '', '', 'null', now(), 0, lease_version, NULL, NULL, NULL
+FROM reaped
+UNION ALL
+SELECT 3, cut, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL
+FROM (SELECT (SELECT count(*) FROM candidates) - (SELECT count(*) FROM picked) AS cut) AS budget
+WHERE cut > 0"#,
             $tail,
             "\n"
         )
@@ -412,7 +443,7 @@ const CLAIM_FIFO_SQL: &str = claim_sql!(
     ),
     r#"
 UNION ALL
-SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null'::jsonb, now(), 0, 0, NULL, NULL,
+SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null', now(), 0, 0, NULL, NULL,
        bounded
 FROM heads_end"#
 );
@@ -449,8 +480,9 @@ struct ClaimRow {
     aggregate_id: String,
     #[diesel(sql_type = Text)]
     event_type: String,
-    #[diesel(sql_type = Jsonb)]
-    payload: serde_json::Value,
+    /// The payload's JSON text (`payload::text`).
+    #[diesel(sql_type = Text)]
+    payload: String,
     #[diesel(sql_type = Timestamptz)]
     created_at: DateTime<Utc>,
     #[diesel(sql_type = Int4)]
@@ -469,19 +501,23 @@ struct ClaimRow {
 
 const KIND_REAPED: i32 = 1;
 const KIND_HEADS_END: i32 = 2;
+const KIND_CUT: i32 = 3;
 
 impl ClaimRow {
-    fn into_message(self) -> OutboxMessage {
-        OutboxMessage {
+    fn into_message(self) -> Result<OutboxMessage, StoreError> {
+        // PostgreSQL wrote this text from a jsonb value; the check is a scan, not a parse tree.
+        let payload = serde_json::value::RawValue::from_string(self.payload)
+            .map_err(|e| StoreError::Query(diesel::result::Error::DeserializationError(Box::new(e))))?;
+        Ok(OutboxMessage {
             id: self.id,
             aggregate_type: self.aggregate_type,
             aggregate_id: self.aggregate_id,
             event_type: self.event_type,
-            payload: self.payload,
+            payload,
             created_at: self.created_at,
             attempts: self.attempts,
             lease_version: self.lease_version,
             lease_until: self.lease_until,
-        }
+        })
     }
 }

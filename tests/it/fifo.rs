@@ -25,7 +25,16 @@ const LEASE: Duration = Duration::from_secs(60);
 const MAX_ATTEMPTS: i32 = 12;
 
 fn params<'a>(owner: &'a str, fifo: &'a Fifo) -> ClaimParams<'a> {
-    ClaimParams { owner, batch: 50, lease: LEASE, max_attempts: MAX_ATTEMPTS, fifo, resume: None, heads_after: None }
+    ClaimParams {
+        owner,
+        batch: 50,
+        max_bytes: usize::MAX,
+        lease: LEASE,
+        max_attempts: MAX_ATTEMPTS,
+        fifo,
+        resume: None,
+        heads_after: None,
+    }
 }
 
 async fn claim(conn: &mut AsyncPgConnection, owner: &str, fifo: &Fifo) -> Claim {

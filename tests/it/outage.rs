@@ -261,3 +261,34 @@ async fn a_finalizer_that_dies_while_draining_is_replaced_and_nothing_stays_proc
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!(metrics.restarts, 1, "{metrics:?}");
 }
+
+/// Large rows: the dispatcher holds no more payload bytes claimed than its budget (plus one
+/// row per worker), whatever the row window would allow, and every row still goes.
+#[actix_rt::test]
+async fn large_rows_are_claimed_within_the_byte_budget() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let pad = "x".repeat(100_000);
+    let events: Vec<_> =
+        (0..60).map(|_| actix_outbox::NewEvent::new("t", "big", "t.big", serde_json::json!({ "pad": pad }))).collect();
+    actix_outbox::enqueue_many(&mut conn, &events).await.unwrap();
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(50)));
+    // 1 MB for 2 workers: 500 kB each, about 5 rows of 100 kB in flight per worker.
+    let config = config().workers(2).batch(50).max_in_flight_bytes(1_000_000);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    let mut peak = 0;
+    let mut seen = BTreeMap::new();
+    while db.count_status("done").await < 60 {
+        let held = dispatcher.send(GetMetrics).await.unwrap().in_flight_bytes;
+        peak = peak.max(held);
+        peak = peak.max(100_011 * db.count_status("processing").await as u64);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    dispatcher.send(Shutdown).await.unwrap();
+    copies(&mut rx, &mut seen);
+    assert_eq!(seen.len(), 60);
+    assert!(peak > 0, "something was measured in flight");
+    assert!(peak <= 1_000_000 + 2 * 100_011, "peak {peak} bytes in flight, budget 1,000,000");
+    assert_eq!(dispatcher.send(GetMetrics).await.unwrap().in_flight_bytes, 0, "every byte accounted back");
+}

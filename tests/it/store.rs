@@ -19,6 +19,7 @@ async fn claim(conn: &mut AsyncPgConnection, owner: &str, batch: usize, lease: D
         &ClaimParams {
             owner,
             batch,
+            max_bytes: usize::MAX,
             lease,
             max_attempts: max,
             fifo: &actix_outbox::Fifo::Off,
@@ -330,6 +331,7 @@ async fn poison_message_is_reaped_after_max_attempts() {
     assert_eq!(c.reaped.iter().map(|f| (f.id, f.lease_version)).collect::<Vec<_>>(), vec![(id, 3)]);
     let row = db.row(id).await;
     assert_eq!((row.status(), row.attempts), (Status::Dead, 3));
+    assert_eq!(row.lease_version, 4, "reaping moves the fence on: no write of the dead claim can count it");
     assert!(row.last_error.unwrap().starts_with("reaped: lease expired after 3 of 3 attempts"));
     assert!(row.lease_owner.is_none());
     let again = claim(&mut conn, "A", 10, LONG, 3).await;
@@ -451,7 +453,7 @@ async fn claim_respects_available_at_and_orders_by_id() {
     assert_eq!(row.lease_owner.as_deref(), Some("owner-x"));
     let lease = row.lease_until.unwrap() - chrono::Utc::now();
     assert!(lease > chrono::Duration::seconds(25) && lease <= chrono::Duration::seconds(31), "lease {lease}");
-    assert_eq!(m[0].payload, serde_json::json!({"n": 0}));
+    assert_eq!(m[0].payload_value().unwrap(), serde_json::json!({"n": 0}));
 }
 
 /// A claim given a resume position walks the pending rows from there: a row before it (here
@@ -465,6 +467,7 @@ async fn resumed_claim_starts_at_its_position_and_a_full_walk_finds_what_it_skip
     let params = |resume| ClaimParams {
         owner: "A",
         batch: 2,
+        max_bytes: usize::MAX,
         lease: LONG,
         max_attempts: 12,
         fifo: &actix_outbox::Fifo::Off,
@@ -639,4 +642,40 @@ async fn outbox_has_queue_grade_autovacuum_settings() {
     for expected in ["autovacuum_vacuum_scale_factor=0.0", "autovacuum_vacuum_threshold=5000"] {
         assert!(options.reloptions.iter().any(|o| o == expected), "{expected} missing from {:?}", options.reloptions);
     }
+}
+
+/// The byte budget: a claim takes rows in order while their payloads fit, the first whatever
+/// its size, and says how many it left for later.
+#[tokio::test]
+async fn a_claim_takes_rows_while_their_payloads_fit_the_byte_budget() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    // Payloads of 1,000 bytes of JSON text each: {"pad": "xxx..."}.
+    let pad = "x".repeat(1000 - r#"{"pad": ""}"#.len());
+    let events: Vec<_> = (0..10).map(|_| NewEvent::new("t", "a", "t.e", serde_json::json!({ "pad": pad }))).collect();
+    let ids = actix_outbox::enqueue_many(&mut conn, &events).await.unwrap();
+    let params = |max_bytes| ClaimParams {
+        owner: "A",
+        batch: 10,
+        max_bytes,
+        lease: LONG,
+        max_attempts: 12,
+        fifo: &actix_outbox::Fifo::Off,
+        resume: None,
+        heads_after: None,
+    };
+    let c = store::claim(&mut conn, &params(3_500)).await.unwrap();
+    assert_eq!(c.messages.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..3], "3 × 1,000 bytes fit in 3,500");
+    assert!(c.messages.iter().all(|m| m.payload_bytes() == 1000), "{:?}", c.messages[0].payload.get());
+    assert_eq!(c.cut_by_budget, 7, "the other 7 wait for a later claim");
+    let c = store::claim(&mut conn, &params(10)).await.unwrap();
+    assert_eq!(
+        c.messages.iter().map(|m| m.id).collect::<Vec<_>>(),
+        ids[3..4],
+        "a row larger than the budget goes alone"
+    );
+    assert_eq!(c.cut_by_budget, 6);
+    let c = store::claim(&mut conn, &params(usize::MAX)).await.unwrap();
+    assert_eq!(c.messages.len(), 6);
+    assert_eq!(c.cut_by_budget, 0);
 }
