@@ -25,7 +25,7 @@ use crate::backoff::backoff_ceiling;
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishFuture, PublishResult, Publisher};
-use crate::store::mask_password;
+use crate::url::mask_url;
 
 /// The exchange published to by default.
 pub const DEFAULT_EXCHANGE: &str = "outbox";
@@ -102,7 +102,7 @@ pub struct RabbitConfig {
 impl std::fmt::Debug for RabbitConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitConfig")
-            .field("url", &mask_password(&self.url))
+            .field("url", &mask_url(&self.url))
             .field("exchange", &self.exchange)
             .field("exchange_kind", &self.exchange_kind)
             .field("declare_exchange", &self.declare_exchange)
@@ -203,7 +203,8 @@ impl RabbitConfig {
     pub fn validate(&self) -> Result<(), RabbitError> {
         let invalid = |why: String| Err(RabbitError::Config(why));
         if let Err(e) = self.url.parse::<lapin::uri::AMQPUri>() {
-            return invalid(format!("malformed AMQP URL {:?}: {e}", mask_password(&self.url)));
+            let masked = mask_url(&self.url);
+            return invalid(format!("malformed AMQP URL {masked:?}: {}", e.replace(&self.url, &masked)));
         }
         if ShortString::try_new(self.exchange.as_str()).is_err() {
             return invalid(format!("exchange name is {} bytes long; AMQP allows 255", self.exchange.len()));
@@ -474,7 +475,7 @@ enum LinkHealth {
 impl LinkState {
     fn new(config: &RabbitConfig) -> Self {
         Self {
-            url: mask_password(&config.url),
+            url: mask_url(&config.url),
             // validate() checked both lengths.
             exchange: ShortString::try_new(config.exchange.as_str()).unwrap_or_default(),
             app_id: ShortString::try_new(config.app_id.as_str()).unwrap_or_default(),
