@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,13 +12,6 @@ use actix_outbox::store::SKIPPED_PREFIX;
 use actix_outbox::{OutboxRow, Status};
 use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::{Value, json};
 
 // The fixtures of the library's integration tests; this binary uses only part of them.
@@ -30,7 +22,7 @@ mod proxy;
 #[path = "../../tests/it/support.rs"]
 mod support;
 
-use support::{TestDb, eventually, server_url};
+use support::{ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, eventually};
 
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
 const WITHIN: Duration = Duration::from_secs(60);
@@ -99,46 +91,9 @@ async fn make_dead(db: &TestDb, ids: &[i64]) {
 // ---------------------------------------------------------------------------------------------
 // migrate
 
-/// A database that does not exist yet, dropped at the end.
-struct MissingDb {
-    name: String,
-    url: String,
-}
-
-impl MissingDb {
-    fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "outbox_cli_{}_{}_{:08x}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed),
-            rand::random::<u32>()
-        );
-        let url = format!("{}/{name}", server_url());
-        MissingDb { name, url }
-    }
-}
-
-impl Drop for MissingDb {
-    fn drop(&mut self) {
-        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        let admin = format!("{}/postgres", server_url());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                use diesel_async::AsyncConnection;
-                if let Ok(mut conn) = diesel_async::AsyncPgConnection::establish(&admin).await {
-                    let _ = conn.batch_execute(&sql).await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 #[tokio::test]
 async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
-    let db = MissingDb::new();
+    let db = ScratchDb::new();
     let first = ok(&db.url, &["migrate"]).await;
     assert!(first.contains(&format!("created database {}", db.name)), "{first}");
     let applied: Vec<&str> = first.lines().filter(|l| l.starts_with("applied migration ")).collect();
@@ -695,7 +650,8 @@ async fn malformed_urls_exit_2_with_the_password_masked_and_change_nothing() {
         ("not a url", &["stats"][..]),
         ("mysql://root@127.0.0.1/app", &["dead", "retry", "--all"]),
         ("postgres://admin:s3cret@127.0.0.1:port/app", &["purge", "--older-than", "0s"]),
-        ("host=127.0.0.1 password=s3cret", &["run"]),
+        // A key=value string is a connection string too: this one is malformed (port=x).
+        ("host=127.0.0.1 port=x password=s3cret", &["run"]),
     ] {
         let ran = cli(url, command).await;
         assert_eq!(ran.code, 2, "{url}: {ran:?}");
@@ -800,91 +756,6 @@ async fn an_unreachable_database_exits_1_with_one_line_that_masks_the_password()
 // ---------------------------------------------------------------------------------------------
 // run, against the real RabbitMQ
 
-fn amqp_url() -> String {
-    std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-/// A uniquely named exchange with one queue bound to every routing key, both deleted when the
-/// test ends (even by a panic).
-struct TestBroker {
-    _conn: Connection,
-    channel: Channel,
-    exchange: String,
-    queue: String,
-}
-
-impl TestBroker {
-    async fn new() -> Self {
-        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
-            .await
-            .expect("RabbitMQ must be running on 127.0.0.1:5672");
-        let channel = conn.create_channel().await.unwrap();
-        let suffix = format!("{}.{:08x}", std::process::id(), rand::random::<u32>());
-        let (exchange, queue) = (format!("outbox_it.cli.{suffix}"), format!("outbox_it.cli.q.{suffix}"));
-        let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-        channel
-            .exchange_declare(exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
-            .await
-            .unwrap();
-        channel
-            .queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
-            .await
-            .unwrap();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        TestBroker { _conn: conn, channel, exchange, queue }
-    }
-
-    /// The `message_id` of every message in the queue, waiting until `at_least` have arrived.
-    async fn message_ids(&self, at_least: usize) -> Vec<i64> {
-        let no_ack = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
-        let mut consumer = self
-            .channel
-            .basic_consume(self.queue.as_str().into(), "".into(), no_ack, FieldTable::default())
-            .await
-            .unwrap();
-        let mut ids = Vec::new();
-        let deadline = Instant::now() + WITHIN;
-        while ids.len() < at_least {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let delivery = tokio::time::timeout(left, consumer.next())
-                .await
-                .unwrap_or_else(|_| panic!("only {} of {at_least} messages arrived", ids.len()))
-                .expect("consumer open")
-                .expect("delivery");
-            let id = delivery.properties.message_id().as_ref().expect("message_id set").as_str().parse().unwrap();
-            ids.push(id);
-        }
-        ids
-    }
-}
-
-impl Drop for TestBroker {
-    fn drop(&mut self) {
-        let (exchange, queue) = (self.exchange.clone(), self.queue.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else { return };
-                if let Ok(channel) = conn.create_channel().await {
-                    let _ = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
-                    let _ = channel.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await;
-                }
-                let _ = conn.close(200, "test over".into()).await;
-            });
-        })
-        .join();
-    }
-}
-
 /// A running `actix-outbox run`, its stderr collected line by line.
 struct Dispatcher {
     child: Option<Child>,
@@ -952,7 +823,7 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
     const ROWS: usize = 5_000;
     let db = TestDb::new().await;
     let ids = db.seed(ROWS, "agg").await;
-    let broker = TestBroker::new().await;
+    let (broker, queue) = TestBroker::with_queue("cli").await;
     let flags = [
         "--exchange",
         broker.exchange.as_str(),
@@ -1008,7 +879,7 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
     assert!(second.logged("claimed batch") >= 1, "the rerun claimed what the first run left");
 
     // At-least-once: every id reached the queue (a duplicate is allowed, a gap is not).
-    let published = broker.message_ids(ROWS).await;
+    let published = broker.message_ids(&queue, ROWS).await;
     let distinct: BTreeSet<i64> = published.iter().copied().collect();
     assert_eq!(distinct, ids.iter().copied().collect::<BTreeSet<_>>());
 }
@@ -1035,9 +906,8 @@ async fn run_retries_an_unreachable_broker_with_backoff_and_stops_cleanly() {
 async fn a_second_signal_while_draining_exits_at_once_with_130() {
     let db = TestDb::new().await;
     db.seed(2_000, "agg").await;
-    let broker = TestBroker::new().await;
-    let upstream = amqp_url().rsplit('@').next().unwrap().split('/').next().unwrap().to_owned();
-    let proxy = crate::proxy::Proxy::start(upstream).await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let proxy = crate::proxy::Proxy::start(amqp_addr()).await;
     let mut run = Dispatcher::start(
         &db.url,
         &[
