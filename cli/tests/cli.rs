@@ -115,6 +115,44 @@ async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
     assert_eq!(id, 1);
 }
 
+/// What a first `migrate` of database `name` prints: the database, then every migration.
+fn first_migrate_output(name: &str) -> String {
+    use diesel::migration::{Migration, MigrationSource};
+    let embedded = MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    let mut out = format!("created database {name}\n");
+    for migration in embedded {
+        out += &format!("applied migration {}\n", migration.name().version());
+    }
+    out
+}
+
+/// `migrate` reaches the server's `postgres` database with every option of the string: here
+/// the host and port are only in the pairs, or in the URL's query (a URL cut down to
+/// `postgres://root@/postgres` reaches nothing).
+#[tokio::test]
+async fn migrate_creates_the_database_of_a_key_value_string_or_of_a_url_with_its_host_in_the_query() {
+    // The server of the default TEST_DATABASE_URL, spelled out (root, trust auth).
+    for form in ["pairs", "url"] {
+        let db = ScratchDb::new();
+        let url = match form {
+            "pairs" => format!("host=127.0.0.1 port=5432 user=root dbname={} application_name='outbox it'", db.name),
+            _ => format!("postgres://root@/{}?host=127.0.0.1&port=5432&application_name=outbox-it", db.name),
+        };
+        assert_eq!(ok(&url, &["migrate"]).await, first_migrate_output(&db.name), "{form}");
+        assert_eq!(
+            ok(&url, &["migrate"]).await,
+            format!("database {} is up to date: no pending migrations\n", db.name),
+            "{form}"
+        );
+        let id = ok(
+            &url,
+            &["enqueue", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
+        )
+        .await;
+        assert_eq!(id, "1\n", "{form}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // enqueue
 
@@ -667,6 +705,51 @@ async fn malformed_urls_exit_2_with_the_password_masked_and_change_nothing() {
     assert_eq!(db.rows().await, before, "run with a bad broker URL must not claim anything");
 }
 
+/// Each password form in a malformed string (the port is not a number): exit 2, exactly this
+/// line, nothing on stdout.
+#[tokio::test]
+async fn malformed_connection_strings_exit_2_with_the_password_masked_in_every_form() {
+    let hint = " (expected postgres://user:password@host:port/database or key=value pairs: host=... user=... \
+                password=... dbname=...)";
+    for (url, masked) in [
+        ("postgres://admin:s3cret@127.0.0.1:port/app", "postgres://admin:***@127.0.0.1:port/app"),
+        ("postgres://admin@127.0.0.1:port/app?password=s3cret", "postgres://admin@127.0.0.1:port/app?password=***"),
+        (
+            "host=127.0.0.1 port=x user=admin password=s3cret dbname=app",
+            "host=127.0.0.1 port=x user=admin password=*** dbname=app",
+        ),
+        (
+            "host=127.0.0.1 port=x user=admin password='s3cret word' dbname=app",
+            "host=127.0.0.1 port=x user=admin password=*** dbname=app",
+        ),
+    ] {
+        for command in [&["migrate"][..], &["run"], &["stats"]] {
+            let ran = cli(url, command).await;
+            assert_eq!(ran.code, 2, "{url} {command:?}: {ran:?}");
+            assert_eq!(
+                ran.error_line(),
+                format!(
+                    "error: malformed database URL \"{masked}\": invalid connection string: invalid value for option `port`{hint}"
+                ),
+                "{command:?}"
+            );
+            assert_eq!(ran.stdout, "", "{command:?}");
+        }
+    }
+    for (amqp, masked) in [
+        ("amqp://guest:s3cret@127.0.0.1:port/%2f", "amqp://guest:***@127.0.0.1:port/%2f"),
+        ("amqp://guest@127.0.0.1:port/%2f?password=s3cret", "amqp://guest@127.0.0.1:port/%2f?password=***"),
+    ] {
+        let ran = cli("postgres://root@127.0.0.1:1/unused", &["run", "--amqp-url", amqp]).await;
+        assert_eq!(ran.code, 2, "{ran:?}");
+        assert_eq!(
+            ran.error_line(),
+            format!("error: invalid RabbitMQ sink configuration: malformed AMQP URL \"{masked}\": invalid port number")
+        );
+        assert_eq!(ran.stdout, "");
+    }
+}
+
 #[tokio::test]
 async fn usage_errors_exit_2_on_one_line() {
     let db = TestDb::new().await;
@@ -750,6 +833,38 @@ async fn an_unreachable_database_exits_1_with_one_line_that_masks_the_password()
             "{args:?}: {line}"
         );
         assert!(!line.contains("s3cret"), "password leaked: {line}");
+    }
+}
+
+/// Each password form of a database that refuses connections, for the commands that connect
+/// each way (`migrate` through `ensure_database`, `run` before its pool, the one-shot commands):
+/// exit 1, exactly this line.
+#[tokio::test]
+async fn an_unreachable_database_exits_1_with_the_password_masked_in_every_form() {
+    for (url, masked) in [
+        ("postgres://admin:s3cret@127.0.0.1:1/outbox", "postgres://admin:***@127.0.0.1:1/outbox"),
+        ("postgres://admin@127.0.0.1:1/outbox?password=s3cret", "postgres://admin@127.0.0.1:1/outbox?password=***"),
+        (
+            "host=127.0.0.1 port=1 user=admin password=s3cret dbname=outbox",
+            "host=127.0.0.1 port=1 user=admin password=*** dbname=outbox",
+        ),
+        (
+            "host=127.0.0.1 port=1 user=admin password='s3cret word' dbname=outbox",
+            "host=127.0.0.1 port=1 user=admin password=*** dbname=outbox",
+        ),
+    ] {
+        for command in [&["migrate"][..], &["run"], &["stats"], &["dead", "retry", "--all"]] {
+            let ran = cli(url, command).await;
+            assert_eq!(ran.code, 1, "{url} {command:?}: {ran:?}");
+            assert_eq!(
+                ran.error_line(),
+                format!(
+                    "error: cannot connect to PostgreSQL at {masked}: error connecting to server: Connection refused (os error 111)"
+                ),
+                "{command:?}"
+            );
+            assert_eq!(ran.stdout, "", "{command:?}");
+        }
     }
 }
 
@@ -900,6 +1015,33 @@ async fn run_retries_an_unreachable_broker_with_backoff_and_stops_cleanly() {
     run.signal("TERM");
     assert_eq!(run.exit(Duration::from_secs(10)).await.code(), Some(0));
     assert_eq!(db.rows().await, before, "nothing was claimed");
+}
+
+/// While it waits for an unreachable broker, `run` logs the broker's URL with its password
+/// masked, in the user info or in the query, and exactly the sink's reason.
+#[tokio::test]
+async fn run_masks_the_amqp_password_in_every_form_while_it_waits_for_the_broker() {
+    let db = TestDb::new().await;
+    for (amqp, masked) in [
+        ("amqp://guest:s3cret@127.0.0.1:1/%2f", "amqp://guest:***@127.0.0.1:1/%2f"),
+        ("amqp://guest@127.0.0.1:1/%2f?password=s3cret", "amqp://guest@127.0.0.1:1/%2f?password=***"),
+    ] {
+        let mut run = Dispatcher::start(&db.url, &["--amqp-url", amqp]);
+        eventually(WITHIN, "a failed attempt to reach the broker is logged", || async {
+            run.logged("RabbitMQ unreachable; retrying") >= 1
+        })
+        .await;
+        run.signal("TERM");
+        assert_eq!(run.exit(Duration::from_secs(10)).await.code(), Some(0));
+        let log = run.log();
+        let line = log.iter().find(|l| l.contains("RabbitMQ unreachable; retrying")).unwrap();
+        let error = line.split(" error=").nth(1).and_then(|rest| rest.split(" retry_in=").next());
+        assert_eq!(
+            error,
+            Some(format!("RabbitMQ is unreachable at {masked}: IO error: Connection refused (os error 111)").as_str())
+        );
+        assert!(!log.join("\n").contains("s3cret"), "{log:?}");
+    }
 }
 
 #[tokio::test]

@@ -5,6 +5,7 @@ mod proxy;
 mod support;
 
 mod actors;
+mod connect;
 mod fifo;
 mod rabbit;
 mod store;
