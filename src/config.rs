@@ -212,10 +212,10 @@ impl DispatcherConfig {
         if self.finalize_batch == 0 {
             return Err(ZeroFinalizeBatch);
         }
-        if let Fifo::EventTypes(types) = &self.fifo {
-            if types.is_empty() {
-                return Err(EmptyFifoEventTypes);
-            }
+        if let Fifo::EventTypes(types) = &self.fifo
+            && types.is_empty()
+        {
+            return Err(EmptyFifoEventTypes);
         }
         Ok(())
     }
