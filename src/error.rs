@@ -84,8 +84,9 @@ impl From<RunError> for StoreError {
 }
 
 /// What a sink reports when a publish did not succeed. The dispatcher turns it into the row's
-/// next state (retried after a backoff, deferred, or dead); a sink that cannot classify a failure should panic rather than guess,
-/// and the lease plus the attempt budget bound the damage.
+/// next state (retried after a backoff, deferred, or dead); a sink that cannot classify a
+/// failure should panic rather than guess, and the lease plus the attempt budget bound the
+/// damage.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
