@@ -25,7 +25,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Err(e) = actix_outbox::ensure_database(&url).await {
         eprintln!(
             "PostgreSQL at {} is unreachable ({e}); start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-            actix_outbox::mask_password(&url)
+            actix_outbox::mask_url(&url)
         );
         std::process::exit(1);
     }

@@ -66,7 +66,7 @@ async fn run() -> Result<ExitCode, BoxError> {
     if let Err(e) = &database {
         down.push(format!(
             "PostgreSQL is not reachable at {} ({}). Start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-            actix_outbox::mask_password(&database_url),
+            actix_outbox::mask_url(&database_url),
             one_line(e)
         ));
     }
@@ -86,7 +86,7 @@ async fn run() -> Result<ExitCode, BoxError> {
     }
     let sink = sink?;
     if database? {
-        println!("created database {}", actix_outbox::mask_password(&database_url));
+        println!("created database {}", actix_outbox::mask_url(&database_url));
     }
     actix_outbox::migrate(&database_url).await?;
     let pool = actix_outbox::connect_pool(&database_url, 4).await?;

@@ -1,30 +1,51 @@
 //! Errors, one enum per layer, each classified by what the caller should do.
 
+use std::error::Error as StdError;
+
+use diesel_async::pooled_connection::bb8::RunError;
+
 use crate::config::ConfigError;
+use crate::url::{InvalidConnectionString, with_causes};
+
+/// A cause kept whole: its type depends on where the failure happened.
+type Cause = Box<dyn StdError + Send + Sync>;
 
 /// A failure of the store (PostgreSQL or its pool).
+///
+/// Each message includes its cause's, so a log line that prints the error says everything;
+/// `source()` gives the cause itself to callers that inspect it (for instance, the
+/// `tokio_postgres::Error` of a refused connection, with its SQLSTATE).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// No connection could be made or checked out of the pool.
-    #[error("database unreachable: {0}")]
-    Pool(String),
-    /// A connection could not be established.
-    #[error("database connection failed: {0}")]
-    Connect(String),
+    /// No connection could be checked out of the pool in time: the database is unreachable, or
+    /// every connection is busy. The pool keeps trying to open connections in the background.
+    #[error("database unreachable: {}", pool_reason(.0))]
+    Pool(#[source] RunError),
+    /// A connection could not be established. The cause is the driver's error (refused,
+    /// unknown database, authentication failed...) or the timeout's.
+    #[error("database connection failed: {}", with_causes(.0.as_ref()))]
+    Connect(#[source] Cause),
     /// A statement failed.
     #[error("database query failed: {0}")]
     Query(#[from] diesel::result::Error),
-    /// A migration failed.
-    #[error("migration failed: {0}")]
-    Migration(String),
-    /// A database URL that cannot be parsed (password masked).
-    #[error("malformed database URL {0:?}: expected postgres://user@host:port/database")]
-    BadUrl(String),
+    /// A migration failed (the harness's error), or its thread did (the join error).
+    #[error("migration failed: {}", with_causes(.0.as_ref()))]
+    Migration(#[source] Cause),
+    /// A connection string that cannot be used (passwords masked in the message).
+    #[error(transparent)]
+    BadUrl(#[from] InvalidConnectionString),
     /// A function that must run inside the caller's transaction was called outside one (the
     /// name says which); nothing was written.
     #[error("{0} must be called inside a transaction: its lock would be released before the insert commits")]
     OutsideTransaction(&'static str),
+}
+
+fn pool_reason(e: &RunError) -> String {
+    match e {
+        RunError::User(e) => e.to_string(),
+        RunError::TimedOut => "timed out waiting for a connection from the pool".into(),
+    }
 }
 
 impl StoreError {
@@ -51,7 +72,14 @@ impl StoreError {
 
 impl From<diesel::ConnectionError> for StoreError {
     fn from(e: diesel::ConnectionError) -> Self {
-        StoreError::Connect(e.to_string())
+        StoreError::Connect(Box::new(e))
+    }
+}
+
+/// Pool checkouts: `pool.get().await?` in a function returning [`StoreError`].
+impl From<RunError> for StoreError {
+    fn from(e: RunError) -> Self {
+        StoreError::Pool(e)
     }
 }
 
@@ -121,23 +149,27 @@ impl PublishError {
 }
 
 /// Why a dispatcher could not start.
+///
+/// Starting checks the configuration and nothing else: the pool it is given connects lazily,
+/// and a database that is down at start is a transient failure the claim actors retry (each
+/// logged), like one that goes down later. To fail fast on an unreachable or unmigrated
+/// database, call [`check_connection`](crate::check_connection) and
+/// [`store::pending_migrations`](crate::store::pending_migrations) before starting; both
+/// return a [`StoreError`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The configuration breaks a rule; fix it, retrying will not help.
     #[error("invalid configuration: {0}")]
     Config(#[from] ConfigError),
-    /// The database failed.
-    #[error(transparent)]
-    Store(#[from] StoreError),
 }
 
 impl Error {
-    /// Whether starting again later may succeed.
+    /// Whether starting again later may succeed: never, for the failures there are today
+    /// (kept so that a future transient failure does not change callers' code).
     pub fn is_transient(&self) -> bool {
         match self {
             Error::Config(_) => false,
-            Error::Store(e) => e.is_transient(),
         }
     }
 }

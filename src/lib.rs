@@ -71,6 +71,7 @@ pub mod schema;
 pub mod sink;
 mod step;
 pub mod store;
+mod url;
 
 pub use backoff::{backoff_ceiling, full_jitter};
 pub use config::{ConfigError, DispatcherConfig, Fifo, default_owner};
@@ -85,5 +86,6 @@ pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
 pub use step::{Step, decide};
 pub use store::{
     BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, blocked_aggregates_count, check_connection, connect_pool,
-    enqueue, enqueue_many, enqueue_ordered, ensure_database, lock_aggregate, mask_password, migrate, migrate_blocking,
+    enqueue, enqueue_many, enqueue_ordered, ensure_database, lock_aggregate, migrate, migrate_blocking,
 };
+pub use url::{ConnectionString, InvalidConnectionString, mask_url};

@@ -8,7 +8,8 @@ use clap::{Args, Subcommand};
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::Serialize;
 
-use crate::{CliError, DatabaseArgs, DatabaseUrl, FifoArgs, connect, distinct, id_list, table, truncate};
+use crate::{CliError, DatabaseArgs, FifoArgs, connect, distinct, id_list, table, truncate};
+use actix_outbox::ConnectionString;
 use actix_outbox::Fifo;
 use actix_outbox::OutboxRow;
 use actix_outbox::StoreError;
@@ -269,7 +270,7 @@ pub(super) struct BlockedView {
 /// snapshot, so that the total never disagrees with the list.
 pub(super) async fn blocked_view(
     conn: &mut AsyncPgConnection,
-    url: &DatabaseUrl,
+    url: &ConnectionString,
     fifo: &Fifo,
     limit: i64,
 ) -> Result<BlockedView, CliError> {
@@ -390,7 +391,7 @@ enum Repair<'a> {
 /// a dead row (the store's repairs touch dead rows only and return the ids they changed).
 async fn all_or_nothing(
     conn: &mut diesel_async::AsyncPgConnection,
-    url: &DatabaseUrl,
+    url: &ConnectionString,
     ids: &[i64],
     repair: Repair<'_>,
 ) -> Result<Vec<i64>, CliError> {

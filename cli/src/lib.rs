@@ -31,7 +31,6 @@ mod stats;
 use std::collections::BTreeSet;
 use std::io::IsTerminal;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use diesel_async::AsyncPgConnection;
@@ -43,9 +42,7 @@ pub use purge::PurgeArgs;
 pub use run::{DEFAULT_AMQP_URL, RunArgs};
 pub use stats::StatsArgs;
 
-use actix_outbox::Fifo;
-use actix_outbox::StoreError;
-use actix_outbox::mask_password;
+use actix_outbox::{ConnectionString, Fifo, StoreError};
 
 /// Success.
 pub const EXIT_OK: u8 = 0;
@@ -58,9 +55,6 @@ pub const EXIT_USAGE: u8 = 2;
 /// it still held stay `processing` until their lease expires (then another worker reclaims them).
 pub const EXIT_ABORTED: u8 = 130;
 
-/// How long a command waits for PostgreSQL to accept a connection before giving up.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// The `actix-outbox` command line.
 #[derive(Debug, Parser)]
 #[command(
@@ -69,7 +63,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
     about = "Transactional outbox dispatcher: PostgreSQL outbox table to RabbitMQ",
     long_about = "Transactional outbox dispatcher: moves rows of a PostgreSQL `outbox` table to RabbitMQ, \
                   with leases and fencing tokens, and gives operators the tools to inspect and repair it.\n\n\
-                  Every command reads the database URL from --database-url or DATABASE_URL.\n\
+                  Every command reads the database connection string (a URL or key=value pairs) from \
+                  --database-url or DATABASE_URL.\n\
                   Exit codes: 0 success, 1 a service failed or was unreachable, 2 usage error or bad input \
                   (nothing changed), 130 a second signal interrupted a graceful shutdown.",
     after_help = "Example:\n  export DATABASE_URL=postgres://app:secret@db:5432/app\n  actix-outbox migrate\n  \
@@ -215,11 +210,15 @@ impl CliError {
         }
     }
 
-    /// A store failure while talking to the database at `url`.
-    fn store(url: &DatabaseUrl, e: StoreError) -> Self {
-        match e {
+    /// A store failure while talking to the database at `url`, explained from its causes
+    /// (password masked): a malformed string is bad input, anything else a failure.
+    fn store(url: &ConnectionString, e: StoreError) -> Self {
+        match &e {
             StoreError::BadUrl(_) => CliError::BadInput(e.to_string()),
-            e => CliError::Failed(format!("PostgreSQL at {url}: {e}")),
+            StoreError::Connect(cause) => {
+                CliError::Failed(format!("cannot connect to PostgreSQL at {url}: {}", with_causes(cause.as_ref())))
+            }
+            _ => CliError::Failed(format!("PostgreSQL at {url}: {}", with_causes(&e))),
         }
     }
 }
@@ -227,14 +226,15 @@ impl CliError {
 /// `--database-url` / `DATABASE_URL`, shared by every command.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
-    /// PostgreSQL URL, postgres://user:password@host:port/database (password masked in every message)
+    /// PostgreSQL connection string: postgres://user:password@host:port/database, or key=value pairs (host=db user=app password=... dbname=app); passwords masked in every message
     #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     pub database_url: String,
 }
 
 impl DatabaseArgs {
-    fn url(&self) -> Result<DatabaseUrl, CliError> {
-        DatabaseUrl::parse(&self.database_url)
+    /// The connection string, parsed by the driver's parser (malformed: bad input).
+    fn url(&self) -> Result<ConnectionString, CliError> {
+        ConnectionString::parse(&self.database_url).map_err(|e| CliError::BadInput(e.to_string()))
     }
 }
 
@@ -264,98 +264,23 @@ impl FifoArgs {
     }
 }
 
-/// A database URL that parsed. Its `Display` and `Debug` mask the password, so it can go into
-/// any message; [`DatabaseUrl::expose`] gives the real one to the library.
-#[derive(Clone)]
-struct DatabaseUrl {
-    raw: String,
-    config: tokio_postgres::Config,
+/// One connection for a one-shot command; an unreachable database is a one-line
+/// [`CliError::Failed`] naming the (masked) connection string and the driver's reason.
+async fn connect(url: &ConnectionString) -> Result<AsyncPgConnection, CliError> {
+    actix_outbox::store::connect(url.expose()).await.map_err(|e| CliError::store(url, e))
 }
 
-impl DatabaseUrl {
-    /// Accepts the URL form only (a key=value string would escape password masking), checked
-    /// by the parser the driver itself uses.
-    fn parse(raw: &str) -> Result<Self, CliError> {
-        if !(raw.starts_with("postgres://") || raw.starts_with("postgresql://")) {
-            // Not echoed: outside the URL form there is no telling where a password would be.
-            return Err(CliError::BadInput(
-                "malformed database URL: expected postgres://user:password@host:port/database".into(),
-            ));
-        }
-        let masked = mask_password(raw);
-        let mut config = raw
-            .parse::<tokio_postgres::Config>()
-            .map_err(|e| CliError::BadInput(format!("malformed database URL {masked:?}: {}", with_causes(&e))))?;
-        config.connect_timeout(CONNECT_TIMEOUT);
-        Ok(Self { raw: raw.to_owned(), config })
-    }
-
-    fn expose(&self) -> &str {
-        &self.raw
-    }
-}
-
-impl std::fmt::Display for DatabaseUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&mask_password(&self.raw))
-    }
-}
-
-impl std::fmt::Debug for DatabaseUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "DatabaseUrl({self})")
-    }
-}
-
-/// Why a connection could not be made.
-#[derive(Debug)]
-enum ConnectError {
-    /// The driver's error, with its cause (refused, unknown database, bad password...).
-    Driver(tokio_postgres::Error),
-    /// The connection was made but could not be set up for diesel.
-    Setup(diesel::ConnectionError),
-    /// Nothing answered in time.
-    Timeout,
-}
-
-impl ConnectError {
-    /// The server is up but the database does not exist (SQLSTATE 3D000).
-    fn is_missing_database(&self) -> bool {
-        matches!(self, ConnectError::Driver(e) if e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME))
-    }
-
-    fn into_cli(self, url: &DatabaseUrl) -> CliError {
-        let why = match self {
-            ConnectError::Driver(e) => with_causes(&e),
-            ConnectError::Setup(e) => e.to_string(),
-            ConnectError::Timeout => format!("no answer within {}", humantime::format_duration(CONNECT_TIMEOUT)),
-        };
-        CliError::Failed(format!("cannot connect to PostgreSQL at {url}: {why}"))
-    }
-}
-
-/// One connection for a one-shot command. It is made by tokio-postgres directly (whose errors
-/// keep their cause, e.g. "connection refused") and handed to diesel-async.
-async fn try_connect(url: &DatabaseUrl) -> Result<AsyncPgConnection, ConnectError> {
-    let connecting = async {
-        let (client, connection) = url.config.connect(tokio_postgres::NoTls).await.map_err(ConnectError::Driver)?;
-        AsyncPgConnection::try_from_client_and_connection(client, connection).await.map_err(ConnectError::Setup)
-    };
-    tokio::time::timeout(CONNECT_TIMEOUT, connecting).await.unwrap_or(Err(ConnectError::Timeout))
-}
-
-/// [`try_connect`], an unreachable database being a one-line [`CliError::Failed`] naming the
-/// (masked) URL.
-async fn connect(url: &DatabaseUrl) -> Result<AsyncPgConnection, CliError> {
-    try_connect(url).await.map_err(|e| e.into_cli(url))
-}
-
-/// `error: cause: cause's cause`, for errors whose `Display` leaves the detail to `source()`.
-fn with_causes(e: &dyn std::error::Error) -> String {
+/// `error: cause: cause's cause`, each message once (an error's message often repeats its
+/// cause's).
+fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {
-        text += &format!(": {cause}");
+        let message = cause.to_string();
+        if !text.contains(&message) {
+            text += ": ";
+            text += &message;
+        }
         source = cause.source();
     }
     text
@@ -428,13 +353,24 @@ mod tests {
 
     #[test]
     fn database_urls_are_checked_and_masked() {
-        let url = DatabaseUrl::parse("postgres://app:s3cret@db:5432/app").unwrap();
-        assert_eq!(url.to_string(), "postgres://app:***@db:5432/app");
-        assert!(!format!("{url:?}").contains("s3cret"));
-        for bad in ["not a url", "mysql://db/app", "postgres://app:s3cret@db:port/app", "host=db dbname=app"] {
-            let e = DatabaseUrl::parse(bad).unwrap_err();
+        let args = |url: &str| DatabaseArgs { database_url: url.to_owned() };
+        for (url, masked) in [
+            ("postgres://app:s3cret@db:5432/app", "postgres://app:***@db:5432/app"),
+            ("postgres://app@db/app?password=s3cret", "postgres://app@db/app?password=***"),
+            ("host=db user=app password=s3cret dbname=app", "host=db user=app password=*** dbname=app"),
+            ("host=db user=app password='s3cret word' dbname=app", "host=db user=app password=*** dbname=app"),
+        ] {
+            let parsed = args(url).url().unwrap();
+            assert_eq!(parsed.to_string(), masked);
+            assert_eq!(format!("{parsed:?}"), format!("ConnectionString({masked:?})"));
+        }
+        for bad in
+            ["not a url", "mysql://db/app", "postgres://app:s3cret@db:port/app", "host=db port=x password=s3cret"]
+        {
+            let e = args(bad).url().unwrap_err();
             assert_eq!(e.exit_code(), EXIT_USAGE, "{bad}");
-            assert!(!e.to_string().contains("s3cret"), "{e}");
+            assert!(e.to_string().starts_with("malformed database URL"), "{e}");
+            assert!(!e.to_string().contains("s3cret") && !format!("{e:?}").contains("s3cret"), "{e}");
         }
     }
 

@@ -2,7 +2,7 @@
 
 use clap::Args;
 
-use crate::{CliError, DatabaseArgs, try_connect};
+use crate::{CliError, DatabaseArgs};
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Create the database named in the URL if it does not exist (through the server's `postgres` \
@@ -21,15 +21,9 @@ pub struct MigrateArgs {
 
 pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
-    let database = url.config.get_dbname().unwrap_or_default().to_owned();
-    match try_connect(&url).await {
-        Ok(_) => {}
-        Err(e) if e.is_missing_database() => {
-            if actix_outbox::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
-                println!("created database {database}");
-            }
-        }
-        Err(e) => return Err(e.into_cli(&url)),
+    let database = url.database().unwrap_or_default().to_owned();
+    if actix_outbox::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
+        println!("created database {database}");
     }
     let applied = actix_outbox::migrate(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if applied.is_empty() {

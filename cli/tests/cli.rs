@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -13,13 +12,6 @@ use actix_outbox::store::SKIPPED_PREFIX;
 use actix_outbox::{OutboxRow, Status};
 use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
-use futures_util::StreamExt;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use serde_json::{Value, json};
 
 // The fixtures of the library's integration tests; this binary uses only part of them.
@@ -30,7 +22,7 @@ mod proxy;
 #[path = "../../tests/it/support.rs"]
 mod support;
 
-use support::{TestDb, eventually, server_url};
+use support::{ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, eventually};
 
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
 const WITHIN: Duration = Duration::from_secs(60);
@@ -99,46 +91,9 @@ async fn make_dead(db: &TestDb, ids: &[i64]) {
 // ---------------------------------------------------------------------------------------------
 // migrate
 
-/// A database that does not exist yet, dropped at the end.
-struct MissingDb {
-    name: String,
-    url: String,
-}
-
-impl MissingDb {
-    fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let name = format!(
-            "outbox_cli_{}_{}_{:08x}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed),
-            rand::random::<u32>()
-        );
-        let url = format!("{}/{name}", server_url());
-        MissingDb { name, url }
-    }
-}
-
-impl Drop for MissingDb {
-    fn drop(&mut self) {
-        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        let admin = format!("{}/postgres", server_url());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                use diesel_async::AsyncConnection;
-                if let Ok(mut conn) = diesel_async::AsyncPgConnection::establish(&admin).await {
-                    let _ = conn.batch_execute(&sql).await;
-                }
-            });
-        })
-        .join();
-    }
-}
-
 #[tokio::test]
 async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
-    let db = MissingDb::new();
+    let db = ScratchDb::new();
     let first = ok(&db.url, &["migrate"]).await;
     assert!(first.contains(&format!("created database {}", db.name)), "{first}");
     let applied: Vec<&str> = first.lines().filter(|l| l.starts_with("applied migration ")).collect();
@@ -158,6 +113,44 @@ async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
     .parse()
     .unwrap();
     assert_eq!(id, 1);
+}
+
+/// What a first `migrate` of database `name` prints: the database, then every migration.
+fn first_migrate_output(name: &str) -> String {
+    use diesel::migration::{Migration, MigrationSource};
+    let embedded = MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    let mut out = format!("created database {name}\n");
+    for migration in embedded {
+        out += &format!("applied migration {}\n", migration.name().version());
+    }
+    out
+}
+
+/// `migrate` reaches the server's `postgres` database with every option of the string: here
+/// the host and port are only in the pairs, or in the URL's query (a URL cut down to
+/// `postgres://root@/postgres` reaches nothing).
+#[tokio::test]
+async fn migrate_creates_the_database_of_a_key_value_string_or_of_a_url_with_its_host_in_the_query() {
+    // The server of the default TEST_DATABASE_URL, spelled out (root, trust auth).
+    for form in ["pairs", "url"] {
+        let db = ScratchDb::new();
+        let url = match form {
+            "pairs" => format!("host=127.0.0.1 port=5432 user=root dbname={} application_name='outbox it'", db.name),
+            _ => format!("postgres://root@/{}?host=127.0.0.1&port=5432&application_name=outbox-it", db.name),
+        };
+        assert_eq!(ok(&url, &["migrate"]).await, first_migrate_output(&db.name), "{form}");
+        assert_eq!(
+            ok(&url, &["migrate"]).await,
+            format!("database {} is up to date: no pending migrations\n", db.name),
+            "{form}"
+        );
+        let id = ok(
+            &url,
+            &["enqueue", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
+        )
+        .await;
+        assert_eq!(id, "1\n", "{form}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -695,7 +688,8 @@ async fn malformed_urls_exit_2_with_the_password_masked_and_change_nothing() {
         ("not a url", &["stats"][..]),
         ("mysql://root@127.0.0.1/app", &["dead", "retry", "--all"]),
         ("postgres://admin:s3cret@127.0.0.1:port/app", &["purge", "--older-than", "0s"]),
-        ("host=127.0.0.1 password=s3cret", &["run"]),
+        // A key=value string is a connection string too: this one is malformed (port=x).
+        ("host=127.0.0.1 port=x password=s3cret", &["run"]),
     ] {
         let ran = cli(url, command).await;
         assert_eq!(ran.code, 2, "{url}: {ran:?}");
@@ -709,6 +703,51 @@ async fn malformed_urls_exit_2_with_the_password_masked_and_change_nothing() {
     assert!(line.contains("malformed AMQP URL") && line.contains("guest:***@"), "{line}");
     assert!(!line.contains("s3cret"), "password leaked: {line}");
     assert_eq!(db.rows().await, before, "run with a bad broker URL must not claim anything");
+}
+
+/// Each password form in a malformed string (the port is not a number): exit 2, exactly this
+/// line, nothing on stdout.
+#[tokio::test]
+async fn malformed_connection_strings_exit_2_with_the_password_masked_in_every_form() {
+    let hint = " (expected postgres://user:password@host:port/database or key=value pairs: host=... user=... \
+                password=... dbname=...)";
+    for (url, masked) in [
+        ("postgres://admin:s3cret@127.0.0.1:port/app", "postgres://admin:***@127.0.0.1:port/app"),
+        ("postgres://admin@127.0.0.1:port/app?password=s3cret", "postgres://admin@127.0.0.1:port/app?password=***"),
+        (
+            "host=127.0.0.1 port=x user=admin password=s3cret dbname=app",
+            "host=127.0.0.1 port=x user=admin password=*** dbname=app",
+        ),
+        (
+            "host=127.0.0.1 port=x user=admin password='s3cret word' dbname=app",
+            "host=127.0.0.1 port=x user=admin password=*** dbname=app",
+        ),
+    ] {
+        for command in [&["migrate"][..], &["run"], &["stats"]] {
+            let ran = cli(url, command).await;
+            assert_eq!(ran.code, 2, "{url} {command:?}: {ran:?}");
+            assert_eq!(
+                ran.error_line(),
+                format!(
+                    "error: malformed database URL \"{masked}\": invalid connection string: invalid value for option `port`{hint}"
+                ),
+                "{command:?}"
+            );
+            assert_eq!(ran.stdout, "", "{command:?}");
+        }
+    }
+    for (amqp, masked) in [
+        ("amqp://guest:s3cret@127.0.0.1:port/%2f", "amqp://guest:***@127.0.0.1:port/%2f"),
+        ("amqp://guest@127.0.0.1:port/%2f?password=s3cret", "amqp://guest@127.0.0.1:port/%2f?password=***"),
+    ] {
+        let ran = cli("postgres://root@127.0.0.1:1/unused", &["run", "--amqp-url", amqp]).await;
+        assert_eq!(ran.code, 2, "{ran:?}");
+        assert_eq!(
+            ran.error_line(),
+            format!("error: invalid RabbitMQ sink configuration: malformed AMQP URL \"{masked}\": invalid port number")
+        );
+        assert_eq!(ran.stdout, "");
+    }
 }
 
 #[tokio::test]
@@ -797,93 +836,40 @@ async fn an_unreachable_database_exits_1_with_one_line_that_masks_the_password()
     }
 }
 
+/// Each password form of a database that refuses connections, for the commands that connect
+/// each way (`migrate` through `ensure_database`, `run` before its pool, the one-shot commands):
+/// exit 1, exactly this line.
+#[tokio::test]
+async fn an_unreachable_database_exits_1_with_the_password_masked_in_every_form() {
+    for (url, masked) in [
+        ("postgres://admin:s3cret@127.0.0.1:1/outbox", "postgres://admin:***@127.0.0.1:1/outbox"),
+        ("postgres://admin@127.0.0.1:1/outbox?password=s3cret", "postgres://admin@127.0.0.1:1/outbox?password=***"),
+        (
+            "host=127.0.0.1 port=1 user=admin password=s3cret dbname=outbox",
+            "host=127.0.0.1 port=1 user=admin password=*** dbname=outbox",
+        ),
+        (
+            "host=127.0.0.1 port=1 user=admin password='s3cret word' dbname=outbox",
+            "host=127.0.0.1 port=1 user=admin password=*** dbname=outbox",
+        ),
+    ] {
+        for command in [&["migrate"][..], &["run"], &["stats"], &["dead", "retry", "--all"]] {
+            let ran = cli(url, command).await;
+            assert_eq!(ran.code, 1, "{url} {command:?}: {ran:?}");
+            assert_eq!(
+                ran.error_line(),
+                format!(
+                    "error: cannot connect to PostgreSQL at {masked}: error connecting to server: Connection refused (os error 111)"
+                ),
+                "{command:?}"
+            );
+            assert_eq!(ran.stdout, "", "{command:?}");
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // run, against the real RabbitMQ
-
-fn amqp_url() -> String {
-    std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-/// A uniquely named exchange with one queue bound to every routing key, both deleted when the
-/// test ends (even by a panic).
-struct TestBroker {
-    _conn: Connection,
-    channel: Channel,
-    exchange: String,
-    queue: String,
-}
-
-impl TestBroker {
-    async fn new() -> Self {
-        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
-            .await
-            .expect("RabbitMQ must be running on 127.0.0.1:5672");
-        let channel = conn.create_channel().await.unwrap();
-        let suffix = format!("{}.{:08x}", std::process::id(), rand::random::<u32>());
-        let (exchange, queue) = (format!("outbox_it.cli.{suffix}"), format!("outbox_it.cli.q.{suffix}"));
-        let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-        channel
-            .exchange_declare(exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
-            .await
-            .unwrap();
-        channel
-            .queue_declare(queue.as_str().into(), QueueDeclareOptions::default(), FieldTable::default())
-            .await
-            .unwrap();
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        TestBroker { _conn: conn, channel, exchange, queue }
-    }
-
-    /// The `message_id` of every message in the queue, waiting until `at_least` have arrived.
-    async fn message_ids(&self, at_least: usize) -> Vec<i64> {
-        let no_ack = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
-        let mut consumer = self
-            .channel
-            .basic_consume(self.queue.as_str().into(), "".into(), no_ack, FieldTable::default())
-            .await
-            .unwrap();
-        let mut ids = Vec::new();
-        let deadline = Instant::now() + WITHIN;
-        while ids.len() < at_least {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let delivery = tokio::time::timeout(left, consumer.next())
-                .await
-                .unwrap_or_else(|_| panic!("only {} of {at_least} messages arrived", ids.len()))
-                .expect("consumer open")
-                .expect("delivery");
-            let id = delivery.properties.message_id().as_ref().expect("message_id set").as_str().parse().unwrap();
-            ids.push(id);
-        }
-        ids
-    }
-}
-
-impl Drop for TestBroker {
-    fn drop(&mut self) {
-        let (exchange, queue) = (self.exchange.clone(), self.queue.clone());
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else { return };
-                if let Ok(channel) = conn.create_channel().await {
-                    let _ = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
-                    let _ = channel.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await;
-                }
-                let _ = conn.close(200, "test over".into()).await;
-            });
-        })
-        .join();
-    }
-}
 
 /// A running `actix-outbox run`, its stderr collected line by line.
 struct Dispatcher {
@@ -952,7 +938,7 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
     const ROWS: usize = 5_000;
     let db = TestDb::new().await;
     let ids = db.seed(ROWS, "agg").await;
-    let broker = TestBroker::new().await;
+    let (broker, queue) = TestBroker::with_queue("cli").await;
     let flags = [
         "--exchange",
         broker.exchange.as_str(),
@@ -1008,7 +994,7 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
     assert!(second.logged("claimed batch") >= 1, "the rerun claimed what the first run left");
 
     // At-least-once: every id reached the queue (a duplicate is allowed, a gap is not).
-    let published = broker.message_ids(ROWS).await;
+    let published = broker.message_ids(&queue, ROWS).await;
     let distinct: BTreeSet<i64> = published.iter().copied().collect();
     assert_eq!(distinct, ids.iter().copied().collect::<BTreeSet<_>>());
 }
@@ -1031,13 +1017,39 @@ async fn run_retries_an_unreachable_broker_with_backoff_and_stops_cleanly() {
     assert_eq!(db.rows().await, before, "nothing was claimed");
 }
 
+/// While it waits for an unreachable broker, `run` logs the broker's URL with its password
+/// masked, in the user info or in the query, and exactly the sink's reason.
+#[tokio::test]
+async fn run_masks_the_amqp_password_in_every_form_while_it_waits_for_the_broker() {
+    let db = TestDb::new().await;
+    for (amqp, masked) in [
+        ("amqp://guest:s3cret@127.0.0.1:1/%2f", "amqp://guest:***@127.0.0.1:1/%2f"),
+        ("amqp://guest@127.0.0.1:1/%2f?password=s3cret", "amqp://guest@127.0.0.1:1/%2f?password=***"),
+    ] {
+        let mut run = Dispatcher::start(&db.url, &["--amqp-url", amqp]);
+        eventually(WITHIN, "a failed attempt to reach the broker is logged", || async {
+            run.logged("RabbitMQ unreachable; retrying") >= 1
+        })
+        .await;
+        run.signal("TERM");
+        assert_eq!(run.exit(Duration::from_secs(10)).await.code(), Some(0));
+        let log = run.log();
+        let line = log.iter().find(|l| l.contains("RabbitMQ unreachable; retrying")).unwrap();
+        let error = line.split(" error=").nth(1).and_then(|rest| rest.split(" retry_in=").next());
+        assert_eq!(
+            error,
+            Some(format!("RabbitMQ is unreachable at {masked}: IO error: Connection refused (os error 111)").as_str())
+        );
+        assert!(!log.join("\n").contains("s3cret"), "{log:?}");
+    }
+}
+
 #[tokio::test]
 async fn a_second_signal_while_draining_exits_at_once_with_130() {
     let db = TestDb::new().await;
-    db.seed(2_000, "agg").await;
-    let broker = TestBroker::new().await;
-    let upstream = amqp_url().rsplit('@').next().unwrap().split('/').next().unwrap().to_owned();
-    let proxy = crate::proxy::Proxy::start(upstream).await;
+    db.seed(100, "agg").await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let proxy = crate::proxy::Proxy::start(amqp_addr()).await;
     let mut run = Dispatcher::start(
         &db.url,
         &[
@@ -1056,15 +1068,17 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
             "30s",
         ],
     );
-    eventually(WITHIN, "some rows published", || async { db.count_status("done").await >= 50 }).await;
+    eventually(WITHIN, "the first rows published", || async { db.count_status("done").await == 100 }).await;
 
-    // Confirms stop coming back: the publishes in flight hang, so a graceful drain would wait for
-    // the publish timeout.
+    // Confirms stop coming back, then the broker blocks the connection (as under a memory
+    // alarm): the publishes in flight wait for it, however long, so a graceful drain waits too.
     proxy.stall_downstream();
+    db.seed(1_000, "agg").await;
     eventually(WITHIN, "a full window (2 x batch) of rows stuck waiting for confirms", || async {
         db.count_status("processing").await >= 100
     })
     .await;
+    proxy.amqp_block();
     run.signal("TERM");
     eventually(WITHIN, "the drain starts", || async { run.logged("stopping: claiming stopped") == 1 }).await;
     assert!(run.is_running(), "draining waits for the stuck publishes");

@@ -25,7 +25,7 @@ use crate::backoff::backoff_ceiling;
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishFuture, PublishResult, Publisher, SinkState};
-use crate::store::mask_password;
+use crate::url::mask_url;
 
 /// The exchange published to by default.
 pub const DEFAULT_EXCHANGE: &str = "outbox";
@@ -112,7 +112,7 @@ pub struct RabbitConfig {
 impl std::fmt::Debug for RabbitConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitConfig")
-            .field("urls", &self.urls.iter().map(|u| mask_password(u)).collect::<Vec<_>>())
+            .field("urls", &self.urls.iter().map(|u| mask_url(u)).collect::<Vec<_>>())
             .field("exchange", &self.exchange)
             .field("exchange_kind", &self.exchange_kind)
             .field("declare_exchange", &self.declare_exchange)
@@ -237,7 +237,8 @@ impl RabbitConfig {
         }
         for url in &self.urls {
             if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
-                return invalid(format!("malformed AMQP URL {:?}: {e}", mask_password(url)));
+                let masked = mask_url(url);
+                return invalid(format!("malformed AMQP URL {masked:?}: {}", e.replace(url.as_str(), &masked)));
             }
         }
         if self.unresponsive_after.is_zero() {
@@ -526,7 +527,7 @@ enum LinkHealth {
 impl LinkState {
     fn new(config: &RabbitConfig) -> Self {
         Self {
-            url: Mutex::new(mask_password(&config.urls[0])),
+            url: Mutex::new(mask_url(&config.urls[0])),
             unresponsive_after: config.unresponsive_after,
             blocked: Mutex::new(None),
             waits: Mutex::new(Waits { generation: 0, count: 0, since: Instant::now() }),
@@ -551,7 +552,7 @@ impl LinkState {
     }
 
     fn set_url(&self, url: &str) {
-        *self.url.lock().unwrap_or_else(|e| e.into_inner()) = mask_password(url);
+        *self.url.lock().unwrap_or_else(|e| e.into_inner()) = mask_url(url);
     }
 
     fn set_blocked(&self, reason: Option<String>) {
@@ -991,10 +992,13 @@ mod tests {
     }
 
     #[test]
-    fn classifies_errors_as_retryable_and_broken() {
+    fn classifies_transport_failures_as_unavailable_and_broken() {
         let err: lapin::Error = lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed).into();
         let (result, health) = classify(Err(err), "outbox", "a.b");
-        assert!(matches!(result, Err(PublishError::Retryable(_))));
+        assert!(
+            matches!(result, Err(PublishError::Unavailable(_))),
+            "a transport failure is the sink's, not the message's"
+        );
         assert_eq!(health, LinkHealth::Broken);
         let (result, health) = classify(Ok(Confirmation::Nack(None)), "outbox", "a.b");
         assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");

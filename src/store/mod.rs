@@ -15,10 +15,13 @@ mod finalize;
 mod prepared;
 mod producer;
 
+use std::time::Duration;
+
 use diesel::ConnectionError;
-use diesel_async::pooled_connection::bb8::{Pool, RunError};
+use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
+use diesel_async::pooled_connection::bb8::Pool;
 use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
@@ -30,6 +33,7 @@ pub use finalize::{
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 
 use crate::error::StoreError;
+use crate::url::{ConnectionString, InvalidConnectionString, with_causes};
 
 /// The migrations of `migrations/`, compiled into the crate.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/outbox");
@@ -65,20 +69,76 @@ impl std::fmt::Debug for PgPool {
 /// binds arrays, and its generic plan can assume ten elements and nest a loop over every
 /// processing row (measured 5× slower at 500 rows); the claim's plan depends on its `LIMIT` and
 /// resume position. Custom plans see the real values on every run.
-const SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan; SET application_name = 'actix-outbox'";
+const SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan";
 
 /// How long a checkout waits for a connection (see [`connect_pool`]).
 const CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Opens a pool of `size` connections to `database_url`, each set up for the dispatcher.
-/// Connections are made lazily, so this fails only on a malformed URL; [`check_connection`]
-/// proves the database is reachable.
+/// The `application_name` of the connections this crate opens, unless the connection string
+/// names one.
+const APPLICATION_NAME: &str = "actix-outbox";
+
+/// How long one connection attempt may take when the connection string sets no
+/// `connect_timeout`.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Opens one connection to `database_url` (a URL or `key=value` pairs, see
+/// [`ConnectionString`]), every option of the string applied. Without a `connect_timeout` in
+/// the string, an attempt that gets no answer within [`DEFAULT_CONNECT_TIMEOUT`] fails; without
+/// an `application_name`, the connection is named `actix-outbox`.
+///
+/// A failure is [`StoreError::Connect`] whose source is the driver's error, with its own cause
+/// ("Connection refused") and, when the server answered, its SQLSTATE.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), actix_outbox::StoreError> {
+/// let mut conn = actix_outbox::store::connect("host=db user=app dbname=app").await?;
+/// let stats = actix_outbox::store::stats(&mut conn).await?;
+/// # Ok(()) }
+/// ```
+pub async fn connect(database_url: &str) -> Result<AsyncPgConnection, StoreError> {
+    open(&ConnectionString::parse(database_url)?).await.map_err(StoreError::Connect)
+}
+
+/// [`connect`] for a parsed string, the cause kept whole.
+async fn open(target: &ConnectionString) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
+    let mut config = target.config().clone();
+    if config.get_application_name().is_none() {
+        config.application_name(APPLICATION_NAME);
+    }
+    let per_host = *config.get_connect_timeout().unwrap_or(&DEFAULT_CONNECT_TIMEOUT);
+    config.connect_timeout(per_host);
+    // The driver's timeout covers opening the socket; this one also covers a server that
+    // accepts it and never answers.
+    let hosts = config.get_hosts().len().max(config.get_hostaddrs().len()).max(1) as u32;
+    let connecting = async {
+        let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+            AsyncPgConnection::try_from_client_and_connection(client, connection).await?,
+        )
+    };
+    match tokio::time::timeout(per_host * hosts, connecting).await {
+        Ok(connected) => connected,
+        Err(_) => Err(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer within {}", humantime::format_duration(per_host * hosts)),
+        ))),
+    }
+}
+
+/// Opens a pool of `size` connections to `database_url` (a URL or `key=value` pairs, see
+/// [`ConnectionString`]), each opened as [`connect`] does and set up for the dispatcher.
+/// Connections are made lazily, so this fails only on a malformed connection string;
+/// [`check_connection`] proves the database is reachable.
 pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, StoreError> {
+    let target = ConnectionString::parse(database_url)?;
     let mut config = ManagerConfig::<AsyncPgConnection>::default();
-    config.custom_setup = Box::new(|url| {
-        let url = url.to_owned();
+    let setup_target = target.clone();
+    config.custom_setup = Box::new(move |_| {
+        let target = setup_target.clone();
         Box::pin(async move {
-            let mut conn = AsyncPgConnection::establish(&url).await?;
+            // The pool wants a diesel error: keep the whole chain in its message.
+            let mut conn = open(&target).await.map_err(|e| ConnectionError::BadConnection(with_causes(e.as_ref())))?;
             conn.batch_execute(SESSION_SETUP).await.map_err(ConnectionError::CouldntSetupConfiguration)?;
             Ok(conn)
         })
@@ -88,7 +148,7 @@ pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, Store
     // `is_broken` on return), and a statement on a connection that died unnoticed fails like
     // any other transient error: the claim actor polls again, the finalizer retries.
     config.recycling_method = RecyclingMethod::Fast;
-    let manager = AsyncDieselConnectionManager::new_with_config(database_url, config);
+    let manager = AsyncDieselConnectionManager::new_with_config(target.expose(), config);
     let pool = Pool::builder()
         .max_size(size.max(1))
         // While the database is away, bb8 keeps trying to connect for a checkout, pausing up
@@ -99,7 +159,7 @@ pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, Store
         .connection_timeout(CHECKOUT_TIMEOUT)
         .build(manager)
         .await
-        .map_err(|e| StoreError::Connect(e.to_string()))?;
+        .map_err(|e| StoreError::Connect(Box::new(e)))?;
     Ok(PgPool(pool))
 }
 
@@ -112,8 +172,9 @@ pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
 
 /// Applies the pending migrations to `database_url` and returns the versions it applied.
 ///
-/// Runs the synchronous migration harness on a blocking thread, so it is safe to await from an
-/// actix or tokio runtime (diesel's async harness is not, under actix's current-thread runtime).
+/// Connects as [`connect`] does, then runs the synchronous migration harness on a blocking
+/// thread, so it is safe to await from an actix or tokio runtime (diesel's async harness is
+/// not, under actix's current-thread runtime).
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
@@ -122,19 +183,21 @@ pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
 /// # Ok(()) }
 /// ```
 pub async fn migrate(database_url: &str) -> Result<Vec<String>, StoreError> {
-    let url = database_url.to_owned();
-    tokio::task::spawn_blocking(move || migrate_blocking(&url))
-        .await
-        .map_err(|e| StoreError::Migration(format!("migration thread failed: {e}")))?
+    let conn = connect(database_url).await?;
+    with_harness(conn, |harness| {
+        let applied = harness.run_pending_migrations(MIGRATIONS).map_err(StoreError::Migration)?;
+        Ok(applied.into_iter().map(|v| v.to_string()).collect())
+    })
+    .await
 }
 
 /// [`migrate`] for callers outside any async runtime (a `main` before the actix system starts).
 pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
-    use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-    let mut conn: AsyncConnectionWrapper<AsyncPgConnection> =
-        diesel::Connection::establish(database_url).map_err(StoreError::from)?;
-    let applied = conn.run_pending_migrations(MIGRATIONS).map_err(|e| StoreError::Migration(e.to_string()))?;
-    Ok(applied.into_iter().map(|v| v.to_string()).collect())
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| StoreError::Migration(Box::new(e)))?;
+    runtime.block_on(migrate(database_url))
 }
 
 /// The embedded migrations not yet applied to `database_url`, by name (empty when the schema is
@@ -149,32 +212,48 @@ pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
 /// ```
 pub async fn pending_migrations(database_url: &str) -> Result<Vec<String>, StoreError> {
     use diesel::migration::Migration;
-    use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-    let url = database_url.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let mut conn: AsyncConnectionWrapper<AsyncPgConnection> = diesel::Connection::establish(&url)?;
-        let pending = conn.pending_migrations(MIGRATIONS).map_err(|e| StoreError::Migration(e.to_string()))?;
+    let conn = connect(database_url).await?;
+    with_harness(conn, |harness| {
+        let pending = harness.pending_migrations(MIGRATIONS).map_err(StoreError::Migration)?;
         Ok(pending.iter().map(|m| m.name().to_string()).collect())
     })
     .await
-    .map_err(|e| StoreError::Migration(format!("migration thread failed: {e}")))?
 }
 
-/// Creates the database named in `database_url` when it does not exist yet, by connecting to the
-/// `postgres` maintenance database of the same server. Returns whether it created it.
+/// Runs `f` with `conn` as diesel's synchronous migration harness, on a blocking thread of the
+/// current runtime (the one `conn` was opened on, which keeps driving it).
+async fn with_harness<T: Send + 'static>(
+    conn: AsyncPgConnection,
+    f: impl FnOnce(&mut AsyncConnectionWrapper<AsyncPgConnection>) -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, StoreError> {
+    tokio::task::spawn_blocking(move || f(&mut AsyncConnectionWrapper::from(conn)))
+        .await
+        .map_err(|e| StoreError::Migration(Box::new(e)))?
+}
+
+/// Creates the database named in `database_url` when it does not exist yet, through the
+/// `postgres` maintenance database of the same server, reached with every other option of the
+/// string (host, port, user, password, `sslmode`, socket directory...). Returns whether it
+/// created it. Any failure but a missing database (refused, authentication) is returned as it
+/// is.
 pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
-    let (server_url, name) = split_database_url(database_url)?;
-    if AsyncPgConnection::establish(database_url).await.is_ok() {
-        return Ok(false);
+    let target = ConnectionString::parse(database_url)?;
+    let Some(name) = target.database() else {
+        return Err(InvalidConnectionString::new(database_url, "it names no database and no user".into()).into());
+    };
+    match open(&target).await {
+        Ok(_) => return Ok(false),
+        Err(e) if is_missing_database(e.as_ref()) => {}
+        Err(e) => return Err(StoreError::Connect(e)),
     }
-    let mut admin = AsyncPgConnection::establish(&format!("{server_url}/postgres")).await?;
+    let mut admin = open(&target.with_database("postgres")).await.map_err(StoreError::Connect)?;
     #[derive(diesel::QueryableByName)]
     struct Exists {
         #[diesel(sql_type = diesel::sql_types::Bool)]
         exists: bool,
     }
     let found: Exists = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
-        .bind::<diesel::sql_types::Text, _>(&name)
+        .bind::<diesel::sql_types::Text, _>(name)
         .get_result(&mut admin)
         .await?;
     if found.exists {
@@ -186,67 +265,8 @@ pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
     Ok(true)
 }
 
-/// Splits `postgres://user@host:port/db?opts` into (`postgres://user@host:port`, `db`).
-fn split_database_url(url: &str) -> Result<(String, String), StoreError> {
-    let bad = || StoreError::BadUrl(mask_password(url));
-    let rest = url.strip_prefix("postgres://").or_else(|| url.strip_prefix("postgresql://")).ok_or_else(bad)?;
-    let slash = rest.find('/').ok_or_else(bad)?;
-    let name = rest[slash + 1..].split('?').next().unwrap_or_default();
-    if name.is_empty() {
-        return Err(bad());
-    }
-    let scheme_len = url.len() - rest.len();
-    Ok((url[..scheme_len + slash].to_owned(), name.to_owned()))
-}
-
-/// `url` with any password replaced by `***`, fit for logs and error messages.
-///
-/// ```
-/// assert_eq!(
-///     actix_outbox::mask_password("postgres://app:s3cret@db:5432/app"),
-///     "postgres://app:***@db:5432/app"
-/// );
-/// ```
-pub fn mask_password(url: &str) -> String {
-    let Some(scheme_end) = url.find("://").map(|i| i + 3) else { return url.to_owned() };
-    let authority_end = url[scheme_end..].find(['/', '?']).map_or(url.len(), |i| scheme_end + i);
-    let authority = &url[scheme_end..authority_end];
-    match (authority.rfind('@'), authority.find(':')) {
-        (Some(at), Some(colon)) if colon < at => {
-            format!("{}{}:***{}", &url[..scheme_end], &authority[..colon], &url[scheme_end + at..])
-        }
-        _ => url.to_owned(),
-    }
-}
-
-/// Maps pool errors onto the store's error type.
-impl From<RunError> for StoreError {
-    fn from(e: RunError) -> Self {
-        match e {
-            RunError::User(e) => StoreError::Pool(e.to_string()),
-            RunError::TimedOut => StoreError::Pool("timed out waiting for a connection".into()),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn splits_urls() {
-        assert_eq!(
-            split_database_url("postgres://root@127.0.0.1:5432/test?sslmode=disable").unwrap(),
-            ("postgres://root@127.0.0.1:5432".to_owned(), "test".to_owned())
-        );
-        assert!(split_database_url("postgres://host").is_err());
-        assert!(split_database_url("mysql://host/db").is_err());
-    }
-
-    #[test]
-    fn masks_passwords_only() {
-        assert_eq!(mask_password("amqp://guest:guest@h:5672/%2f"), "amqp://guest:***@h:5672/%2f");
-        assert_eq!(mask_password("postgres://root@h/db"), "postgres://root@h/db");
-        assert_eq!(mask_password("postgres://h:5432/db"), "postgres://h:5432/db");
-    }
+/// Whether the server answered that the database does not exist (SQLSTATE 3D000).
+fn is_missing_database(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.downcast_ref::<tokio_postgres::Error>()
+        .is_some_and(|e| e.code() == Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME))
 }

@@ -19,7 +19,7 @@ use diesel::sql_types::{BigInt, Bool, Int8, Text};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::support::{TestDb, eventually};
+use crate::support::{TestBroker, TestDb, amqp_url, eventually};
 
 const LEASE: Duration = Duration::from_secs(60);
 const MAX_ATTEMPTS: i32 = 12;
@@ -662,36 +662,16 @@ async fn explain_claim_with_analyze_runs_the_claim_and_rolls_it_back() {
 async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
     use actix_outbox::{RabbitConfig, RabbitSink};
     use futures_util::StreamExt;
-    use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-    use lapin::types::{AMQPValue, FieldTable};
+    use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
 
     const AGGREGATES: usize = 50;
     const ROWS: usize = 20;
     let db = TestDb::new().await;
-    let scratch = RabbitScratch::new(&db.name);
-    let amqp = lapin::Connection::connect(&scratch.url, lapin::ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ must be running on 127.0.0.1:5672 (rabbitmq-server -detached)");
-    let channel = amqp.create_channel().await.unwrap();
     // Declared as the sink declares it (durable topic), so that the queue is bound before any
     // publish.
-    let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-    let kind = actix_outbox::sink::ExchangeKind::Topic;
-    channel.exchange_declare(scratch.exchange.as_str().into(), kind, durable, FieldTable::default()).await.unwrap();
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-expires".into(), AMQPValue::LongInt(300_000)); // if the test dies before cleanup
-    let queue = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-    channel.queue_declare(scratch.queue.as_str().into(), queue, arguments).await.unwrap();
-    channel
-        .queue_bind(
-            scratch.queue.as_str().into(),
-            scratch.exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let (broker, queue) = TestBroker::with_queue("fifo").await;
+    let channel = &broker.channel;
 
     let mut conn = db.conn().await;
     let names: Vec<String> = (0..AGGREGATES).map(|a| format!("agg-{a:02}")).collect();
@@ -711,8 +691,7 @@ async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
             .owner(format!("{owner}-{}", db.name))
             .fifo(Fifo::All)
     };
-    let sink =
-        || async { RabbitSink::connect(RabbitConfig::new(scratch.url.clone()).exchange(&scratch.exchange)).await };
+    let sink = || async { RabbitSink::connect(RabbitConfig::new(amqp_url()).exchange(&broker.exchange)).await };
     let (sink_one, sink_two) = (sink().await.unwrap(), sink().await.unwrap());
     let one = OutboxSupervisor::start(config("rabbit-1"), db.pool.clone(), sink_one.clone()).unwrap();
     let two = OutboxSupervisor::start(
@@ -736,7 +715,7 @@ async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
 
     let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
     let mut consumer = channel
-        .basic_consume(scratch.queue.as_str().into(), "fifo-check".into(), options, FieldTable::default())
+        .basic_consume(queue.as_str().into(), "fifo-check".into(), options, FieldTable::default())
         .await
         .unwrap();
     let mut seen: BTreeMap<String, Vec<i64>> = BTreeMap::new();
@@ -752,45 +731,8 @@ async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
     }
     assert_eq!(seen, expected, "per aggregate, the consumer received every row once, in id order");
     let passive = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-    let left = channel.queue_declare(scratch.queue.as_str().into(), passive, FieldTable::default()).await.unwrap();
+    let left = channel.queue_declare(queue.as_str().into(), passive, FieldTable::default()).await.unwrap();
     assert_eq!(left.message_count(), 0, "no duplicate left in the queue");
-    let _ = amqp.close(200, "done".into()).await;
-}
-
-/// A uniquely named exchange and queue on the test broker, deleted when the test ends (even by
-/// a panic).
-struct RabbitScratch {
-    url: String,
-    exchange: String,
-    queue: String,
-}
-
-impl RabbitScratch {
-    fn new(db: &str) -> Self {
-        let url = std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-        Self { url, exchange: format!("outbox_it.fifo.{db}"), queue: format!("outbox_it.fifo.{db}.q") }
-    }
-}
-
-impl Drop for RabbitScratch {
-    fn drop(&mut self) {
-        use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
-        let (url, exchange, queue) = (self.url.clone(), self.exchange.clone(), self.queue.clone());
-        // Drop runs inside the test's runtime (maybe while it unwinds): clean up on a thread.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let Ok(conn) = lapin::Connection::connect(&url, lapin::ConnectionProperties::default()).await else {
-                    return;
-                };
-                let Ok(channel) = conn.create_channel().await else { return };
-                let _ = channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await;
-                let _ = channel.exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default()).await;
-                let _ = conn.close(200, "cleanup".into()).await;
-            });
-        })
-        .join();
-    }
 }
 
 /// When the oldest pending rows all wait behind their aggregate's row in flight, the claim

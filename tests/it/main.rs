@@ -5,6 +5,7 @@ mod proxy;
 mod support;
 
 mod actors;
+mod connect;
 mod fifo;
 mod outage;
 mod rabbit;

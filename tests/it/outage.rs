@@ -16,7 +16,7 @@ use actix_outbox::{
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::proxy::Proxy;
-use crate::support::{TestDb, eventually, server_url};
+use crate::support::{TestDb, database_addr, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
@@ -187,7 +187,7 @@ async fn a_blocked_sink_holds_its_publishes_past_the_timeout_and_the_lease() {
 #[actix_rt::test]
 async fn a_database_outage_costs_no_lease_and_publishes_nothing_twice() {
     let db = TestDb::new().await;
-    let proxy = Proxy::start(server_url().trim_start_matches("postgres://root@").to_owned()).await;
+    let proxy = Proxy::start(database_addr()).await;
     let pool = actix_outbox::connect_pool(&proxy.route(&db.url), 8).await.unwrap();
     let (sink, mut rx) = ChannelSink::new();
     let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(300)));

@@ -5,7 +5,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use actix_outbox::sink::ExchangeKind;
@@ -13,141 +12,13 @@ use actix_outbox::{
     DispatcherConfig, GetMetrics, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher, RabbitConfig,
     RabbitError, RabbitSink, Shutdown, Status,
 };
-use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{Channel, Connection, ConnectionProperties};
 
 use crate::proxy::Proxy;
-use crate::support::{TestDb, eventually};
+use crate::support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
-
-fn amqp_url() -> String {
-    std::env::var("TEST_AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
-
-/// `host:port` of [`amqp_url`], for the proxy to forward to.
-fn amqp_addr() -> String {
-    let url = amqp_url();
-    let after_at = url.rsplit('@').next().unwrap().trim_start_matches("amqp://");
-    after_at.split('/').next().unwrap().to_owned()
-}
-
-static COUNTER: AtomicU32 = AtomicU32::new(0);
-
-fn unique(what: &str) -> String {
-    let random: u32 = rand::random();
-    format!("outbox_it.{what}.{}.{}.{random:08x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed))
-}
-
-/// The test's own view of the broker: a direct connection, the test's exchange and queues, and
-/// their removal when the test ends.
-struct Broker {
-    _conn: Connection,
-    channel: Channel,
-    exchange: String,
-    queues: Vec<String>,
-    exchanges: Vec<String>,
-}
-
-impl Broker {
-    /// Connects and names a fresh exchange (declared by the sink, or by [`Broker::declare`]).
-    async fn new(tag: &str) -> Broker {
-        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
-            .await
-            .expect("RabbitMQ must be running on 127.0.0.1:5672 (rabbitmq-server -detached)");
-        let channel = conn.create_channel().await.unwrap();
-        let exchange = unique(tag);
-        Broker { _conn: conn, channel, exchanges: vec![exchange.clone()], exchange, queues: Vec::new() }
-    }
-
-    /// Declares the test's exchange as the sink would (durable), so that queues can be bound
-    /// before the sink connects.
-    async fn declare(&self, kind: ExchangeKind) {
-        let options = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-        self.channel
-            .exchange_declare(self.exchange.as_str().into(), kind, options, FieldTable::default())
-            .await
-            .unwrap();
-    }
-
-    /// A new queue bound to the exchange with each of `keys`.
-    async fn queue(&mut self, keys: &[&str], mut arguments: FieldTable) -> String {
-        let name = unique("q");
-        // A safety net for a test killed before its cleanup: the broker drops the queue itself.
-        arguments.insert("x-expires".into(), AMQPValue::LongInt(300_000));
-        let options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-        self.channel.queue_declare(name.as_str().into(), options, arguments).await.unwrap();
-        for key in keys {
-            self.channel
-                .queue_bind(
-                    name.as_str().into(),
-                    self.exchange.as_str().into(),
-                    (*key).into(),
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap();
-        }
-        self.queues.push(name.clone());
-        name
-    }
-
-    /// Messages ready in `queue`.
-    async fn depth(&self, queue: &str) -> u32 {
-        let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-        self.channel.queue_declare(queue.into(), options, FieldTable::default()).await.unwrap().message_count()
-    }
-
-    /// Consumes exactly `n` messages from `queue` and checks that nothing else is left in it.
-    async fn take(&self, queue: &str, n: usize) -> Vec<Delivery> {
-        let channel = self._conn.create_channel().await.unwrap();
-        let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
-        let mut consumer = channel
-            .basic_consume(queue.into(), unique("c").as_str().into(), options, FieldTable::default())
-            .await
-            .unwrap();
-        let mut out = Vec::with_capacity(n);
-        tokio::time::timeout(WITHIN, async {
-            while out.len() < n {
-                out.push(consumer.next().await.expect("consumer ended").expect("delivery"));
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("only {} of {n} messages arrived on {queue}", out.len()));
-        channel.close(200, "done".into()).await.unwrap();
-        assert_eq!(self.depth(queue).await, 0, "more than {n} messages on {queue}");
-        out
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let (queues, exchanges) = (std::mem::take(&mut self.queues), std::mem::take(&mut self.exchanges));
-        // Drop runs inside the test's runtime (maybe while it unwinds): clean up on a thread.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else { return };
-                let Ok(channel) = conn.create_channel().await else { return };
-                for q in queues {
-                    let _ = channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
-                }
-                for x in exchanges {
-                    let _ = channel.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await;
-                }
-                let _ = conn.close(200, "cleanup".into()).await;
-            });
-        })
-        .join();
-    }
-}
 
 fn dispatcher_config() -> DispatcherConfig {
     DispatcherConfig::default()
@@ -195,7 +66,7 @@ fn message(id: i64, event_type: &str) -> Arc<OutboxMessage> {
 #[actix_rt::test]
 async fn message_carries_every_property_and_header() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("props").await;
+    let mut broker = TestBroker::new("props").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let payload = serde_json::json!({"total": 12.5, "lines": [{"sku": "ü-1", "qty": 2}], "note": null});
@@ -237,7 +108,7 @@ async fn message_carries_every_property_and_header() {
 #[actix_rt::test]
 async fn five_hundred_rows_through_four_workers() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("bulk").await;
+    let mut broker = TestBroker::new("bulk").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["test.#"], FieldTable::default()).await;
     let ids = db.seed(500, "bulk").await;
@@ -262,7 +133,7 @@ async fn five_hundred_rows_through_four_workers() {
 #[actix_rt::test]
 async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("unroutable").await;
+    let mut broker = TestBroker::new("unroutable").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["order.created"], FieldTable::default()).await;
     let (routed, lost) = {
@@ -307,7 +178,7 @@ async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
 #[actix_rt::test]
 async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("cut").await;
+    let mut broker = TestBroker::new("cut").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let proxy = Proxy::start(amqp_addr()).await;
@@ -383,7 +254,7 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
 #[actix_rt::test]
 async fn stalled_broker_times_out_and_reschedules_the_row() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("stall").await;
+    let mut broker = TestBroker::new("stall").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let proxy = Proxy::start(amqp_addr()).await;
@@ -433,7 +304,7 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
 /// A queue that is full with `x-overflow = reject-publish` makes the broker nack: retryable.
 #[tokio::test]
 async fn nack_from_a_full_queue_is_retryable() {
-    let mut broker = Broker::new("nack").await;
+    let mut broker = TestBroker::new("nack").await;
     broker.declare(ExchangeKind::Topic).await;
     let mut arguments = FieldTable::default();
     arguments.insert("x-max-length".into(), AMQPValue::LongInt(1));
@@ -459,7 +330,7 @@ async fn nack_from_a_full_queue_is_retryable() {
 /// The routing key and app_id can be replaced.
 #[tokio::test]
 async fn custom_routing_key_and_app_id() {
-    let mut broker = Broker::new("custom").await;
+    let mut broker = TestBroker::new("custom").await;
     broker.declare(ExchangeKind::Direct).await;
     let queue = broker.queue(&["order/order.created"], FieldTable::default()).await;
     let config = sink_config(amqp_url(), &broker.exchange)
@@ -485,7 +356,7 @@ async fn custom_routing_key_and_app_id() {
 /// publishes again.
 #[tokio::test]
 async fn missing_exchange_is_retryable_until_it_exists() {
-    let mut broker = Broker::new("managed").await;
+    let mut broker = TestBroker::new("managed").await;
     let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange).declare_exchange(false)).await.unwrap();
     match sink.publish(message(1, "order.created")).await {
         Err(PublishError::Unavailable(e)) => assert!(e.contains("NOT_FOUND"), "{e}"),
@@ -514,7 +385,7 @@ async fn connect_failures_are_classified() {
     assert!(matches!(err, RabbitError::Unreachable { .. }) && err.is_transient(), "{err:?}");
     assert!(err.to_string().contains("guest:***@") && !err.to_string().contains("s3cret"), "{err}");
 
-    let broker = Broker::new("kind").await;
+    let broker = TestBroker::new("kind").await;
     broker.declare(ExchangeKind::Fanout).await;
     let err = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap_err();
     assert!(matches!(err, RabbitError::Refused { .. }) && !err.is_transient(), "{err:?}");
@@ -529,7 +400,7 @@ async fn connect_failures_are_classified() {
 /// publishing after that arbiter is gone.
 #[actix_rt::test]
 async fn sink_outlives_the_arbiter_that_created_it() {
-    let mut broker = Broker::new("arbiter").await;
+    let mut broker = TestBroker::new("arbiter").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let config = sink_config(amqp_url(), &broker.exchange);
@@ -565,7 +436,7 @@ fn copies_by_id(deliveries: &[Delivery]) -> BTreeMap<i64, usize> {
 #[actix_rt::test]
 async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("blocked").await;
+    let mut broker = TestBroker::new("blocked").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let proxy = Proxy::start(amqp_addr()).await;
@@ -623,7 +494,7 @@ async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
 #[actix_rt::test]
 async fn a_silent_broker_is_ridden_out_with_no_attempt_spent() {
     let db = TestDb::new().await;
-    let mut broker = Broker::new("silent").await;
+    let mut broker = TestBroker::new("silent").await;
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     let proxy = Proxy::start(amqp_addr()).await;

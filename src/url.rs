@@ -1,0 +1,573 @@
+//! Connection strings: parsed by the driver's own parser, shown with every password masked.
+//!
+//! The store and the sinks both use this module (the sinks import nothing from the store):
+//! [`ConnectionString`] for PostgreSQL, [`mask_url`] for any connection string, PostgreSQL or
+//! AMQP, parsed or not.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+/// What a password is replaced with.
+const MASK: &str = "***";
+
+/// A PostgreSQL connection string in either form the driver accepts: a URL
+/// (`postgres://app:secret@db:5432/app?sslmode=disable`) or `key=value` pairs
+/// (`host=db user=app password=secret dbname=app`), parsed by `tokio_postgres::Config`, the
+/// parser diesel-async itself hands the string to.
+///
+/// `Display` and `Debug` show it with the password masked (in the user info, in a
+/// `?password=` query parameter or in a `password=` pair), so it can go into any message;
+/// [`ConnectionString::expose`] gives the string as written, for a driver and nothing else. A
+/// string that names no host is refused here rather than at the first connection.
+///
+/// ```
+/// use actix_outbox::ConnectionString;
+///
+/// let url: ConnectionString = "postgres://app:s3cret@db:5432/app?sslmode=disable".parse().unwrap();
+/// assert_eq!(url.to_string(), "postgres://app:***@db:5432/app?sslmode=disable");
+/// assert_eq!(url.with_database("postgres").to_string(), "postgres://app:***@db:5432/postgres?sslmode=disable");
+/// assert_eq!(url.database(), Some("app"));
+///
+/// let pairs: ConnectionString = "host=db user=app password='s3 cret' dbname=app".parse().unwrap();
+/// assert_eq!(format!("{pairs:?}"), r#"ConnectionString("host=db user=app password=*** dbname=app")"#);
+/// ```
+#[derive(Clone)]
+pub struct ConnectionString {
+    raw: String,
+    config: tokio_postgres::Config,
+}
+
+impl ConnectionString {
+    /// Parses `s` with `tokio_postgres::Config`, in either form.
+    pub fn parse(s: &str) -> Result<Self, InvalidConnectionString> {
+        let config: tokio_postgres::Config = s.parse().map_err(|e| InvalidConnectionString::new(s, with_causes(&e)))?;
+        if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
+            return Err(InvalidConnectionString::new(s, "it names no host".into()));
+        }
+        Ok(Self { raw: s.to_owned(), config })
+    }
+
+    /// The string as given, password included: for a driver, never for a message.
+    pub fn expose(&self) -> &str {
+        &self.raw
+    }
+
+    /// The database this string connects to: its `dbname`, or PostgreSQL's default, the user's
+    /// name. `None` when it names neither.
+    pub fn database(&self) -> Option<&str> {
+        self.config.get_dbname().or(self.config.get_user())
+    }
+
+    /// The same server, user, password and options, another database: the string is rewritten
+    /// in the form it was given, only its database name changed (the URL's path and any
+    /// `dbname` query parameter, or the `dbname` pair, added when missing).
+    ///
+    /// ```
+    /// # use actix_outbox::ConnectionString;
+    /// let app = ConnectionString::parse("host=/run/postgresql user=app application_name=billing").unwrap();
+    /// assert_eq!(app.with_database("postgres").expose(), "host=/run/postgresql user=app application_name=billing dbname=postgres");
+    /// ```
+    pub fn with_database(&self, name: &str) -> Self {
+        let raw = match url_prefix(&self.raw) {
+            Some(prefix) => url_with_database(&self.raw, prefix, name),
+            None => key_value_with_database(&self.raw, name),
+        };
+        let mut config = self.config.clone();
+        config.dbname(name);
+        Self { raw, config }
+    }
+
+    /// The parsed configuration, for connecting.
+    pub(crate) fn config(&self) -> &tokio_postgres::Config {
+        &self.config
+    }
+}
+
+impl FromStr for ConnectionString {
+    type Err = InvalidConnectionString;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+impl fmt::Display for ConnectionString {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&mask_url(&self.raw))
+    }
+}
+
+impl fmt::Debug for ConnectionString {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ConnectionString").field(&mask_url(&self.raw)).finish()
+    }
+}
+
+/// A database connection string the driver refuses (or that names no host). The message shows
+/// the string with its passwords masked, and never a character of them.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "malformed database URL {masked:?}: {reason} (expected postgres://user:password@host:port/database \
+     or key=value pairs: host=... user=... password=... dbname=...)"
+)]
+pub struct InvalidConnectionString {
+    masked: String,
+    reason: String,
+}
+
+impl InvalidConnectionString {
+    pub(crate) fn new(raw: &str, mut reason: String) -> Self {
+        // tokio-postgres names the character it did not expect, which may be one of a password's.
+        if let Some(at) = reason.find(" but got `") {
+            reason.truncate(at);
+        }
+        let secrets = secret_ranges(raw);
+        for range in &secrets {
+            let secret = &raw[range.clone()];
+            if secret.chars().count() >= 3 {
+                reason = reason.replace(secret, MASK);
+            }
+        }
+        Self { masked: apply_mask(raw, secrets), reason }
+    }
+
+    /// The string that was refused, passwords masked.
+    pub fn masked(&self) -> &str {
+        &self.masked
+    }
+}
+
+/// `s` with every password replaced by `***`, fit for logs and error messages. `s` is any
+/// connection string, parsed or not:
+///
+/// - a URL of any scheme (`postgres://`, `amqp://`, `amqps://`...): the password of the user
+///   info, and the value of every query parameter whose name looks like a secret
+///   (`?password=`, `sslpassword`, `passwd`, `pwd`...);
+/// - PostgreSQL `key=value` pairs: the value of every such key, quoted or not.
+///
+/// It errs on the safe side: in a URL the user info is taken to run from the first `:` to the
+/// last `@` (so a password with an unencoded `/`, `?` or `@` is still hidden), and in a
+/// `key=value` string everything from the first pair that does not parse to the end is masked.
+///
+/// ```
+/// use actix_outbox::mask_url;
+/// assert_eq!(mask_url("postgres://app:s3cret@db:5432/app"), "postgres://app:***@db:5432/app");
+/// assert_eq!(mask_url("postgres://app@db/app?password=s3cret&sslmode=disable"), "postgres://app@db/app?password=***&sslmode=disable");
+/// assert_eq!(mask_url("host=db user=app password=s3cret dbname=app"), "host=db user=app password=*** dbname=app");
+/// assert_eq!(mask_url("amqps://guest:s3cret@rabbit/%2f?heartbeat=10"), "amqps://guest:***@rabbit/%2f?heartbeat=10");
+/// assert_eq!(mask_url("postgres://root@127.0.0.1/app"), "postgres://root@127.0.0.1/app");
+/// ```
+pub fn mask_url(s: &str) -> String {
+    apply_mask(s, secret_ranges(s))
+}
+
+/// The byte ranges of `s` that hold a secret.
+fn secret_ranges(s: &str) -> Vec<Range<usize>> {
+    match url_rest(s) {
+        Some(start) => url_secrets(s, start),
+        None => key_value_secrets(s),
+    }
+}
+
+/// Where the part of a URL after `scheme:` (and `//`) starts, when `s` starts with a scheme.
+fn url_rest(s: &str) -> Option<usize> {
+    let colon = s.find(':')?;
+    let mut scheme = s[..colon].chars();
+    let starts_well = scheme.next().is_some_and(|c| c.is_ascii_alphabetic());
+    if !starts_well || !scheme.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')) {
+        return None;
+    }
+    let after = colon + 1;
+    Some(if s[after..].starts_with("//") { after + 2 } else { after })
+}
+
+/// The secrets of a URL whose part after the scheme starts at `start`.
+fn url_secrets(s: &str, start: usize) -> Vec<Range<usize>> {
+    let rest = &s[start..];
+    let mut secrets = Vec::new();
+    // The user info's password: from its first `:` to the last `@`. tokio-postgres ends the
+    // user info at the first `@`, the URL standard at the last one before the path; both lie
+    // inside this range, whatever the password holds.
+    if let Some(at) = rest.rfind('@')
+        && let Some(colon) = rest[..at].find(':')
+    {
+        secrets.push(start + colon + 1..start + at);
+    }
+    // `password=...` anywhere: its value runs to the next `&` (as in a query string) or the end.
+    for (eq, _) in rest.match_indices('=') {
+        let key_start =
+            rest[..eq].char_indices().rev().find(|&(_, c)| !is_url_key_char(c)).map_or(0, |(i, c)| i + c.len_utf8());
+        if is_secret_key(&percent_decode(&rest[key_start..eq])) {
+            let end = rest[eq + 1..].find('&').map_or(rest.len(), |i| eq + 1 + i);
+            secrets.push(start + eq + 1..start + end);
+        }
+    }
+    secrets
+}
+
+fn is_url_key_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '%')
+}
+
+/// Whether a parameter of this name holds a secret.
+fn is_secret_key(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    ["pass", "pwd", "secret"].iter().any(|word| key.contains(word))
+}
+
+/// The secrets of a `key=value` connection string, read as tokio-postgres reads it: pairs
+/// separated by whitespace, spaces allowed around `=`, values bare (a backslash escapes the
+/// next character) or single-quoted. From a pair that does not parse on, everything is secret.
+fn key_value_secrets(s: &str) -> Vec<Range<usize>> {
+    let mut secrets = Vec::new();
+    let mut pos = 0;
+    loop {
+        pos = skip_whitespace(s, pos);
+        if pos == s.len() {
+            return secrets;
+        }
+        match key_value_pair(s, pos) {
+            Some(pair) => {
+                if is_secret_key(&s[pair.key.clone()]) {
+                    secrets.push(pair.value);
+                }
+                pos = pair.end;
+            }
+            None => {
+                secrets.push(pos..s.len());
+                return secrets;
+            }
+        }
+    }
+}
+
+/// One `key = value` pair of a `key=value` connection string.
+struct Pair {
+    key: Range<usize>,
+    /// The value as written, quotes included.
+    value: Range<usize>,
+    end: usize,
+}
+
+/// The pair starting at `pos` (not whitespace), or `None` if it does not parse.
+fn key_value_pair(s: &str, pos: usize) -> Option<Pair> {
+    let key_end = s[pos..].find(|c: char| c.is_whitespace() || c == '=').map_or(s.len(), |i| pos + i);
+    let eq = skip_whitespace(s, key_end);
+    if key_end == pos || !s[eq..].starts_with('=') {
+        return None;
+    }
+    let value_start = skip_whitespace(s, eq + 1);
+    let mut chars = s[value_start..].char_indices().map(|(i, c)| (value_start + i, c));
+    let value_end = if s[value_start..].starts_with('\'') {
+        chars.next();
+        loop {
+            match chars.next()? {
+                (i, '\'') => break i + 1,
+                (_, '\\') => {
+                    chars.next()?;
+                }
+                _ => {}
+            }
+        }
+    } else {
+        let mut end = s.len();
+        while let Some((i, c)) = chars.next() {
+            if c.is_whitespace() {
+                end = i;
+                break;
+            }
+            if c == '\\' && chars.next().is_none() {
+                break;
+            }
+        }
+        end
+    };
+    (value_end > value_start).then_some(Pair { key: pos..key_end, value: value_start..value_end, end: value_end })
+}
+
+fn skip_whitespace(s: &str, pos: usize) -> usize {
+    s[pos..].find(|c: char| !c.is_whitespace()).map_or(s.len(), |i| pos + i)
+}
+
+/// `s` with each of `ranges` (merged where they overlap) replaced by [`MASK`].
+fn apply_mask(s: &str, mut ranges: Vec<Range<usize>>) -> String {
+    ranges.retain(|r| !r.is_empty());
+    ranges.sort_by_key(|r| r.start);
+    let mut out = String::with_capacity(s.len());
+    let mut copied = 0;
+    for range in ranges {
+        if range.end <= copied {
+            continue;
+        }
+        if range.start >= copied {
+            out += &s[copied..range.start];
+            out += MASK;
+        }
+        copied = range.end;
+    }
+    out += &s[copied..];
+    out
+}
+
+/// `%XX` decoded, lossily.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && let (Some(hi), Some(lo)) =
+                (bytes.get(i + 1).and_then(|&b| hex(b)), bytes.get(i + 2).and_then(|&b| hex(b)))
+        {
+            out.push((hi * 16 + lo) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Everything but unreserved characters percent-encoded.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out += &format!("%{b:02X}");
+        }
+    }
+    out
+}
+
+/// The length of the `postgres://` or `postgresql://` prefix, when `s` is in the URL form.
+fn url_prefix(s: &str) -> Option<usize> {
+    ["postgres://", "postgresql://"].into_iter().find(|p| s.starts_with(p)).map(str::len)
+}
+
+/// A URL in tokio-postgres's reading (user info up to the first `@`, host up to the next `/`
+/// or `?`, the database up to `?`, then `&`-separated parameters) with the database replaced.
+fn url_with_database(raw: &str, prefix: usize, name: &str) -> String {
+    let rest = &raw[prefix..];
+    let host_start = rest.find('@').map_or(0, |at| at + 1);
+    let host_end = rest[host_start..].find(['/', '?']).map_or(rest.len(), |i| host_start + i);
+    let query_start = if rest[host_end..].starts_with('/') {
+        rest[host_end..].find('?').map_or(rest.len(), |i| host_end + i)
+    } else {
+        host_end
+    };
+    let encoded = percent_encode(name);
+    let mut out = format!("{}/{encoded}", &raw[..prefix + host_end]);
+    if let Some(query) = rest[query_start..].strip_prefix('?') {
+        let params: Vec<String> = query
+            .split('&')
+            .map(|param| match param.split_once('=') {
+                Some((key, _)) if percent_decode(key) == "dbname" => format!("{key}={encoded}"),
+                _ => param.to_owned(),
+            })
+            .collect();
+        out += "?";
+        out += &params.join("&");
+    }
+    out
+}
+
+/// A `key=value` string with the value of every `dbname` pair replaced, or one added.
+fn key_value_with_database(raw: &str, name: &str) -> String {
+    let quoted = if !name.is_empty() && !name.contains(|c: char| c.is_whitespace() || c == '\'' || c == '\\') {
+        name.to_owned()
+    } else {
+        format!("'{}'", name.replace('\\', "\\\\").replace('\'', "\\'"))
+    };
+    let mut out = String::with_capacity(raw.len() + quoted.len());
+    let (mut copied, mut pos, mut replaced) = (0, 0, false);
+    loop {
+        pos = skip_whitespace(raw, pos);
+        let Some(pair) = (pos < raw.len()).then(|| key_value_pair(raw, pos)).flatten() else { break };
+        if &raw[pair.key.clone()] == "dbname" {
+            out += &raw[copied..pair.value.start];
+            out += &quoted;
+            copied = pair.value.end;
+            replaced = true;
+        }
+        pos = pair.end;
+    }
+    out += &raw[copied..];
+    if !replaced {
+        out += " dbname=";
+        out += &quoted;
+    }
+    out
+}
+
+/// `error: cause: cause's cause`, each message once (many errors repeat their cause's).
+pub(crate) fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let message = cause.to_string();
+        if !text.contains(&message) {
+            text += ": ";
+            text += &message;
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each password form, masked to exactly this.
+    const FORMS: &[(&str, &str)] = &[
+        ("postgres://app:s3cret@db:5432/app", "postgres://app:***@db:5432/app"),
+        ("postgresql://app:s3cret@db/app?sslmode=disable", "postgresql://app:***@db/app?sslmode=disable"),
+        ("postgres://app@db/app?password=s3cret", "postgres://app@db/app?password=***"),
+        (
+            "postgres://app@db/app?sslmode=disable&password=s3cret&application_name=x",
+            "postgres://app@db/app?sslmode=disable&password=***&application_name=x",
+        ),
+        ("postgres://app@db/app?pass%77ord=s3cret", "postgres://app@db/app?pass%77ord=***"),
+        ("host=db user=app password=s3cret dbname=app", "host=db user=app password=*** dbname=app"),
+        ("host=db user=app password = s3cret", "host=db user=app password = ***"),
+        ("host=db password='s3cret with spaces' dbname=app", "host=db password=*** dbname=app"),
+        (r"host=db password='s3cret \' quoted' dbname=app", "host=db password=*** dbname=app"),
+        (r"host=db password=s3cret\ escaped dbname=app", "host=db password=*** dbname=app"),
+        ("amqp://guest:s3cret@rabbit:5672/%2f", "amqp://guest:***@rabbit:5672/%2f"),
+        ("amqps://guest:s3cret@rabbit/%2f?heartbeat=10", "amqps://guest:***@rabbit/%2f?heartbeat=10"),
+        ("amqp://guest@rabbit/%2f?password=s3cret&heartbeat=10", "amqp://guest@rabbit/%2f?password=***&heartbeat=10"),
+    ];
+
+    #[test]
+    fn every_password_form_is_masked_exactly() {
+        for (raw, masked) in FORMS {
+            assert_eq!(mask_url(raw), *masked, "{raw}");
+        }
+    }
+
+    #[test]
+    fn parsed_connection_strings_display_and_debug_masked() {
+        for (raw, masked) in FORMS.iter().filter(|(raw, _)| !raw.starts_with("amqp")) {
+            let parsed = ConnectionString::parse(raw).unwrap_or_else(|e| panic!("{raw}: {e}"));
+            assert_eq!(parsed.to_string(), *masked);
+            assert_eq!(format!("{parsed:?}"), format!("ConnectionString({masked:?})"));
+            assert_eq!(parsed.expose(), *raw);
+        }
+    }
+
+    #[test]
+    fn strings_without_a_password_are_unchanged() {
+        for raw in [
+            "postgres://root@127.0.0.1:5432/test",
+            "postgres://h:5432/db?sslmode=disable",
+            "host=db user=app dbname=app",
+            "amqp://rabbit:5672/%2f",
+        ] {
+            assert_eq!(mask_url(raw), raw);
+        }
+    }
+
+    #[test]
+    fn passwords_that_break_the_url_syntax_stay_hidden() {
+        for (raw, masked) in [
+            ("postgres://app:pa/ss@db/app", "postgres://app:***@db/app"),
+            ("postgres://app:pa?ss@db/app", "postgres://app:***@db/app"),
+            ("postgres://app:p@ss@db/app", "postgres://app:***@db/app"),
+            ("amqp://guest:pa/ss@rabbit/%2f", "amqp://guest:***@rabbit/%2f"),
+            ("amqp:guest:s3cret@rabbit", "amqp:guest:***@rabbit"),
+            (
+                "postgres://app@db/app?password=s3cret&application_name=me@host",
+                "postgres://app@db/app?password=***&application_name=me@host",
+            ),
+            ("mysql://db password=s3cret", "mysql://db password=***"),
+        ] {
+            assert_eq!(mask_url(raw), masked, "{raw}");
+        }
+    }
+
+    #[test]
+    fn key_value_strings_are_masked_from_the_first_pair_that_does_not_parse() {
+        for (raw, masked) in [
+            ("host=db password s3cret", "host=db ***"),
+            ("host=db password='s3cret", "host=db ***"),
+            ("host=db password=", "host=db ***"),
+            ("not a url", "***"),
+        ] {
+            assert_eq!(mask_url(raw), masked, "{raw}");
+        }
+    }
+
+    #[test]
+    fn malformed_strings_are_refused_without_a_character_of_their_password() {
+        for (raw, message) in [
+            (
+                "postgres://admin:s3cret@127.0.0.1:port/app",
+                r#"malformed database URL "postgres://admin:***@127.0.0.1:port/app": invalid connection string: invalid value for option `port`"#,
+            ),
+            (
+                "postgres://admin@127.0.0.1:port/app?password=s3cret",
+                r#"malformed database URL "postgres://admin@127.0.0.1:port/app?password=***": invalid connection string: invalid value for option `port`"#,
+            ),
+            (
+                "host=127.0.0.1 port=x password=s3cret",
+                r#"malformed database URL "host=127.0.0.1 port=x password=***": invalid connection string: invalid value for option `port`"#,
+            ),
+            (
+                "host=127.0.0.1 port=x password='s3cret word'",
+                r#"malformed database URL "host=127.0.0.1 port=x password=***": invalid connection string: invalid value for option `port`"#,
+            ),
+            (
+                "host=127.0.0.1 password s3cret",
+                r#"malformed database URL "host=127.0.0.1 ***": invalid connection string: unexpected character at byte 24: expected `=`"#,
+            ),
+            ("user=app password=s3cret", r#"malformed database URL "user=app password=***": it names no host"#),
+        ] {
+            let e = ConnectionString::parse(raw).unwrap_err();
+            let hint = " (expected postgres://user:password@host:port/database or key=value pairs: host=... user=... password=... dbname=...)";
+            assert_eq!(e.to_string(), format!("{message}{hint}"), "{raw}");
+            assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn with_database_changes_the_database_and_nothing_else() {
+        for (raw, expected) in [
+            (
+                "postgres://app:s3cret@db:5432/app?sslmode=disable",
+                "postgres://app:s3cret@db:5432/other%20db?sslmode=disable",
+            ),
+            ("postgresql://app@db", "postgresql://app@db/other%20db"),
+            ("postgres://app@db?application_name=x", "postgres://app@db/other%20db?application_name=x"),
+            ("postgres://app@/app?host=127.0.0.1&port=5433", "postgres://app@/other%20db?host=127.0.0.1&port=5433"),
+            ("postgres://app@db/app?dbname=third&user=me", "postgres://app@db/other%20db?dbname=other%20db&user=me"),
+            ("postgres://app:p@ss@db/app", "postgres://app:p@ss@db/other%20db"),
+            ("host=db user=app dbname=app application_name=x", "host=db user=app dbname='other db' application_name=x"),
+            ("host=db user=app", "host=db user=app dbname='other db'"),
+            ("host=db dbname = 'app' password='a b'", "host=db dbname = 'other db' password='a b'"),
+        ] {
+            let original = ConnectionString::parse(raw).unwrap();
+            let other = original.with_database("other db");
+            assert_eq!(other.expose(), expected, "{raw}");
+            let mut config = original.config().clone();
+            config.dbname("other db");
+            assert_eq!(other.config(), &config, "{raw}");
+            assert_eq!(ConnectionString::parse(other.expose()).unwrap().config(), &config, "{raw} reparsed");
+            assert_eq!(other.database(), Some("other db"));
+        }
+        let quoted = ConnectionString::parse("host=db").unwrap().with_database(r"it's \ odd");
+        assert_eq!(quoted.expose(), r"host=db dbname='it\'s \\ odd'");
+        assert_eq!(ConnectionString::parse(quoted.expose()).unwrap().database(), Some(r"it's \ odd"));
+    }
+
+    #[test]
+    fn the_database_defaults_to_the_user() {
+        assert_eq!(ConnectionString::parse("postgres://app@db").unwrap().database(), Some("app"));
+        assert_eq!(ConnectionString::parse("host=db user=app dbname=x").unwrap().database(), Some("x"));
+        assert_eq!(ConnectionString::parse("host=db").unwrap().database(), None);
+    }
+}

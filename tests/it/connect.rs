@@ -1,0 +1,184 @@
+//! Connecting: connection strings in both forms against the real PostgreSQL, every option kept
+//! (also on the way to the maintenance database), failures that keep their cause, and no
+//! password in any message, PostgreSQL's or RabbitMQ's.
+
+use std::error::Error as _;
+
+use actix_outbox::{RabbitConfig, RabbitError, RabbitSink, StoreError};
+use diesel::QueryableByName;
+use diesel::sql_types::Text;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+
+use crate::support::{ScratchDb, TestDb, database_url};
+
+/// The server of the default `TEST_DATABASE_URL`, spelled out in each form (root, trust auth).
+const HOST: &str = "127.0.0.1";
+const PORT: u16 = 5432;
+const USER: &str = "root";
+
+#[derive(QueryableByName)]
+struct Session {
+    #[diesel(sql_type = Text)]
+    database: String,
+    #[diesel(sql_type = Text)]
+    application_name: String,
+}
+
+async fn session(conn: &mut AsyncPgConnection) -> (String, String) {
+    let s: Session = diesel::sql_query(
+        "SELECT current_database()::text AS database, current_setting('application_name') AS application_name",
+    )
+    .get_result(conn)
+    .await
+    .unwrap();
+    (s.database, s.application_name)
+}
+
+async fn database_exists(name: &str) -> bool {
+    #[derive(QueryableByName)]
+    struct Found {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        found: bool,
+    }
+    let mut admin = AsyncPgConnection::establish(&database_url("postgres")).await.unwrap();
+    let found: Found = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS found")
+        .bind::<Text, _>(name)
+        .get_result(&mut admin)
+        .await
+        .unwrap();
+    found.found
+}
+
+/// diesel-async's own `establish` hands the string to tokio-postgres, so a `key=value` string
+/// works there as it does in the crate's connections; each keeps the string's
+/// `application_name`, and the crate names its connections when the string does not.
+#[tokio::test]
+async fn key_value_strings_connect_everywhere_and_keep_their_application_name() {
+    let db = TestDb::new().await;
+    let pairs = format!("host={HOST} port={PORT} user={USER} dbname={} application_name='outbox it'", db.name);
+
+    let mut direct = AsyncPgConnection::establish(&pairs).await.expect("diesel-async establishes a key=value string");
+    assert_eq!(session(&mut direct).await, (db.name.clone(), "outbox it".to_owned()));
+
+    let mut own = actix_outbox::store::connect(&pairs).await.unwrap();
+    assert_eq!(session(&mut own).await, (db.name.clone(), "outbox it".to_owned()));
+    let unnamed = format!("host={HOST} port={PORT} user={USER} dbname={}", db.name);
+    let mut own = actix_outbox::store::connect(&unnamed).await.unwrap();
+    assert_eq!(session(&mut own).await, (db.name.clone(), "actix-outbox".to_owned()));
+
+    let pool = actix_outbox::connect_pool(&pairs, 2).await.unwrap();
+    actix_outbox::check_connection(&pool).await.unwrap();
+    assert_eq!(session(&mut pool.get().await.unwrap()).await, (db.name.clone(), "outbox it".to_owned()));
+    let pool = actix_outbox::connect_pool(&unnamed, 2).await.unwrap();
+    assert_eq!(session(&mut pool.get().await.unwrap()).await, (db.name.clone(), "actix-outbox".to_owned()));
+
+    assert_eq!(actix_outbox::store::pending_migrations(&pairs).await.unwrap(), Vec::<String>::new());
+    assert_eq!(actix_outbox::migrate(&pairs).await.unwrap(), Vec::<String>::new());
+}
+
+/// `ensure_database` reaches the maintenance database with every option of the string but the
+/// database name: here the host and port are only in the query or in the pairs, so a string
+/// cut down to `postgres://user@/postgres`, or refused for not being a URL, fails.
+#[tokio::test]
+async fn ensure_database_keeps_every_option_of_the_string() {
+    for form in ["url", "pairs"] {
+        let db = ScratchDb::new();
+        let url = match form {
+            "url" => format!("postgres://{USER}@/{}?host={HOST}&port={PORT}&application_name=outbox-it", db.name),
+            _ => format!("user={USER} dbname={} host={HOST} port={PORT} application_name='outbox it'", db.name),
+        };
+        assert!(!database_exists(&db.name).await);
+        assert!(actix_outbox::ensure_database(&url).await.unwrap(), "{form}: created");
+        assert!(database_exists(&db.name).await, "{form}");
+        assert!(!actix_outbox::ensure_database(&url).await.unwrap(), "{form}: already there");
+        let applied = actix_outbox::migrate(&url).await.unwrap();
+        let embedded =
+            diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+        assert_eq!(applied.len(), embedded.len(), "{form}");
+        assert_eq!(actix_outbox::store::pending_migrations(&url).await.unwrap(), Vec::<String>::new(), "{form}");
+    }
+}
+
+/// A refused connection is `StoreError::Connect` whose source is the driver's error, itself
+/// caused by the I/O error; a missing database keeps the server's SQLSTATE. No password shows.
+#[tokio::test]
+async fn connection_failures_keep_their_cause_and_no_password() {
+    for url in [
+        "postgres://admin:s3cret@127.0.0.1:1/outbox",
+        "postgres://admin@127.0.0.1:1/outbox?password=s3cret",
+        "host=127.0.0.1 port=1 user=admin password=s3cret dbname=outbox",
+        "host=127.0.0.1 port=1 user=admin password='s3cret word' dbname=outbox",
+    ] {
+        let e = actix_outbox::store::connect(url).await.map(|_| ()).unwrap_err();
+        assert!(matches!(e, StoreError::Connect(_)) && e.is_transient(), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "database connection failed: error connecting to server: Connection refused (os error 111)"
+        );
+        let driver = e.source().unwrap().downcast_ref::<tokio_postgres::Error>().expect("the driver's error");
+        let io = driver.source().unwrap().downcast_ref::<std::io::Error>().expect("its I/O cause");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
+
+        let e = actix_outbox::ensure_database(url).await.unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "database connection failed: error connecting to server: Connection refused (os error 111)"
+        );
+        let e = actix_outbox::migrate(url).await.unwrap_err();
+        assert!(matches!(e, StoreError::Connect(_)), "{e:?}");
+    }
+
+    let missing = ScratchDb::new();
+    let e = actix_outbox::store::connect(&missing.url).await.map(|_| ()).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("database connection failed: db error: FATAL: database \"{}\" does not exist", missing.name)
+    );
+    let driver = e.source().unwrap().downcast_ref::<tokio_postgres::Error>().unwrap();
+    assert_eq!(driver.code(), Some(&tokio_postgres::error::SqlState::INVALID_CATALOG_NAME));
+
+    let e = actix_outbox::connect_pool("postgres://admin:s3cret@127.0.0.1:port/outbox", 1).await.unwrap_err();
+    assert!(matches!(e, StoreError::BadUrl(_)) && !e.is_transient(), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "malformed database URL \"postgres://admin:***@127.0.0.1:port/outbox\": invalid connection string: invalid value \
+         for option `port` (expected postgres://user:password@host:port/database or key=value pairs: host=... \
+         user=... password=... dbname=...)"
+    );
+    assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
+}
+
+/// The sink's configuration and errors mask the AMQP password in each place it can be.
+#[tokio::test]
+async fn rabbitmq_configs_and_errors_never_show_the_password() {
+    for (url, masked) in [
+        ("amqp://guest:s3cret@127.0.0.1:1/%2f", "amqp://guest:***@127.0.0.1:1/%2f"),
+        ("amqps://guest:s3cret@127.0.0.1:1/%2f", "amqps://guest:***@127.0.0.1:1/%2f"),
+        ("amqp://guest@127.0.0.1:1/%2f?password=s3cret", "amqp://guest@127.0.0.1:1/%2f?password=***"),
+    ] {
+        let config = RabbitConfig::new(url);
+        assert_eq!(
+            format!("{config:?}"),
+            format!(
+                "RabbitConfig {{ urls: [{masked:?}], exchange: \"outbox\", exchange_kind: Topic, declare_exchange: true, \
+                 app_id: \"actix-outbox\", connect_timeout: 10s, reconnect_min: 100ms, reconnect_max: 10s, \
+                 connection_name: None, unresponsive_after: 5s, routing_key: \"event_type\" }}"
+            )
+        );
+        let e = RabbitSink::connect(config).await.unwrap_err();
+        assert!(matches!(e, RabbitError::Unreachable { .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            format!("RabbitMQ is unreachable at {masked}: IO error: Connection refused (os error 111)")
+        );
+        assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
+    }
+
+    let e = RabbitConfig::new("amqp:guest:s3cret@rabbit").validate().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid RabbitMQ sink configuration: malformed AMQP URL \"amqp:guest:***@rabbit\": \
+         Invalid URL: 'amqp:guest:***@rabbit'"
+    );
+}
