@@ -1079,6 +1079,7 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
     })
     .await;
     proxy.amqp_block();
+    eventually(WITHIN, "the dispatcher sees the block", || async { run.logged("claiming paused") >= 1 }).await;
     run.signal("TERM");
     eventually(WITHIN, "the drain starts", || async { run.logged("stopping: claiming stopped") == 1 }).await;
     assert!(run.is_running(), "draining waits for the stuck publishes");

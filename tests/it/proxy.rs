@@ -161,11 +161,19 @@ impl Frames {
         }
     }
 
-    /// The frame to send now, if the blocked state changed and the stream is between frames.
-    fn pending_notice(&mut self, blocked: bool) -> Option<Vec<u8>> {
-        if blocked == self.told_blocked || !self.at_boundary() {
-            return None;
-        }
+    /// Whether the client must be told of a change of the blocked state.
+    fn owes_notice(&self, blocked: bool) -> bool {
+        blocked != self.told_blocked
+    }
+
+    /// Bytes to forward before the stream is between two frames (the header's missing bytes
+    /// first, then the payload's).
+    fn to_boundary(&self) -> usize {
+        if self.header.is_empty() { self.rest } else { 7 - self.header.len() }
+    }
+
+    /// The notice frame, marking it told.
+    fn notice(&mut self, blocked: bool) -> Vec<u8> {
         self.told_blocked = blocked;
         // connection.blocked (class 10, method 60, reason) / connection.unblocked (10, 61).
         let mut payload = vec![0, 10, 0, if blocked { 60 } else { 61 }];
@@ -178,7 +186,7 @@ impl Frames {
         frame.extend_from_slice(&(payload.len() as u32).to_be_bytes());
         frame.extend_from_slice(&payload);
         frame.push(0xCE);
-        Some(frame)
+        frame
     }
 }
 
@@ -196,10 +204,28 @@ async fn pipe(
         if now.generation != generation {
             return;
         }
-        if let Some(notice) = frames.as_mut().and_then(|f| f.pending_notice(now.amqp_blocked))
-            && to.write_all(&notice).await.is_err()
+        if let Some(f) = frames.as_mut()
+            && f.owes_notice(now.amqp_blocked)
         {
-            return;
+            if f.at_boundary() {
+                if to.write_all(&f.notice(now.amqp_blocked)).await.is_err() {
+                    return;
+                }
+            } else {
+                // Finish the frame under way (even while stalled: it is half sent already), so
+                // that the notice goes in between two frames.
+                let want = f.to_boundary().min(buf.len());
+                match from.read(&mut buf[..want]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => {
+                        f.advance(&buf[..n]);
+                        if to.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                continue;
+            }
         }
         if stalled(&now) {
             if mode.changed().await.is_err() {
