@@ -14,6 +14,7 @@ mod fifo;
 mod finalize;
 mod prepared;
 mod producer;
+mod sql;
 
 use diesel::ConnectionError;
 use diesel_async::pooled_connection::bb8::{Pool, RunError};

@@ -209,7 +209,7 @@ async fn message_carries_every_property_and_header() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { db.row(id).await.status() == Status::Done }).await;
+    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -287,7 +287,7 @@ async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
     .await;
     dispatcher.send(Shutdown).await.unwrap();
     let dead = db.row(lost).await;
-    assert_eq!(dead.status(), Status::Dead);
+    assert_eq!(dead.status, Status::Dead);
     assert_eq!(dead.attempts, 1, "a permanent failure is not retried");
     let error = dead.last_error.unwrap();
     assert!(error.contains("unroutable"), "{error}");
@@ -339,7 +339,7 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let during = db.seed(100, "during").await;
     eventually(WITHIN, "rows written during the outage are tried and rescheduled", || async {
         let rows = db.rows().await;
-        let tried = rows.iter().filter(|r| during.contains(&r.id) && r.attempts >= 1 && r.status() == Status::Pending);
+        let tried = rows.iter().filter(|r| during.contains(&r.id) && r.attempts >= 1 && r.status == Status::Pending);
         tried.filter(|r| r.last_error.as_deref().is_some_and(|e| e.contains("down"))).count() > 0
     })
     .await;
@@ -395,7 +395,7 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
     let id = db.seed(1, "stall").await[0];
     eventually(WITHIN, "row rescheduled after a publish timeout", || async {
         let row = db.row(id).await;
-        row.status() == Status::Pending
+        row.status == Status::Pending
             && row.attempts >= 1
             && row.last_error.as_deref().is_some_and(|e| e.contains("publish timed out after 300ms"))
     })
@@ -405,8 +405,7 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
     assert!(sink.is_connected(), "a silent broker is not a lost connection");
 
     proxy.resume();
-    eventually(WITHIN, "row done once the broker answers", || async { db.row(id).await.status() == Status::Done })
-        .await;
+    eventually(WITHIN, "row done once the broker answers", || async { db.row(id).await.status == Status::Done }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     let copies = broker.depth(&queue).await as usize;

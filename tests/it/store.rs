@@ -192,10 +192,10 @@ async fn expired_lease_is_taken_over_and_stale_finalize_is_fenced() {
     assert_eq!(db.row(id).await.lease_owner.as_deref(), Some("B"));
 
     assert!(store::mark_done(&mut ca, &[a[0].fence()]).await.unwrap().is_empty(), "A's finalize is fenced off");
-    assert_eq!(db.row(id).await.status(), Status::Processing, "A wrote nothing");
+    assert_eq!(db.row(id).await.status, Status::Processing, "A wrote nothing");
     assert_eq!(store::mark_done(&mut cb, &[b[0].fence()]).await.unwrap(), vec![id]);
     let row = db.row(id).await;
-    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Done, 2, 2));
+    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 2, 2));
     assert!(row.done_at.is_some() && row.lease_owner.is_none() && row.lease_until.is_none());
 }
 
@@ -209,7 +209,7 @@ async fn expired_lease_not_taken_over_still_finalizes() {
     let a = claim(&mut conn, "A", 10, Duration::from_millis(50), 12).await.messages;
     until_leases_expired(&db).await;
     assert_eq!(store::mark_done(&mut conn, &[a[0].fence()]).await.unwrap(), vec![id]);
-    assert_eq!(db.row(id).await.status(), Status::Done);
+    assert_eq!(db.row(id).await.status, Status::Done);
 }
 
 /// Scenario 6: a retryable failure three times with max attempts 3: pending (attempts 1),
@@ -228,7 +228,7 @@ async fn retryable_failures_back_off_then_go_dead_at_max_attempts() {
         assert!(finalize(&mut conn, &m[0], Err(PublishError::Retryable("broker away".into())), &config).await);
         let row = db.row(id).await;
         let expected = if attempt < 3 { Status::Pending } else { Status::Dead };
-        assert_eq!((row.status(), row.attempts), (expected, attempt), "after attempt {attempt}");
+        assert_eq!((row.status, row.attempts), (expected, attempt), "after attempt {attempt}");
         assert!(row.last_error.as_deref().unwrap().contains("broker away"));
         assert!(row.lease_owner.is_none() && row.lease_until.is_none());
     }
@@ -268,7 +268,7 @@ async fn defer_refunds_the_attempt_and_pushes_available_at() {
     let defer = PublishError::Defer { delay: Duration::from_secs(60), reason: "customer not created yet".into() };
     assert!(finalize(&mut conn, &m[0], Err(defer), &config).await);
     let row = db.row(id).await;
-    assert_eq!((row.status(), row.attempts), (Status::Pending, 0));
+    assert_eq!((row.status, row.attempts), (Status::Pending, 0));
     assert!(row.available_at >= before + chrono::Duration::seconds(59), "available_at {}", row.available_at);
     assert!(row.last_error.unwrap().contains("customer not created yet"));
     assert!(claim(&mut conn, "A", 10, LONG, 12).await.messages.is_empty(), "not claimable before available_at");
@@ -286,7 +286,7 @@ async fn deferral_past_the_maximum_age_goes_dead() {
     let defer = PublishError::Defer { delay: Duration::from_secs(60), reason: "still waiting".into() };
     assert!(finalize(&mut conn, &m[0], Err(defer), &config).await);
     let row = db.row(id).await;
-    assert_eq!(row.status(), Status::Dead);
+    assert_eq!(row.status, Status::Dead);
     assert!(row.last_error.unwrap().starts_with("deferred past the maximum deferral age"));
 }
 
@@ -307,7 +307,7 @@ async fn permanent_failure_goes_dead_at_once() {
         .await
     );
     let row = db.row(id).await;
-    assert_eq!((row.status(), row.attempts), (Status::Dead, 1));
+    assert_eq!((row.status, row.attempts), (Status::Dead, 1));
     assert_eq!(row.last_error.as_deref(), Some("permanent: schema rejected"));
 }
 
@@ -329,7 +329,7 @@ async fn poison_message_is_reaped_after_max_attempts() {
     assert!(c.messages.is_empty());
     assert_eq!(c.reaped.iter().map(|f| (f.id, f.lease_version)).collect::<Vec<_>>(), vec![(id, 3)]);
     let row = db.row(id).await;
-    assert_eq!((row.status(), row.attempts), (Status::Dead, 3));
+    assert_eq!((row.status, row.attempts), (Status::Dead, 3));
     assert!(row.last_error.unwrap().starts_with("reaped: lease expired after 3 of 3 attempts"));
     assert!(row.lease_owner.is_none());
     let again = claim(&mut conn, "A", 10, LONG, 3).await;
@@ -364,7 +364,7 @@ async fn batch_finalize_reports_winners_and_leaves_losers_alone() {
     assert_eq!(won_sorted, ids[2..]);
     for (i, row) in db.rows().await.iter().enumerate() {
         let expected = if i < 2 { (Status::Processing, 2) } else { (Status::Done, 1) };
-        assert_eq!((row.status(), row.lease_version), expected, "row {}", row.id);
+        assert_eq!((row.status, row.lease_version), expected, "row {}", row.id);
     }
 }
 
@@ -532,7 +532,7 @@ async fn enqueue_is_part_of_the_callers_transaction() {
         .unwrap();
     let rows = db.rows().await;
     assert_eq!(rows.len(), 1);
-    assert_eq!((rows[0].id, rows[0].aggregate_id.as_str(), rows[0].status()), (id, "o-2", Status::Pending));
+    assert_eq!((rows[0].id, rows[0].aggregate_id.as_str(), rows[0].status), (id, "o-2", Status::Pending));
     assert_eq!((rows[0].attempts, rows[0].lease_version), (0, 0));
 }
 
@@ -547,7 +547,7 @@ async fn plain_sql_insert_gets_every_default() {
     .await
     .unwrap();
     let row = &db.rows().await[0];
-    assert_eq!((row.status(), row.attempts, row.lease_version), (Status::Pending, 0, 0));
+    assert_eq!((row.status, row.attempts, row.lease_version), (Status::Pending, 0, 0));
     assert!(row.lease_owner.is_none() && row.last_error.is_none() && row.done_at.is_none());
 }
 
