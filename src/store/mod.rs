@@ -10,6 +10,7 @@
 
 mod admin;
 mod claim;
+mod fence;
 mod fifo;
 mod finalize;
 mod prepared;
