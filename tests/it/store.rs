@@ -368,6 +368,25 @@ async fn batch_finalize_reports_winners_and_leaves_losers_alone() {
     }
 }
 
+/// `Status` is the `status` column's type: written as its text and read back, and a text that is
+/// no status fails to read rather than becoming one.
+#[tokio::test]
+async fn status_is_written_and_read_as_the_columns_text() {
+    use diesel::sql_types::Text;
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for status in Status::ALL {
+        let back: (String, Status) =
+            diesel::select((status.into_sql::<Text>(), status.into_sql::<Text>())).get_result(&mut conn).await.unwrap();
+        assert_eq!(back, (status.as_str().to_owned(), status));
+    }
+    let bogus = diesel::select("bogus".into_sql::<Text>()).get_result::<Status>(&mut conn).await;
+    assert!(
+        matches!(&bogus, Err(diesel::result::Error::DeserializationError(e)) if format!("{e:?}").contains(r#"UnknownStatus("bogus")"#)),
+        "{bogus:?}"
+    );
+}
+
 /// In a batch, each row gets its own values (error, delay, refund, maximum age), whatever the
 /// order of the batch; a stale claim in it writes nothing, also beside the current claim of the
 /// same row.
