@@ -9,7 +9,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Jsonb, Nullab
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
 use super::prepared::{Prepared, prepared};
-use super::sql::{CLAIM_FIFO_SQL, CLAIM_FIFO_TYPES_SQL, CLAIM_SQL};
+use super::sql::{CLAIM_FIFO_SQL, CLAIM_FIFO_TYPES_SQL, CLAIM_SQL, EXPLAIN, EXPLAIN_ANALYZE};
 use crate::config::Fifo;
 use crate::error::StoreError;
 use crate::model::{Fence, OutboxMessage};
@@ -175,8 +175,8 @@ pub async fn explain_claim(
         #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
         line: String,
     }
-    let options = if analyze { "ANALYZE, BUFFERS" } else { "COSTS" };
-    let sql = format!("EXPLAIN ({options}) {}", claim_sql(params.fifo));
+    let explain = if analyze { EXPLAIN_ANALYZE } else { EXPLAIN };
+    let sql = format!("{explain}{}", claim_sql(params.fifo));
     // EXPLAIN ANALYZE executes the claim: do it in a transaction (a savepoint if the caller
     // has one open) and roll it back.
     if analyze {

@@ -8,14 +8,15 @@
 //!
 //! - the claim ([`CLAIM_SQL`] and its gated variants): data-modifying CTEs, `FOR UPDATE SKIP
 //!   LOCKED` inside them, `UNION ALL` of rows of different origins, a recursive skip scan over
-//!   aggregates and `LATERAL` joins;
-//! - the dead heads of blocked aggregates ([`BLOCKED_SQL`], [`BLOCKED_COUNT_SQL`]): correlated
-//!   `NOT EXISTS` and counting subqueries over the same table under two aliases;
+//!   aggregates and `LATERAL` joins; and `EXPLAIN` of it, for operators;
+//! - the dead heads of blocked aggregates ([`BLOCKED_SQL`], [`BLOCKED_COUNT_SQL`]): subqueries
+//!   of the table correlated with itself (`prev` and `w` against `d`), and one `FROM ... WHERE`
+//!   shared by the list and the count so that they cannot disagree;
 //! - the age of the oldest unfinished row ([`STATS_AGES_SQL`]): `extract(epoch FROM ...)` of
 //!   a difference of timestamps, on the database clock;
 //! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`.
 //!
-//! Statuses are spelled here as SQL literals; everywhere else they are
+//! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
 //! [`Status`](crate::Status) values. The fenced writes after a claim are built with the DSL
 //! and two typed expressions of their own (see `fence.rs`), which add keywords and functions
 //! but no column name. Connection setup and database creation stay beside the pool in
@@ -261,6 +262,12 @@ WHERE d.status = 'dead'
 "#
     };
 }
+
+/// Put before a claim statement by [`super::explain_claim`]: its plan, without running it.
+pub(super) const EXPLAIN: &str = "EXPLAIN (COSTS) ";
+
+/// Put before a claim statement by [`super::explain_claim`]: its plan, run and timed.
+pub(super) const EXPLAIN_ANALYZE: &str = "EXPLAIN (ANALYZE, BUFFERS) ";
 
 /// The aggregates blocked by a dead head ([`super::blocked_aggregates`]). $1 the gated event
 /// types (NULL: all), $2 limit.
