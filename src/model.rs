@@ -4,14 +4,25 @@ use std::fmt;
 use std::str::FromStr;
 
 use chrono::{DateTime, Utc};
+use diesel::deserialize::{self, FromSql, FromSqlRow};
+use diesel::expression::AsExpression;
+use diesel::pg::{Pg, PgValue};
 use diesel::prelude::*;
+use diesel::serialize::{self, Output, ToSql};
+use diesel::sql_types::Text;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 use crate::schema::outbox;
 
-/// The state of an outbox row (DESIGN §3), stored in the `status` text column.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// The state of an outbox row, stored in the `status` text column.
+///
+/// It is the column's type on the Rust side: a query writes `outbox::status.eq(Status::Done)`
+/// and reads `Status` back ([`ToSql`]/[`FromSql`] as `Text`), so [`Status::as_str`] is the only
+/// place in the crate's Rust code that spells a status. (The SQL text the store keeps, in its
+/// `sql` module, spells them too, and so does the table's `CHECK` constraint.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, AsExpression, FromSqlRow)]
+#[diesel(sql_type = Text)]
 #[serde(rename_all = "lowercase")]
 pub enum Status {
     /// Waiting to be claimed once `available_at` has passed.
@@ -55,6 +66,21 @@ impl FromStr for Status {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Status::ALL.into_iter().find(|status| status.as_str() == s).ok_or_else(|| UnknownStatus(s.to_owned()))
+    }
+}
+
+impl ToSql<Text, Pg> for Status {
+    fn to_sql<'b>(&'b self, out: &mut Output<'b, '_, Pg>) -> serialize::Result {
+        <str as ToSql<Text, Pg>>::to_sql(self.as_str(), out)
+    }
+}
+
+/// A text that is none of the four statuses fails to deserialize with [`UnknownStatus`] (the
+/// table's `CHECK` constraint admits none).
+impl FromSql<Text, Pg> for Status {
+    fn from_sql(bytes: PgValue<'_>) -> deserialize::Result<Self> {
+        let text = std::str::from_utf8(bytes.as_bytes())?;
+        Ok(text.parse()?)
     }
 }
 
@@ -182,9 +208,8 @@ pub struct OutboxRow {
     pub payload: serde_json::Value,
     /// Insert time.
     pub created_at: DateTime<Utc>,
-    /// Raw status text (see [`OutboxRow::status`]).
-    #[diesel(column_name = status)]
-    pub status_text: String,
+    /// Where the row is in its lifecycle.
+    pub status: Status,
     /// Not claimable before this instant.
     pub available_at: DateTime<Utc>,
     /// Claims so far.
@@ -199,11 +224,4 @@ pub struct OutboxRow {
     pub last_error: Option<String>,
     /// When the row became done.
     pub done_at: Option<DateTime<Utc>>,
-}
-
-impl OutboxRow {
-    /// The row's status; the table's CHECK constraint guarantees it is a known one.
-    pub fn status(&self) -> Status {
-        self.status_text.parse().expect("CHECK constraint admits only known statuses")
-    }
 }

@@ -180,7 +180,7 @@ async fn enqueue_inserts_one_event_and_prints_its_id() {
     assert_eq!(id, 3);
     let row = db.row(id).await;
     assert_eq!(
-        (row.aggregate_type.as_str(), row.aggregate_id.as_str(), row.event_type.as_str(), row.status()),
+        (row.aggregate_type.as_str(), row.aggregate_id.as_str(), row.event_type.as_str(), row.status),
         ("order", "42", "order.created", Status::Pending)
     );
     assert_eq!(row.payload, json!({"total": 10, "lines": [1, 2]}));
@@ -378,11 +378,11 @@ async fn dead_retry_sends_dead_rows_back_to_pending_with_attempts_reset() {
     assert_eq!(out.trim(), "retried 2 dead rows (now pending, attempts reset): 1, 4");
     for id in [1, 4] {
         let row = db.row(id).await;
-        assert_eq!((row.status(), row.attempts, row.lease_owner.as_deref()), (Status::Pending, 0, None));
+        assert_eq!((row.status, row.attempts, row.lease_owner.as_deref()), (Status::Pending, 0, None));
         assert!(row.available_at <= chrono::Utc::now(), "claimable now");
         assert_eq!(row.lease_version, 12, "the fencing token only ever grows");
     }
-    assert_eq!(db.row(2).await.status(), Status::Dead);
+    assert_eq!(db.row(2).await.status, Status::Dead);
 
     let out = ok(&db.url, &["dead", "retry", "--all"]).await;
     assert_eq!(out.trim(), "retried 1 dead row (now pending, attempts reset)");
@@ -417,14 +417,14 @@ async fn dead_skip_marks_dead_rows_done_recording_the_reason() {
     let out = ok(&db.url, &["dead", "skip", "2", "--reason", "order cancelled by hand, INC-7"]).await;
     assert_eq!(out.trim(), "skipped 1 dead row (now done): 2");
     let row = db.row(2).await;
-    assert_eq!(row.status(), Status::Done);
+    assert_eq!(row.status, Status::Done);
     assert!(row.done_at.is_some());
     assert_eq!(
         row.last_error.as_deref(),
         Some(format!("{SKIPPED_PREFIX}order cancelled by hand, INC-7 (was: retryable: nack 2)").as_str())
     );
-    assert_eq!(db.row(1).await.status(), Status::Dead);
-    assert_eq!(db.row(3).await.status(), Status::Pending);
+    assert_eq!(db.row(1).await.status, Status::Dead);
+    assert_eq!(db.row(3).await.status, Status::Pending);
 }
 
 #[tokio::test]
@@ -964,19 +964,19 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
     assert_eq!(status.code(), Some(0), "log:\n{}", first.log().join("\n"));
 
     let rows = db.rows().await;
-    let done_after_first = rows.iter().filter(|r| r.status() == Status::Done).count();
+    let done_after_first = rows.iter().filter(|r| r.status == Status::Done).count();
     assert_eq!(
-        rows.iter().filter(|r| r.status() == Status::Processing).count(),
+        rows.iter().filter(|r| r.status == Status::Processing).count(),
         0,
         "nothing left processing; log:\n{}",
         first.log().join("\n")
     );
     assert_eq!(rows.len(), ROWS, "no row lost");
     assert!(done_after_first < ROWS, "the signal must land mid-run to test anything ({done_after_first} done)");
-    for r in rows.iter().filter(|r| r.status() == Status::Pending) {
+    for r in rows.iter().filter(|r| r.status == Status::Pending) {
         assert_eq!(r.attempts, 0, "row {} was never claimed, or its attempt was refunded", r.id);
     }
-    assert_eq!(rows.iter().filter(|r| r.status() == Status::Dead).count(), 0);
+    assert_eq!(rows.iter().filter(|r| r.status == Status::Dead).count(), 0);
     let log = first.log();
     let batches = first.logged("claimed batch");
     assert!(batches >= 1 && log.len() < 1000, "one line a batch, not one per message: {} lines", log.len());
@@ -990,7 +990,7 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
     assert_eq!(second.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", second.log().join("\n"));
 
     let rows: Vec<OutboxRow> = db.rows().await;
-    assert!(rows.iter().all(|r| r.status() == Status::Done && r.done_at.is_some()));
+    assert!(rows.iter().all(|r| r.status == Status::Done && r.done_at.is_some()));
     assert!(second.logged("claimed batch") >= 1, "the rerun claimed what the first run left");
 
     // At-least-once: every id reached the queue (a duplicate is allowed, a gap is not).

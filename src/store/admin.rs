@@ -4,18 +4,20 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use diesel::dsl::now;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Double, Int8, Interval, Nullable, Text};
+use diesel::sql_types::{Double, Int8, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::claim::interval;
+use super::sql::STATS_AGES_SQL;
 use crate::error::StoreError;
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
 
-/// A snapshot of the outbox table for operators (DESIGN §6 of the seed article: queue depth,
-/// age of the oldest unfinished row, expired leases, attempts histogram).
+/// A snapshot of the outbox table for operators: queue depth, age of the oldest unfinished row,
+/// expired leases, attempts histogram.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Stats {
@@ -35,9 +37,9 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
     for s in Status::ALL {
         stats.by_status.insert(s.as_str().to_owned(), 0);
     }
-    let counts: Vec<(String, i64)> =
+    let counts: Vec<(Status, i64)> =
         outbox::table.group_by(outbox::status).select((outbox::status, diesel::dsl::count_star())).load(conn).await?;
-    stats.by_status.extend(counts);
+    stats.by_status.extend(counts.into_iter().map(|(s, n)| (s.as_str().to_owned(), n)));
 
     #[derive(QueryableByName)]
     struct Ages {
@@ -46,18 +48,12 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
         #[diesel(sql_type = Int8)]
         expired: i64,
     }
-    let ages: Ages = diesel::sql_query(
-        "SELECT (SELECT extract(epoch FROM now() - min(created_at))::float8
-                 FROM outbox WHERE status IN ('pending', 'processing')) AS oldest,
-                (SELECT count(*) FROM outbox WHERE status = 'processing' AND lease_until < now()) AS expired",
-    )
-    .get_result(conn)
-    .await?;
+    let ages: Ages = diesel::sql_query(STATS_AGES_SQL).get_result(conn).await?;
     stats.oldest_unfinished_age_s = ages.oldest;
     stats.expired_leases = ages.expired;
 
     let histogram: Vec<(i32, i64)> = outbox::table
-        .filter(outbox::status.eq_any([Status::Pending.as_str(), Status::Processing.as_str()]))
+        .filter(outbox::status.eq_any([Status::Pending, Status::Processing]))
         .group_by(outbox::attempts)
         .select((outbox::attempts, diesel::dsl::count_star()))
         .load(conn)
@@ -69,7 +65,7 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
 /// Dead rows, oldest first, at most `limit`.
 pub async fn dead_list(conn: &mut AsyncPgConnection, limit: i64) -> Result<Vec<OutboxRow>, StoreError> {
     Ok(outbox::table
-        .filter(outbox::status.eq(Status::Dead.as_str()))
+        .filter(outbox::status.eq(Status::Dead))
         .order(outbox::id)
         .limit(limit)
         .select(OutboxRow::as_select())
@@ -80,7 +76,7 @@ pub async fn dead_list(conn: &mut AsyncPgConnection, limit: i64) -> Result<Vec<O
 /// Sends the given dead rows back to `pending`, attempts reset, claimable now. Returns the ids
 /// changed; an id that is not a dead row is left alone and absent from the result.
 pub async fn dead_retry(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
-    Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead.as_str())))
+    Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
         .set(retry_changes())
         .returning(outbox::id)
         .get_results(conn)
@@ -89,7 +85,7 @@ pub async fn dead_retry(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec
 
 /// Sends every dead row back to `pending`; returns the ids changed.
 pub async fn dead_retry_all(conn: &mut AsyncPgConnection) -> Result<Vec<i64>, StoreError> {
-    Ok(diesel::update(outbox::table.filter(outbox::status.eq(Status::Dead.as_str())))
+    Ok(diesel::update(outbox::table.filter(outbox::status.eq(Status::Dead)))
         .set(retry_changes())
         .returning(outbox::id)
         .get_results(conn)
@@ -98,14 +94,14 @@ pub async fn dead_retry_all(conn: &mut AsyncPgConnection) -> Result<Vec<i64>, St
 
 #[allow(clippy::type_complexity)]
 fn retry_changes() -> (
-    diesel::dsl::Eq<outbox::status, &'static str>,
+    diesel::dsl::Eq<outbox::status, Status>,
     diesel::dsl::Eq<outbox::attempts, i32>,
     diesel::dsl::Eq<outbox::available_at, diesel::dsl::now>,
     diesel::dsl::Eq<outbox::lease_owner, Option<String>>,
     diesel::dsl::Eq<outbox::lease_until, Option<DateTime<Utc>>>,
 ) {
     (
-        outbox::status.eq(Status::Pending.as_str()),
+        outbox::status.eq(Status::Pending),
         outbox::attempts.eq(0),
         outbox::available_at.eq(diesel::dsl::now),
         outbox::lease_owner.eq(None::<String>),
@@ -120,44 +116,47 @@ pub const SKIPPED_PREFIX: &str = "skipped by operator: ";
 /// `skipped by operator: <reason>` in `last_error` (the previous error is kept after it).
 /// Returns the ids changed; an id that is not a dead row is left alone.
 pub async fn dead_skip(conn: &mut AsyncPgConnection, ids: &[i64], reason: &str) -> Result<Vec<i64>, StoreError> {
-    #[derive(QueryableByName)]
-    struct Id {
-        #[diesel(sql_type = Int8)]
-        id: i64,
-    }
-    let rows: Vec<Id> = diesel::sql_query(
-        "UPDATE outbox
-         SET status = 'done', done_at = now(),
-             last_error = $2 || $3 || coalesce(' (was: ' || last_error || ')', '')
-         WHERE id = ANY($1) AND status = 'dead'
-         RETURNING id",
-    )
-    .bind::<diesel::sql_types::Array<BigInt>, _>(ids)
-    .bind::<Text, _>(SKIPPED_PREFIX)
-    .bind::<Text, _>(reason)
-    .load(conn)
-    .await?;
-    Ok(rows.into_iter().map(|r| r.id).collect())
+    let was = " (was: ".into_sql::<Nullable<Text>>().concat(outbox::last_error).concat(")");
+    Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
+        .set((
+            outbox::status.eq(Status::Done),
+            outbox::done_at.eq(now),
+            outbox::last_error.eq(SKIPPED_PREFIX
+                .into_sql::<Text>()
+                .concat(reason)
+                .concat(coalesce(was, ""))
+                .nullable()),
+        ))
+        .returning(outbox::id)
+        .get_results(conn)
+        .await?)
+}
+
+#[diesel::declare_sql_function]
+extern "SQL" {
+    /// SQL `coalesce` of a nullable text and a fallback.
+    fn coalesce(value: Nullable<Text>, fallback: Text) -> Text;
 }
 
 /// Deletes `done` rows whose `done_at` is older than `older_than`, `batch` rows per statement
 /// so that no statement holds many locks for long. Returns how many it deleted.
 pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batch: i64) -> Result<u64, StoreError> {
     let mut total = 0u64;
+    let batch = batch.max(1);
+    // The subquery reads the table under an alias of its own, as a self-join needs.
+    let old = diesel::alias!(outbox as old);
     loop {
-        let n = diesel::sql_query(
-            "DELETE FROM outbox WHERE id IN (
-                 SELECT id FROM outbox
-                 WHERE status = 'done' AND done_at < now() - $1
-                 LIMIT $2
-                 FOR UPDATE SKIP LOCKED)",
-        )
-        .bind::<Interval, _>(interval(older_than))
-        .bind::<BigInt, _>(batch.max(1))
-        .execute(conn)
-        .await?;
+        // A batch at a time, locked, passing over rows another purge holds.
+        let purgeable = old
+            .select(old.field(outbox::id))
+            .filter(old.field(outbox::status).eq(Status::Done))
+            .filter(old.field(outbox::done_at).lt((now.into_sql::<Timestamptz>() - interval(older_than)).nullable()))
+            .limit(batch)
+            .for_update()
+            .skip_locked();
+        let n = diesel::delete(outbox::table.filter(outbox::id.eq_any(purgeable))).execute(conn).await?;
         total += n as u64;
-        if (n as i64) < batch.max(1) {
+        if (n as i64) < batch {
             return Ok(total);
         }
     }

@@ -14,6 +14,7 @@ use diesel::sql_types::{Array, BigInt, Int4, Int8, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
+use super::sql::{BLOCKED_COUNT_SQL, BLOCKED_SQL};
 use crate::config::Fifo;
 use crate::error::StoreError;
 
@@ -111,7 +112,7 @@ pub async fn blocked_aggregates_count(conn: &mut AsyncPgConnection, fifo: &Fifo)
     Ok(count.n)
 }
 
-/// The `$1` of the queries below: `None` when the gate is off (nothing can be blocked, no query
+/// The `$1` of [`BLOCKED_SQL`] and [`BLOCKED_COUNT_SQL`]: `None` when the gate is off (nothing can be blocked, no query
 /// is needed), otherwise the gated event types, `Some(None)` (SQL `NULL`) meaning every type.
 fn gated_types(fifo: &Fifo) -> Option<Option<&[String]>> {
     match fifo {
@@ -120,37 +121,3 @@ fn gated_types(fifo: &Fifo) -> Option<Option<&[String]>> {
         Fifo::EventTypes(types) => Some(Some(types)),
     }
 }
-
-/// `FROM ... WHERE` selecting the dead heads of blocked aggregates, as `d`: shared, as text, by
-/// the list and the count so that they cannot disagree on what "blocked" means. `$1` is the
-/// gated event types (NULL: all). Every probe is a range of the partial index
-/// `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, which holds only unfinished rows.
-macro_rules! blocked_heads {
-    () => {
-        r#"
-FROM outbox AS d
-WHERE d.status = 'dead'
-  AND ($1::text[] IS NULL OR d.event_type = ANY($1))
-  AND NOT EXISTS (
-      SELECT 1 FROM outbox AS prev
-      WHERE prev.aggregate_type = d.aggregate_type AND prev.aggregate_id = d.aggregate_id
-        AND prev.id < d.id AND prev.status IN ('pending', 'processing', 'dead')
-        AND ($1::text[] IS NULL OR prev.event_type = ANY($1)))
-"#
-    };
-}
-
-// $1 the gated event types (NULL: all), $2 limit.
-const BLOCKED_SQL: &str = concat!(
-    r#"
-SELECT d.aggregate_type, d.aggregate_id, d.id AS dead_id, d.event_type, d.last_error, d.attempts, d.created_at,
-       (SELECT count(*) FROM outbox AS w
-        WHERE w.aggregate_type = d.aggregate_type AND w.aggregate_id = d.aggregate_id
-          AND w.id > d.id AND w.status IN ('pending', 'processing', 'dead')
-          AND ($1::text[] IS NULL OR w.event_type = ANY($1))) AS waiting"#,
-    blocked_heads!(),
-    "ORDER BY d.id\nLIMIT $2\n"
-);
-
-// $1 the gated event types (NULL: all).
-const BLOCKED_COUNT_SQL: &str = concat!("\nSELECT count(*) AS n", blocked_heads!());

@@ -1,33 +1,38 @@
 //! Fenced writes after a claim. Each takes a whole batch and costs one round trip; each returns
 //! the rows it won. A row absent from the result was not written: its `lease_version` moved on
 //! (another worker reclaimed it) or it is no longer `processing` (reaped, or finalized already).
+//!
+//! Each is a Diesel `update` of [`outbox`](crate::schema::outbox), filtered by
+//! [`processing`] and by the batch's [`Fenced`](super::fence::Fenced), its `SET` clause typed
+//! assignments, values that differ from row to row [`PerRow`](super::fence::PerRow) lookups:
+//! no column, type or status is spelled in text, so a schema change that breaks one of them
+//! breaks the build. Each statement's text depends on nothing but its types (every batch is
+//! one array bind per column), so each stays one prepared statement per connection, planned
+//! afresh on every run (see [`super::connect_pool`]).
 
 use std::time::Duration;
 
-use diesel::QueryableByName;
-use diesel::sql_types::{Array, BigInt, Int4, Int8, Interval, Text};
+use chrono::{DateTime, Utc};
+use diesel::dsl::{case_when, now};
+use diesel::sql_types::{Int4, Interval, Nullable, Text, Timestamptz};
+use diesel::{ExpressionMethods, IntoSql, NullableExpressionMethods, QueryDsl, TextExpressionMethods};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::claim::interval;
-use super::prepared::prepared;
+use super::fence::{Batch, processing};
+use super::prepared::keep_prepared;
 use crate::error::StoreError;
 use crate::model::{Fence, Status};
+use crate::schema::outbox;
 
 /// `last_error` is cut to this many characters, so that a sink's huge error cannot bloat rows.
 const MAX_ERROR_CHARS: usize = 2000;
 
+/// Before the last error of a row that a deferral sends dead ([`Reschedule::dead_if_older_than`]).
+const DEFERRED_TOO_LONG: &str = "deferred past the maximum deferral age; last: ";
+
 fn clip(error: &str) -> String {
     error.chars().take(MAX_ERROR_CHARS).collect()
-}
-
-fn split(fences: impl Iterator<Item = Fence>) -> (Vec<i64>, Vec<i64>) {
-    fences.map(|f| (f.id, f.lease_version)).unzip()
-}
-
-#[derive(QueryableByName)]
-struct Won {
-    #[diesel(sql_type = Int8)]
-    id: i64,
 }
 
 /// Marks each row `done` (clearing the lease and `last_error`), fenced; returns the ids won.
@@ -35,19 +40,22 @@ pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result
     if fences.is_empty() {
         return Ok(Vec::new());
     }
-    let (ids, versions) = split(fences.iter().copied());
-    let won: Vec<Won> = prepared(
-        "UPDATE outbox AS o
-         SET status = 'done', done_at = now(), last_error = NULL, lease_owner = NULL, lease_until = NULL
-         FROM unnest($1::bigint[], $2::bigint[]) AS v(id, ver)
-         WHERE o.id = v.id AND o.lease_version = v.ver AND o.status = 'processing'
-         RETURNING o.id",
+    let batch = Batch::new(fences, |f| *f);
+    Ok(keep_prepared(
+        diesel::update(outbox::table)
+            .filter(processing())
+            .filter(batch.fenced())
+            .set((
+                outbox::status.eq(Status::Done),
+                outbox::done_at.eq(now),
+                outbox::last_error.eq(None::<String>),
+                outbox::lease_owner.eq(None::<String>),
+                outbox::lease_until.eq(None::<DateTime<Utc>>),
+            ))
+            .returning(outbox::id),
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<BigInt>, _>(versions)
-    .load(conn)
-    .await?;
-    Ok(won.into_iter().map(|w| w.id).collect())
+    .get_results(conn)
+    .await?)
 }
 
 /// A row to send dead.
@@ -64,21 +72,22 @@ pub async fn mark_dead(conn: &mut AsyncPgConnection, rows: &[Bury]) -> Result<Ve
     if rows.is_empty() {
         return Ok(Vec::new());
     }
-    let (ids, versions) = split(rows.iter().map(|r| r.fence));
-    let errors: Vec<String> = rows.iter().map(|r| clip(&r.error)).collect();
-    let won: Vec<Won> = prepared(
-        "UPDATE outbox AS o
-         SET status = 'dead', last_error = v.err, lease_owner = NULL, lease_until = NULL
-         FROM unnest($1::bigint[], $2::bigint[], $3::text[]) AS v(id, ver, err)
-         WHERE o.id = v.id AND o.lease_version = v.ver AND o.status = 'processing'
-         RETURNING o.id",
+    let batch = Batch::new(rows, |r| r.fence);
+    let errors: Vec<String> = batch.rows().map(|r| clip(&r.error)).collect();
+    Ok(keep_prepared(
+        diesel::update(outbox::table)
+            .filter(processing())
+            .filter(batch.fenced())
+            .set((
+                outbox::status.eq(Status::Dead),
+                outbox::last_error.eq(batch.per_row::<Text, _>(&errors).nullable()),
+                outbox::lease_owner.eq(None::<String>),
+                outbox::lease_until.eq(None::<DateTime<Utc>>),
+            ))
+            .returning(outbox::id),
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<BigInt>, _>(versions)
-    .bind::<Array<Text>, _>(errors)
-    .load(conn)
-    .await?;
-    Ok(won.into_iter().map(|w| w.id).collect())
+    .get_results(conn)
+    .await?)
 }
 
 /// A row to put back to `pending`.
@@ -112,52 +121,36 @@ pub async fn reschedule(conn: &mut AsyncPgConnection, rows: &[Reschedule]) -> Re
     if rows.is_empty() {
         return Ok(Vec::new());
     }
-    let (ids, versions) = split(rows.iter().map(|r| r.fence));
-    let micros = |d: Duration| i64::try_from(d.as_micros()).unwrap_or(i64::MAX);
-    let delays: Vec<i64> = rows.iter().map(|r| micros(r.delay)).collect();
-    let errors: Vec<String> = rows.iter().map(|r| clip(&r.error)).collect();
-    let refunds: Vec<i32> = rows.iter().map(|r| i32::from(r.refund_attempt)).collect();
-    let max_ages: Vec<i64> = rows.iter().map(|r| r.dead_if_older_than.map_or(-1, micros)).collect();
+    let batch = Batch::new(rows, |r| r.fence);
+    let delays: Vec<_> = batch.rows().map(|r| interval(r.delay)).collect();
+    let errors: Vec<String> = batch.rows().map(|r| clip(&r.error)).collect();
+    let refunds: Vec<i32> = batch.rows().map(|r| i32::from(r.refund_attempt)).collect();
+    let max_ages: Vec<_> = batch.rows().map(|r| r.dead_if_older_than.map(interval)).collect();
 
-    #[derive(QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = Int8)]
-        id: i64,
-        #[diesel(sql_type = Text)]
-        status: String,
-    }
-    let out: Vec<Row> = prepared(
-        "UPDATE outbox AS o
-         SET status = CASE WHEN v.max_age_us >= 0 AND o.created_at < now() - v.max_age_us * interval '1 microsecond'
-                           THEN 'dead' ELSE 'pending' END,
-             last_error = CASE WHEN v.max_age_us >= 0 AND o.created_at < now() - v.max_age_us * interval '1 microsecond'
-                               THEN 'deferred past the maximum deferral age; last: ' || v.err
-                               ELSE v.err END,
-             available_at = now() + v.delay_us * interval '1 microsecond',
-             attempts = o.attempts - v.refund,
-             lease_owner = NULL,
-             lease_until = NULL
-         FROM unnest($1::bigint[], $2::bigint[], $3::bigint[], $4::text[], $5::int[], $6::bigint[])
-              AS v(id, ver, delay_us, err, refund, max_age_us)
-         WHERE o.id = v.id AND o.lease_version = v.ver AND o.status = 'processing'
-         RETURNING o.id, o.status",
+    // NULL (never) for a row without a maximum age.
+    let too_old = outbox::created_at
+        .nullable()
+        .lt(now.into_sql::<Nullable<Timestamptz>>() - batch.per_row::<Nullable<Interval>, _>(&max_ages));
+    let won: Vec<(i64, Status)> = keep_prepared(
+        diesel::update(outbox::table)
+            .filter(processing())
+            .filter(batch.fenced())
+            .set((
+                outbox::status.eq(case_when::<_, _, Text>(too_old, Status::Dead).otherwise(Status::Pending)),
+                outbox::last_error.eq(case_when::<_, _, Text>(too_old, DEFERRED_TOO_LONG)
+                    .otherwise("")
+                    .concat(batch.per_row::<Text, _>(&errors))
+                    .nullable()),
+                outbox::available_at.eq(now.into_sql::<Timestamptz>() + batch.per_row::<Interval, _>(&delays)),
+                outbox::attempts.eq(outbox::attempts - batch.per_row::<Int4, _>(&refunds)),
+                outbox::lease_owner.eq(None::<String>),
+                outbox::lease_until.eq(None::<DateTime<Utc>>),
+            ))
+            .returning((outbox::id, outbox::status)),
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<BigInt>, _>(versions)
-    .bind::<Array<BigInt>, _>(delays)
-    .bind::<Array<Text>, _>(errors)
-    .bind::<Array<Int4>, _>(refunds)
-    .bind::<Array<BigInt>, _>(max_ages)
-    .load(conn)
+    .get_results(conn)
     .await?;
-    out.into_iter()
-        .map(|r| {
-            let status = r.status.parse().map_err(|e: crate::model::UnknownStatus| {
-                StoreError::Query(diesel::result::Error::DeserializationError(Box::new(e)))
-            })?;
-            Ok(Rescheduled { id: r.id, status })
-        })
-        .collect()
+    Ok(won.into_iter().map(|(id, status)| Rescheduled { id, status }).collect())
 }
 
 /// Extends the lease of each row to `now() + lease` (a heartbeat for a slow publish), fenced;
@@ -170,20 +163,16 @@ pub async fn extend_leases(
     if fences.is_empty() {
         return Ok(Vec::new());
     }
-    let (ids, versions) = split(fences.iter().copied());
-    let won: Vec<Won> = prepared(
-        "UPDATE outbox AS o
-         SET lease_until = now() + $3
-         FROM unnest($1::bigint[], $2::bigint[]) AS v(id, ver)
-         WHERE o.id = v.id AND o.lease_version = v.ver AND o.status = 'processing'
-         RETURNING o.id",
+    let batch = Batch::new(fences, |f| *f);
+    Ok(keep_prepared(
+        diesel::update(outbox::table)
+            .filter(processing())
+            .filter(batch.fenced())
+            .set(outbox::lease_until.eq((now.into_sql::<Timestamptz>() + interval(lease)).nullable()))
+            .returning(outbox::id),
     )
-    .bind::<Array<BigInt>, _>(ids)
-    .bind::<Array<BigInt>, _>(versions)
-    .bind::<Interval, _>(interval(lease))
-    .load(conn)
-    .await?;
-    Ok(won.into_iter().map(|w| w.id).collect())
+    .get_results(conn)
+    .await?)
 }
 
 /// The rows of `fences` that are no longer `processing` at their fence's `lease_version`, with
@@ -198,28 +187,14 @@ pub async fn settled_at_version(
     conn: &mut AsyncPgConnection,
     fences: &[Fence],
 ) -> Result<Vec<(i64, Status)>, StoreError> {
-    use diesel::{ExpressionMethods, QueryDsl};
-
-    use crate::schema::outbox;
-
     if fences.is_empty() {
         return Ok(Vec::new());
     }
-    let ids: Vec<i64> = fences.iter().map(|f| f.id).collect();
-    let rows: Vec<(i64, i64, String)> = outbox::table
-        .filter(outbox::id.eq_any(&ids))
-        .filter(outbox::status.ne(Status::Processing.as_str()))
-        .select((outbox::id, outbox::lease_version, outbox::status))
+    let batch = Batch::new(fences, |f| *f);
+    Ok(outbox::table
+        .filter(batch.fenced())
+        .filter(outbox::status.ne(Status::Processing))
+        .select((outbox::id, outbox::status))
         .load(conn)
-        .await?;
-    let versions: std::collections::HashMap<i64, i64> = fences.iter().map(|f| (f.id, f.lease_version)).collect();
-    rows.into_iter()
-        .filter(|(id, version, _)| versions.get(id) == Some(version))
-        .map(|(id, _, status)| {
-            let status = status.parse().map_err(|e: crate::model::UnknownStatus| {
-                StoreError::Query(diesel::result::Error::DeserializationError(Box::new(e)))
-            })?;
-            Ok((id, status))
-        })
-        .collect()
+        .await?)
 }

@@ -10,10 +10,12 @@
 
 mod admin;
 mod claim;
+mod fence;
 mod fifo;
 mod finalize;
 mod prepared;
 mod producer;
+mod sql;
 
 use std::time::Duration;
 

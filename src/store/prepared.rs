@@ -1,10 +1,11 @@
-//! Hand-written statements that stay prepared on their connection.
+//! Statements that stay prepared on their connection: the claim's SQL text ([`Prepared`]) and
+//! the fenced writes built with the query builder ([`KeepPrepared`]).
 //!
-//! `diesel::sql_query` is never put in the statement cache: every run parses and describes its
-//! text again, a round trip of its own before the one that executes. The claim and the
-//! finalizes run the same few texts thousands of times a second, so they go through
-//! [`Prepared`] instead: diesel-async prepares each text once per connection (keyed by the SQL
-//! and its bind types) and later runs cost one round trip.
+//! Diesel puts neither `diesel::sql_query` nor any `diesel::update` in the statement cache:
+//! every run parses and describes its text again, a round trip of its own before the one that
+//! executes. The claim and the fenced writes run the same few texts thousands of times a second,
+//! so they go through these two instead: diesel-async prepares each text once per connection
+//! (keyed by the SQL and its bind types) and later runs cost one round trip.
 //!
 //! Planning still happens on every run: the pool sets `plan_cache_mode = force_custom_plan`
 //! (see [`super::connect_pool`]), so PostgreSQL plans each execution with its real values (the
@@ -18,6 +19,43 @@ use diesel::pg::Pg;
 use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::serialize::ToSql;
 use diesel::sql_types::{HasSqlType, Untyped};
+
+/// A statement of the query builder that diesel-async keeps prepared, keyed by its SQL text and
+/// bind types: see [`keep_prepared`].
+#[must_use = "a statement runs only when loaded or executed"]
+pub(crate) struct KeepPrepared<Q>(Q);
+
+/// Lets `query` stay prepared on its connection.
+///
+/// Diesel marks every `UPDATE` unsafe to cache because a derived `AsChangeset` skips its `None`
+/// fields, so one statement type can produce many texts. Only wrap a statement whose text
+/// depends on its type alone: a `SET` of a tuple of assignments (no optional ones), array
+/// binds for batches (`= ANY($1)`, the fence expressions), no `sql` literal. A statement that
+/// broke this would stay correct (the cache is keyed by the text) but fill the cache with one
+/// statement per text; the test `claim_and_finalize_stay_prepared_and_never_run_on_a_generic_plan`
+/// counts the statements of every fenced write.
+pub(crate) fn keep_prepared<Q>(query: Q) -> KeepPrepared<Q> {
+    KeepPrepared(query)
+}
+
+impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for KeepPrepared<Q> {
+    fn walk_ast<'b>(&'b self, out: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
+        self.0.walk_ast(out)
+    }
+
+    fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
+        Ok(true)
+    }
+}
+
+impl<Q: QueryId> QueryId for KeepPrepared<Q> {
+    type QueryId = KeepPrepared<Q::QueryId>;
+    const HAS_STATIC_QUERY_ID: bool = Q::HAS_STATIC_QUERY_ID;
+}
+
+impl<Q: Query> Query for KeepPrepared<Q> {
+    type SqlType = Q::SqlType;
+}
 
 /// A fixed SQL text with typed binds, safe for diesel's prepared-statement cache.
 ///

@@ -3,6 +3,7 @@
 use diesel::sql_types::Text;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+use super::sql::LOCK_AGGREGATE_SQL;
 use crate::error::StoreError;
 use crate::model::NewEvent;
 use crate::schema::outbox;
@@ -96,7 +97,7 @@ pub async fn lock_aggregate(
     if depth.is_none() {
         return Err(StoreError::OutsideTransaction("lock_aggregate / enqueue_ordered"));
     }
-    diesel::sql_query("SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || $2, 0))")
+    diesel::sql_query(LOCK_AGGREGATE_SQL)
         .bind::<Text, _>(aggregate_type)
         .bind::<Text, _>(aggregate_id)
         .execute(conn)

@@ -46,7 +46,7 @@ async fn four_workers_publish_each_row_exactly_once() {
     published.sort();
     assert_eq!(published, ids, "every row published once, none twice");
     let rows = db.rows().await;
-    assert!(rows.iter().all(|r| r.status() == Status::Done && r.attempts == 1 && r.lease_version == 1));
+    assert!(rows.iter().all(|r| r.status == Status::Done && r.attempts == 1 && r.lease_version == 1));
     assert!(rows.iter().all(|r| r.done_at.is_some() && r.lease_owner.is_none() && r.lease_until.is_none()));
     let m = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!((m.claimed, m.published, m.done, m.lost_leases, m.retried, m.dead), (100, 100, 100, 0, 0, 0));
@@ -69,7 +69,7 @@ async fn workers_share_the_backlog_with_distinct_owner_ids() {
         let owners = owners.clone();
         let db = &db;
         async move {
-            for r in db.rows().await.iter().filter(|r| r.status() == Status::Processing) {
+            for r in db.rows().await.iter().filter(|r| r.status == Status::Processing) {
                 *owners.lock().unwrap().entry(r.lease_owner.clone().unwrap()).or_default() += 1;
             }
             db.count_status("done").await == 400
@@ -104,20 +104,20 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
 
     all_done(&db, 19).await;
     let row = db.row(victim).await;
-    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Processing, 1, 1), "held by the dead attempt");
+    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Processing, 1, 1), "held by the dead attempt");
 
     // Rows inserted after the crash flow while the victim waits for its lease.
     let more = db.seed(10, "b").await;
     eventually(WITHIN, "new rows done while the victim is leased", || async {
         let rows = db.rows().await;
-        more.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status() == Status::Done))
+        more.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
     })
     .await;
     assert_eq!(db.row(victim).await.lease_version, 1, "victim still under its first lease");
 
     all_done(&db, 30).await;
     let row = db.row(victim).await;
-    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Done, 2, 2));
+    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 2, 2));
     let late = actix_outbox::Fence { id: victim, lease_version: 1 };
     let mut conn = db.conn().await;
     assert!(actix_outbox::store::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "stale finalize fenced");
@@ -162,7 +162,7 @@ async fn retryable_failures_end_dead_after_max_attempts() {
         SinkAction::Fail(PublishError::Retryable("503 from broker".into()))
     });
     let dispatcher = OutboxSupervisor::start(config().max_attempts(3), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row dead", || async { db.row(id).await.status() == Status::Dead }).await;
+    eventually(WITHIN, "row dead", || async { db.row(id).await.status == Status::Dead }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     assert_eq!((row.attempts, row.lease_version), (3, 3));
@@ -205,12 +205,12 @@ async fn permanent_goes_dead_and_defer_refunds() {
     });
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "both finalized", || async {
-        db.row(permanent).await.status() == Status::Dead && db.row(deferred).await.last_error.is_some()
+        db.row(permanent).await.status == Status::Dead && db.row(deferred).await.last_error.is_some()
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(deferred).await;
-    assert_eq!((row.status(), row.attempts, row.lease_version), (Status::Pending, 0, 1));
+    assert_eq!((row.status, row.attempts, row.lease_version), (Status::Pending, 0, 1));
     assert_eq!(db.row(permanent).await.attempts, 1);
     let m = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!((m.dead, m.deferred, m.retried), (1, 1, 0));
@@ -232,7 +232,7 @@ async fn publish_timeout_reschedules_the_row() {
     eventually(WITHIN, "rescheduled", || async { db.row(id).await.last_error.is_some() }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
-    assert_eq!((row.status(), row.attempts), (Status::Pending, 1));
+    assert_eq!((row.status, row.attempts), (Status::Pending, 1));
     assert!(row.last_error.unwrap().contains("publish timed out after 200ms"));
 }
 
@@ -270,7 +270,7 @@ async fn a_users_actor_can_be_the_sink() {
     let sink = ActorPublisher::new(collector.clone().recipient());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     all_done(&db, 5).await;
-    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status() == Status::Dead }).await;
+    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = collector.send(Seen).await.unwrap();
     seen.sort();
@@ -361,7 +361,7 @@ async fn inserts_wake_an_idle_dispatcher_without_polling() {
         let ids = db.seed(3, &format!("r{round}")).await;
         eventually(WITHIN, &format!("round {round} published"), || async {
             let rows = db.rows().await;
-            ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status() == Status::Done))
+            ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
         })
         .await;
     }
@@ -382,7 +382,7 @@ async fn slow_publish_extends_its_lease_by_heartbeat() {
     let lease = Duration::from_millis(1500);
     let config = config().workers(1).lease(lease).publish_timeout(Duration::from_millis(1400));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row claimed", || async { db.row(ids[0]).await.status() == Status::Processing }).await;
+    eventually(WITHIN, "row claimed", || async { db.row(ids[0]).await.status == Status::Processing }).await;
     let claimed = db.row(ids[0]).await.lease_until.expect("a claimed row has a lease");
     // The heartbeat fires at lease / 3 = 500 ms and pushes lease_until to now() + lease.
     eventually(WITHIN, "lease extended", || async {
@@ -473,7 +473,7 @@ async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_le
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!((m.done, m.lost_leases, m.finalize_errors), (2, 0, 0), "{m:?}");
     let row = db.row(id).await;
-    assert_eq!((row.status(), row.lease_version, row.attempts), (Status::Done, 1, 1));
+    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 1, 1));
 }
 
 /// Every database connection drops at once (a restart, a failover): pooled connections are not

@@ -275,7 +275,7 @@ async fn a_dead_head_blocks_its_tail_until_retried_or_skipped() {
     // Way out 1: retry the head.
     assert_eq!(dead_retry(&mut conn, &[a1]).await.unwrap(), vec![a1]);
     let row = db.row(a1).await;
-    assert_eq!((row.status(), row.attempts), (Status::Pending, 0));
+    assert_eq!((row.status, row.attempts), (Status::Pending, 0));
     let retried = claim(&mut conn, "w2", &Fifo::All).await;
     assert_eq!(ids(&retried), vec![a1], "the retried head first, its tail still waits");
     assert_eq!((retried.messages[0].lease_version, retried.messages[0].attempts), (2, 1));
@@ -291,7 +291,7 @@ async fn a_dead_head_blocks_its_tail_until_retried_or_skipped() {
     let reason = "poison payload, accepted gap (OPS-7)";
     assert_eq!(dead_skip(&mut conn, &[b1], reason).await.unwrap(), vec![b1]);
     let skipped = db.row(b1).await;
-    assert_eq!(skipped.status(), Status::Done);
+    assert_eq!(skipped.status, Status::Done);
     assert!(skipped.done_at.is_some());
     assert_eq!(
         skipped.last_error.as_deref(),
@@ -333,7 +333,7 @@ async fn a_crashed_workers_head_is_reclaimed_and_its_tail_waits_until_the_head_i
 
     // The crashed worker's late finalize is fenced off and unblocks nothing.
     assert_eq!(mark_done(&mut conn, &[stale]).await.unwrap(), Vec::<i64>::new());
-    assert_eq!(db.row(x[0]).await.status(), Status::Processing);
+    assert_eq!(db.row(x[0]).await.status, Status::Processing);
     assert!(claim(&mut conn, "other", &fifo).await.messages.is_empty());
 
     done(&mut conn, &fences(&rescued)).await;
@@ -382,7 +382,7 @@ async fn the_reaper_works_under_the_gate_and_a_reaped_head_keeps_blocking() {
     let reaping = store::claim(&mut conn, &ClaimParams { max_attempts: 1, ..params("reaper", &fifo) }).await.unwrap();
     assert_eq!(reaping.reaped, vec![crashed.messages[0].fence()]);
     assert!(reaping.messages.is_empty(), "the tail is not claimed in the statement that reaps its head");
-    assert_eq!(db.row(x[0]).await.status(), Status::Dead);
+    assert_eq!(db.row(x[0]).await.status, Status::Dead);
     assert!(claim(&mut conn, "w", &fifo).await.messages.is_empty(), "a reaped head blocks like any dead row");
 
     let blocked = blocked_aggregates(&mut conn, &fifo, 10).await.unwrap();

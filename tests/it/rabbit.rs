@@ -80,7 +80,7 @@ async fn message_carries_every_property_and_header() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { db.row(id).await.status() == Status::Done }).await;
+    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -157,7 +157,7 @@ async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
     .await;
     dispatcher.send(Shutdown).await.unwrap();
     let dead = db.row(lost).await;
-    assert_eq!(dead.status(), Status::Dead);
+    assert_eq!(dead.status, Status::Dead);
     assert_eq!(dead.attempts, 1, "a permanent failure is not retried");
     let error = dead.last_error.unwrap();
     assert!(error.contains("unroutable"), "{error}");
@@ -212,7 +212,7 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     // Several probe intervals (500 ms) of outage: only probes touch rows, and give them back.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let rows = db.rows().await;
-    assert!(rows.iter().all(|r| r.status() != Status::Dead && r.attempts <= 1), "no attempt is spent on an outage");
+    assert!(rows.iter().all(|r| r.status != Status::Dead && r.attempts <= 1), "no attempt is spent on an outage");
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!((metrics.retried, metrics.dead), (0, 0), "{metrics:?}");
     assert!(metrics.claimed <= 200 + 10, "only probes claim while the broker is away: {metrics:?}");
@@ -271,7 +271,7 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
     let id = db.seed(1, "stall").await[0];
     eventually(WITHIN, "row rescheduled after a publish timeout", || async {
         let row = db.row(id).await;
-        row.status() == Status::Pending
+        row.status == Status::Pending
             && row.attempts >= 1
             && row.last_error.as_deref().is_some_and(|e| e.contains("publish timed out after 300ms"))
     })
@@ -281,8 +281,7 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
     assert!(sink.is_connected(), "a silent broker is not a lost connection");
 
     proxy.resume();
-    eventually(WITHIN, "row done once the broker answers", || async { db.row(id).await.status() == Status::Done })
-        .await;
+    eventually(WITHIN, "row done once the broker answers", || async { db.row(id).await.status == Status::Done }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     let copies = broker.depth(&queue).await as usize;
