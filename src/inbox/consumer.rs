@@ -14,7 +14,7 @@
 //! them again, and the inbox row of any that committed makes the new copy a duplicate.
 
 use std::borrow::Cow;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -49,6 +49,8 @@ use crate::store::PgPool;
 const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest reason carried in a header.
 const MAX_REASON_BYTES: usize = 4096;
+/// Bound on an acknowledgement (lapin's settle of a channel that died can be slow to come).
+const ACK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What every consumer actor of one supervisor shares.
 pub(crate) struct Shared {
@@ -102,6 +104,8 @@ struct Session {
 
 /// Where a delivery came from and how to settle it.
 struct Envelope {
+    /// The link it came on.
+    generation: u64,
     acker: Acker,
     channel: Channel,
     properties: BasicProperties,
@@ -161,6 +165,11 @@ pub(crate) struct InboxConsumer {
     link_failures: i32,
     lanes: Vec<Lane>,
     in_hand: usize,
+    /// Deliveries in hand per link generation.
+    held: HashMap<u64, usize>,
+    /// Links whose stream ended, kept until the deliveries they carried are settled (their
+    /// acknowledgements fail on the dead channel, but only while its runtime lives).
+    retired: HashMap<u64, Link>,
     draining: watch::Sender<bool>,
     drain_waiters: Vec<oneshot::Sender<()>>,
 }
@@ -189,6 +198,8 @@ impl InboxConsumer {
             link_failures: 0,
             lanes,
             in_hand: 0,
+            held: HashMap::new(),
+            retired: HashMap::new(),
             draining: watch::channel(false).0,
             drain_waiters: Vec::new(),
         }
@@ -268,7 +279,9 @@ impl InboxConsumer {
                 self.link_failures = 0;
             }
             self.link_failures = self.link_failures.saturating_add(1);
-            drop(session.link);
+            if self.held.get(&generation).copied().unwrap_or(0) > 0 {
+                self.retired.insert(generation, session.link);
+            }
             self.schedule_reconnect(ctx);
         } else {
             self.check_drained(ctx);
@@ -276,13 +289,13 @@ impl InboxConsumer {
     }
 
     fn received(&mut self, mut delivery: Delivery, ctx: &mut Context<Self>) {
-        Counters::add(&self.shared.counters.received, 1);
-        self.in_hand += 1;
-        let Some(channel) = self.session.as_ref().map(|s| s.link.channel.clone()) else {
-            // Cannot happen (deliveries come from the session's stream); the broker redelivers.
-            self.in_hand -= 1;
+        // Deliveries come from the current session's stream (checked by the caller).
+        let Some((channel, generation)) = self.session.as_ref().map(|s| (s.link.channel.clone(), s.generation)) else {
             return;
         };
+        Counters::add(&self.shared.counters.received, 1);
+        self.in_hand += 1;
+        *self.held.entry(generation).or_default() += 1;
         let parsed = InboxMessage::from_delivery(&delivery);
         let body = std::mem::take(&mut delivery.data);
         let attempt = parsed.as_ref().map_or(1, |m| m.attempt);
@@ -291,6 +304,7 @@ impl InboxConsumer {
             Err(_) => (delivery.exchange.as_str().to_owned(), delivery.routing_key.as_str().to_owned()),
         };
         let envelope = Envelope {
+            generation,
             acker: delivery.acker,
             channel,
             properties: delivery.properties,
@@ -315,7 +329,7 @@ impl InboxConsumer {
                     let reason = format!("unusable message: {reason}");
                     forward(&shared, &envelope, &body, Forward::DeadLetter(&reason), drain).await
                 };
-                ctx.spawn(work.into_actor(self).map(|settled, act, ctx| act.settled(settled, ctx)));
+                ctx.spawn(work.into_actor(self).map(move |settled, act, ctx| act.settled(generation, settled, ctx)));
             }
         }
     }
@@ -329,10 +343,11 @@ impl InboxConsumer {
         self.lanes[lane].busy = true;
         let span = info_span!("inbox", message_id = job.message.message_id, attempt = job.message.attempt,
             event_type = %job.message.event_type);
+        let generation = job.envelope.generation;
         let work = process(self.shared.clone(), job, self.draining.subscribe()).instrument(span);
         ctx.spawn(work.into_actor(self).map(move |processed, act, ctx| {
             match processed {
-                Processed::Settled(settled) => act.settled(settled, ctx),
+                Processed::Settled(settled) => act.settled(generation, settled, ctx),
                 Processed::Retry { job, delay, reason } => act.retry_later(job, delay, reason, ctx),
             }
             act.run_lane(lane, ctx);
@@ -342,6 +357,7 @@ impl InboxConsumer {
     /// Republishes `job` for its next attempt after `delay`, off its lane (it stays in hand).
     fn retry_later(&mut self, job: Box<Job>, delay: Duration, reason: String, ctx: &mut Context<Self>) {
         let (shared, mut drain) = (self.shared.clone(), self.draining.subscribe());
+        let generation = job.envelope.generation;
         debug!(message_id = job.message.message_id, attempt = job.message.attempt, delay = ?delay, reason = %reason,
             "retryable failure; republishing for the next attempt after the delay");
         let work = async move {
@@ -353,11 +369,19 @@ impl InboxConsumer {
             }
             forward(&shared, &job.envelope, &job.message.body, Forward::Retry(&reason), drain).await
         };
-        ctx.spawn(work.into_actor(self).map(|settled, act, ctx| act.settled(settled, ctx)));
+        ctx.spawn(work.into_actor(self).map(move |settled, act, ctx| act.settled(generation, settled, ctx)));
     }
 
-    fn settled(&mut self, settled: Settled, ctx: &mut Context<Self>) {
+    fn settled(&mut self, generation: u64, settled: Settled, ctx: &mut Context<Self>) {
         self.in_hand -= 1;
+        if let Some(held) = self.held.get_mut(&generation) {
+            *held -= 1;
+            if *held == 0 {
+                self.held.remove(&generation);
+                // A retired link is closed once nothing it carried is in hand.
+                self.retired.remove(&generation);
+            }
+        }
         let c = &self.shared.counters;
         match settled {
             Settled::Handled => Counters::add(&c.handled, 1),
@@ -768,16 +792,20 @@ fn long_string(text: &str) -> AMQPValue {
 }
 
 async fn ack(acker: &Acker) {
-    match acker.ack(BasicAckOptions::default()).await {
-        Ok(true) => {}
-        Ok(false) => debug!("acknowledgement skipped: the channel is gone; the broker delivers the message again"),
-        Err(e) => debug!(error = %e, "acknowledgement failed; the broker delivers the message again"),
+    match tokio::time::timeout(ACK_TIMEOUT, acker.ack(BasicAckOptions::default())).await {
+        Ok(Ok(true)) => {}
+        Ok(Ok(false)) => debug!("acknowledgement skipped: the channel is gone; the broker delivers the message again"),
+        Ok(Err(e)) => debug!(error = %e, "acknowledgement failed; the broker delivers the message again"),
+        Err(_) => warn!("acknowledgement not settled in time; the broker delivers the message again if it was lost"),
     }
 }
 
 async fn requeue(acker: &Acker) {
-    if let Err(e) = acker.nack(BasicNackOptions { multiple: false, requeue: true }).await {
-        debug!(error = %e, "nack failed; the broker delivers the message again anyway");
+    let nack = acker.nack(BasicNackOptions { multiple: false, requeue: true });
+    match tokio::time::timeout(ACK_TIMEOUT, nack).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => debug!(error = %e, "nack failed; the broker delivers the message again anyway"),
+        Err(_) => warn!("nack not settled in time; the broker delivers the message again when the channel closes"),
     }
 }
 

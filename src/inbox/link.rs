@@ -7,7 +7,8 @@
 //! dead-letter topology, starts consuming, hands the channel and the consumer stream back, and
 //! then only keeps the connection alive. The channel and the stream are runtime-agnostic: the
 //! consumer actor reads, acknowledges and publishes from its own arbiter. The thread closes the
-//! connection and ends when the [`Link`] is dropped or closed, or when the connection dies.
+//! connection and ends when the [`Link`] is dropped or closed, and not before, even when the
+//! connection died: lapin fails the pending acknowledgements of a dead channel on that runtime.
 
 use std::time::Duration;
 
@@ -23,8 +24,8 @@ use tracing::debug;
 use super::config::InboxConfig;
 use crate::store::mask_password;
 
-/// How often the link thread checks that its connection is still up.
-const CHECK_PERIOD: Duration = Duration::from_millis(250);
+/// Bound on waiting for the broker's confirm of a forwarded copy.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a graceful close of the connection may take.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -84,7 +85,7 @@ async fn hold(
     config: InboxConfig,
     tag: String,
     ready: oneshot::Sender<Result<(Channel, Consumer), String>>,
-    mut stop: oneshot::Receiver<()>,
+    stop: oneshot::Receiver<()>,
 ) {
     let mut connection = None;
     let timeout = config.connect_timeout;
@@ -100,16 +101,10 @@ async fn hold(
     };
     let Some(conn) = connection else { return };
     if handed {
-        let mut check = tokio::time::interval(CHECK_PERIOD);
-        loop {
-            tokio::select! {
-                _ = &mut stop => break,
-                _ = check.tick() => if !conn.status().connected() {
-                    debug!(status = ?conn.status(), "inbox link's connection is gone; its thread ends");
-                    break;
-                },
-            }
-        }
+        // Wait for the owner even when the connection died: lapin settles pending
+        // acknowledgements and confirms of a dead channel (with an error) on this runtime, and a
+        // runtime dropped under them would leave them pending for ever.
+        let _ = stop.await;
     }
     if conn.status().connected() {
         match tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await {
@@ -183,8 +178,9 @@ pub(crate) enum PublishFailure {
     /// The channel or connection failed: the original delivery cannot be acknowledged on it
     /// any more, so the broker delivers it again.
     Link(String),
-    /// The broker refused the copy (nack, or returned it: nobody is bound for it). The link is
-    /// fine; the copy can be tried again later.
+    /// The broker refused the copy (nack, or returned it: nobody is bound for it), or did not
+    /// confirm it in time. The link may be fine; the copy can be tried again later (a second copy
+    /// of a message is harmless: the inbox applies it once).
     Refused(String),
 }
 
@@ -199,11 +195,20 @@ pub(crate) async fn publish_confirmed(
 ) -> Result<(), PublishFailure> {
     let link = |e: lapin::Error| PublishFailure::Link(e.to_string());
     let options = BasicPublishOptions { mandatory: true, immediate: false };
-    let confirm = channel
-        .basic_publish(ShortString::from(exchange), ShortString::from(routing_key), options, body, properties)
-        .await
-        .map_err(link)?;
-    match confirm.await.map_err(link)? {
+    let confirmed = tokio::time::timeout(CONFIRM_TIMEOUT, async {
+        channel
+            .basic_publish(ShortString::from(exchange), ShortString::from(routing_key), options, body, properties)
+            .await?
+            .await
+    })
+    .await
+    .map_err(|_| {
+        PublishFailure::Refused(format!(
+            "no confirm from the broker within {}",
+            humantime::format_duration(CONFIRM_TIMEOUT)
+        ))
+    })?;
+    match confirmed.map_err(link)? {
         Confirmation::Ack(None) => Ok(()),
         Confirmation::Ack(Some(returned)) => Err(PublishFailure::Refused(format!(
             "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} ({} {})",

@@ -6,5 +6,6 @@ mod support;
 
 mod actors;
 mod fifo;
+mod inbox;
 mod rabbit;
 mod store;
