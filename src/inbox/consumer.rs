@@ -18,6 +18,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -51,6 +52,14 @@ const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_REASON_BYTES: usize = 4096;
 /// Bound on an acknowledgement (lapin's settle of a channel that died can be slow to come).
 const ACK_TIMEOUT: Duration = Duration::from_secs(10);
+/// Once a shutdown started, how much longer a delivery may wait for a pooled connection before
+/// it is given back to the broker (a healthy pool answers far sooner; a dead database would
+/// otherwise hold the shutdown for the pool's whole checkout timeout).
+const DRAIN_CHECKOUT_GRACE: Duration = Duration::from_secs(2);
+/// What a whole transaction may take beyond the handler's timeout (the inbox's statements and
+/// the commit) before the database counts as unreachable: a connection that went silent
+/// without closing would otherwise hold its delivery for ever.
+const STATEMENTS_GRACE: Duration = Duration::from_secs(30);
 
 /// What every consumer actor of one supervisor shares.
 pub(crate) struct Shared {
@@ -58,6 +67,9 @@ pub(crate) struct Shared {
     pub(crate) pool: PgPool,
     pub(crate) handler: Arc<dyn InboxHandler>,
     pub(crate) counters: Counters,
+    /// The last attempt (on any lane) found the database unreachable; cleared by the next
+    /// success. During a shutdown, deliveries are then given back without trying.
+    pub(crate) database_out: AtomicBool,
 }
 
 impl std::fmt::Debug for Shared {
@@ -565,8 +577,13 @@ async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>
             debug!("delivery's channel is gone; the broker delivers it again");
             return Processed::Settled(Settled::Abandoned);
         }
-        match attempt(&shared, &job.message).await {
+        if *drain.borrow() && shared.database_out.load(Ordering::Relaxed) {
+            requeue(&job.envelope.acker).await;
+            return Processed::Settled(Settled::Requeued);
+        }
+        match attempt(&shared, &job.message, &drain).await {
             Attempt::Done(settled) => {
+                shared.database_out.store(false, Ordering::Relaxed);
                 if settled == Settled::LateSkipped {
                     info!(aggregate_type = %job.message.aggregate_type, aggregate_id = %job.message.aggregate_id,
                         "late message skipped: a newer message of its aggregate was applied first");
@@ -576,6 +593,7 @@ async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>
             }
             Attempt::Outage(reason) => {
                 Counters::add(&shared.counters.outage_waits, 1);
+                shared.database_out.store(true, Ordering::Relaxed);
                 if *drain.borrow() {
                     warn!(reason = %reason, "database unavailable during shutdown; giving the delivery back");
                     requeue(&job.envelope.acker).await;
@@ -617,67 +635,80 @@ async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>
 
 /// One transaction: the order check (ordered consumers), the inbox row, and — for a new
 /// message that is not a skipped late one — the handler. Commits only if all of it succeeded.
-async fn attempt(shared: &Shared, message: &InboxMessage) -> Attempt {
+async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receiver<bool>) -> Attempt {
     let config = &shared.config;
-    let mut conn = match shared.pool.get().await {
+    let mut draining = drain.clone();
+    let checkout = tokio::select! {
+        checkout = shared.pool.get() => checkout,
+        () = async {
+            let _ = draining.wait_for(|draining| *draining).await;
+            tokio::time::sleep(DRAIN_CHECKOUT_GRACE).await;
+        } => return Attempt::Outage("no database connection during shutdown".into()),
+    };
+    let mut conn = match checkout {
         Ok(conn) => conn,
         Err(e) => return Attempt::Outage(StoreError::from(e).to_string()),
     };
     let consumer = config.consumer.as_str();
     let mut failure: Option<HandlerFailure> = None;
     let failure_slot = &mut failure;
-    let result = conn
-        .transaction(async |c| {
-            let mut newest = None;
-            if config.ordered && message.has_aggregate() {
-                let order = store::advance_aggregate(
-                    c,
-                    consumer,
-                    &message.aggregate_type,
-                    &message.aggregate_id,
-                    message.message_id,
-                )
-                .await?;
-                if let AggregateOrder::Late { newest: n } = order {
-                    newest = Some(n);
-                }
+    let transaction = conn.transaction(async |c| {
+        let mut newest = None;
+        if config.ordered && message.has_aggregate() {
+            let order = store::advance_aggregate(
+                c,
+                consumer,
+                &message.aggregate_type,
+                &message.aggregate_id,
+                message.message_id,
+            )
+            .await?;
+            if let AggregateOrder::Late { newest: n } = order {
+                newest = Some(n);
             }
-            let message: Cow<'_, InboxMessage> = match newest {
-                None => Cow::Borrowed(message),
-                Some(n) => {
-                    let mut late = message.clone();
-                    late.late = true;
-                    late.newest_applied = Some(n);
-                    Cow::Owned(late)
-                }
-            };
-            if !store::record(c, consumer, &message).await? {
-                return Ok(Settled::Duplicate);
+        }
+        let message: Cow<'_, InboxMessage> = match newest {
+            None => Cow::Borrowed(message),
+            Some(n) => {
+                let mut late = message.clone();
+                late.late = true;
+                late.newest_applied = Some(n);
+                Cow::Owned(late)
             }
-            if message.late && config.late_events == LateEvents::Skip {
-                return Ok(Settled::LateSkipped);
+        };
+        if !store::record(c, consumer, &message).await? {
+            return Ok(Settled::Duplicate);
+        }
+        if message.late && config.late_events == LateEvents::Skip {
+            return Ok(Settled::LateSkipped);
+        }
+        // The handler is called inside the guarded future, so that a panic while building
+        // its future is caught as well as one while polling it.
+        let handler = shared.handler.clone();
+        let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
+        match tokio::time::timeout(config.handler_timeout, call).await {
+            Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),
+            Ok(Ok(Err(e))) => {
+                *failure_slot = Some(HandlerFailure::Error(e));
+                Err(diesel::result::Error::RollbackTransaction)
             }
-            // The handler is called inside the guarded future, so that a panic while building
-            // its future is caught as well as one while polling it.
-            let handler = shared.handler.clone();
-            let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
-            match tokio::time::timeout(config.handler_timeout, call).await {
-                Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),
-                Ok(Ok(Err(e))) => {
-                    *failure_slot = Some(HandlerFailure::Error(e));
-                    Err(diesel::result::Error::RollbackTransaction)
-                }
-                Ok(Err(panic)) => {
-                    *failure_slot = Some(HandlerFailure::Panic(panic_text(&*panic)));
-                    Err(diesel::result::Error::RollbackTransaction)
-                }
-                Err(_) => {
-                    *failure_slot = Some(HandlerFailure::TimedOut);
-                    Err(diesel::result::Error::RollbackTransaction)
-                }
+            Ok(Err(panic)) => {
+                *failure_slot = Some(HandlerFailure::Panic(panic_text(&*panic)));
+                Err(diesel::result::Error::RollbackTransaction)
             }
-        })
-        .await;
+            Err(_) => {
+                *failure_slot = Some(HandlerFailure::TimedOut);
+                Err(diesel::result::Error::RollbackTransaction)
+            }
+        }
+    });
+    // Dropping a transaction that did not finish drops its connection (the pool discards a
+    // connection left inside a transaction): nothing it did commits, unless its COMMIT had gone
+    // out, in which case the next try finds the message recorded.
+    let bound = config.handler_timeout + STATEMENTS_GRACE;
+    let Ok(result) = tokio::time::timeout(bound, transaction).await else {
+        return Attempt::Outage(format!("the database did not answer within {}", humantime::format_duration(bound)));
+    };
     match (result, failure) {
         (Ok(settled), _) => Attempt::Done(settled),
         (Err(_), Some(HandlerFailure::Error(e))) => match e.class() {

@@ -2,6 +2,7 @@
 //! actor, replaces it when it dies, reports metrics and runs the shutdown protocol.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use actix::prelude::*;
@@ -76,7 +77,14 @@ impl InboxSupervisor {
     /// the configuration is invalid; nothing connects until the actor starts.
     pub fn new(config: InboxConfig, pool: PgPool, handler: impl InboxHandler) -> Result<Self, InboxError> {
         config.validate()?;
-        let shared = Arc::new(Shared { config, pool, handler: Arc::new(handler), counters: Counters::default() });
+        let handler = Arc::new(handler);
+        let shared = Arc::new(Shared {
+            config,
+            pool,
+            handler,
+            counters: Counters::default(),
+            database_out: AtomicBool::new(false),
+        });
         Ok(Self { shared, consumer: None, state: State::Running, shutdown_waiters: Vec::new() })
     }
 
@@ -95,6 +103,7 @@ impl InboxSupervisor {
         error!(consumer = %self.shared.config.consumer,
             "inbox consumer actor died; restarting it (what it held comes back from the broker)");
         Counters::add(&self.shared.counters.restarts, 1);
+        self.shared.counters.set_connected(false);
         self.consumer = Some(InboxConsumer::new(self.shared.clone()).start());
     }
 }
