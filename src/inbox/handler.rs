@@ -54,6 +54,17 @@ pub trait InboxHandler: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<(), HandlerError>>;
 }
 
+/// A shared handler: one value behind several supervisors (or kept by the application too).
+impl<H: InboxHandler> InboxHandler for std::sync::Arc<H> {
+    fn handle<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        message: &'a InboxMessage,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        (**self).handle(conn, message)
+    }
+}
+
 /// An [`InboxHandler`] made of a closure; see [`handler_fn`].
 pub struct FnHandler<F>(F);
 
