@@ -63,6 +63,7 @@ mod backoff;
 pub mod config;
 mod dispatcher;
 mod error;
+pub mod inbox;
 mod metrics;
 mod model;
 mod publisher;

@@ -1,4 +1,5 @@
-//! `actix-outbox migrate`: create the database if it is missing, apply pending migrations.
+//! `actix-outbox migrate`: create the database if it is missing, apply pending migrations (the
+//! outbox's, or with `--inbox` the consumer-side inbox's).
 
 use clap::Args;
 
@@ -7,16 +8,25 @@ use crate::{CliError, DatabaseArgs};
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Create the database named in the URL if it does not exist (through the server's `postgres` \
     database), then apply the migrations this binary carries that are not applied yet, and say \
-    what was done. Safe to run again: with nothing pending it changes nothing.";
+    what was done. Safe to run again: with nothing pending it changes nothing.\n\n\
+    By default it installs the outbox (the producer's tables). With --inbox it installs only the \
+    inbox instead: the tables of the consumer side (`inbox` and `inbox_aggregates`), for the \
+    database of a service that consumes the messages. The two sets have distinct versions in the \
+    one migrations table, so either can be applied first, and a database can hold both.";
 
 /// Arguments of `actix-outbox migrate`.
 #[derive(Debug, Clone, Args)]
-#[command(after_help = "Example:\n  actix-outbox migrate --database-url postgres://app:secret@db:5432/app\n  \
-                  applied migration 00000000000001")]
+#[command(after_help = "Examples:\n  actix-outbox migrate --database-url postgres://app:secret@db:5432/app\n  \
+                  applied migration 20261130000001\n  ...\n  \
+                  actix-outbox migrate --inbox --database-url postgres://billing:secret@db:5432/billing\n  \
+                  applied migration 20261201900001")]
 pub struct MigrateArgs {
-    /// Where the outbox lives.
+    /// Where the outbox (or, with --inbox, the inbox) lives.
     #[command(flatten)]
     pub database: DatabaseArgs,
+    /// Install only the consumer side's inbox tables (for a consuming service's database), not the outbox
+    #[arg(long)]
+    pub inbox: bool,
 }
 
 pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
@@ -25,9 +35,15 @@ pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     if actix_outbox::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
         println!("created database {database}");
     }
-    let applied = actix_outbox::migrate(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    let applied = if args.inbox {
+        actix_outbox::inbox::migrate_inbox(url.expose()).await
+    } else {
+        actix_outbox::migrate(url.expose()).await
+    };
+    let applied = applied.map_err(|e| CliError::store(&url, e))?;
     if applied.is_empty() {
-        println!("database {database} is up to date: no pending migrations");
+        let which = if args.inbox { "inbox " } else { "" };
+        println!("database {database} is up to date: no pending {which}migrations");
     }
     for version in applied {
         println!("applied migration {version}");

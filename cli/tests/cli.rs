@@ -153,6 +153,60 @@ async fn migrate_creates_the_database_of_a_key_value_string_or_of_a_url_with_its
     }
 }
 
+/// The public tables of the database at `url`, by name.
+async fn tables(url: &str) -> BTreeSet<String> {
+    use diesel_async::AsyncConnection;
+    #[derive(diesel::QueryableByName)]
+    struct Table {
+        #[diesel(sql_type = Text)]
+        name: String,
+    }
+    let mut conn = diesel_async::AsyncPgConnection::establish(url).await.unwrap();
+    let sql = "SELECT table_name::text AS name FROM information_schema.tables \
+               WHERE table_schema = 'public' AND table_name <> '__diesel_schema_migrations'";
+    let rows: Vec<Table> = diesel::sql_query(sql).load(&mut conn).await.unwrap();
+    rows.into_iter().map(|t| t.name).collect()
+}
+
+/// `migrate --inbox` creates the database if needed and installs only the inbox; a plain
+/// `migrate` afterwards installs the outbox beside it; neither run disturbs the other's
+/// migrations, and `--help` documents the flag.
+#[tokio::test]
+async fn migrate_inbox_installs_only_the_inbox_and_leaves_the_outbox_to_plain_migrate() {
+    let db = ScratchDb::new();
+    let first = ok(&db.url, &["migrate", "--inbox"]).await;
+    assert!(first.contains(&format!("created database {}", db.name)), "{first}");
+    let applied: Vec<&str> = first.lines().filter(|l| l.starts_with("applied migration ")).collect();
+    let inbox =
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::inbox::INBOX_MIGRATIONS)
+            .unwrap();
+    assert_eq!(applied.len(), inbox.len(), "{first}");
+    assert_eq!(applied, ["applied migration 20261201900001"]);
+    let inbox_tables = BTreeSet::from(["inbox".to_owned(), "inbox_aggregates".to_owned()]);
+    assert_eq!(tables(&db.url).await, inbox_tables, "only the inbox");
+
+    let again = ok(&db.url, &["migrate", "--inbox"]).await;
+    assert_eq!(again.trim(), format!("database {} is up to date: no pending inbox migrations", db.name));
+
+    let outbox = ok(&db.url, &["migrate"]).await;
+    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    assert_eq!(outbox.lines().filter(|l| l.starts_with("applied migration ")).count(), embedded.len(), "{outbox}");
+    let mut both = inbox_tables.clone();
+    both.insert("outbox".to_owned());
+    assert_eq!(tables(&db.url).await, both);
+    assert_eq!(
+        ok(&db.url, &["migrate"]).await.trim(),
+        format!("database {} is up to date: no pending migrations", db.name)
+    );
+    assert_eq!(
+        ok(&db.url, &["migrate", "--inbox"]).await.trim(),
+        format!("database {} is up to date: no pending inbox migrations", db.name)
+    );
+
+    let help = ok(&db.url, &["migrate", "--help"]).await;
+    assert!(help.contains("--inbox") && help.contains("inbox_aggregates"), "{help}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // enqueue
 

@@ -185,21 +185,32 @@ pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
 /// # Ok(()) }
 /// ```
 pub async fn migrate(database_url: &str) -> Result<Vec<String>, StoreError> {
+    apply_migrations(database_url, MIGRATIONS).await
+}
+
+/// Applies the pending migrations of `set` (the outbox's or the inbox's) and returns the
+/// versions it applied.
+pub(crate) async fn apply_migrations(database_url: &str, set: EmbeddedMigrations) -> Result<Vec<String>, StoreError> {
     let conn = connect(database_url).await?;
-    with_harness(conn, |harness| {
-        let applied = harness.run_pending_migrations(MIGRATIONS).map_err(StoreError::Migration)?;
+    with_harness(conn, move |harness| {
+        let applied = harness.run_pending_migrations(set).map_err(StoreError::Migration)?;
         Ok(applied.into_iter().map(|v| v.to_string()).collect())
     })
     .await
 }
 
-/// [`migrate`] for callers outside any async runtime (a `main` before the actix system starts).
-pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
+/// Runs `f` (a migration) on a runtime of its own, for callers outside any async runtime.
+pub(crate) fn block_on<T>(f: impl std::future::Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| StoreError::Migration(Box::new(e)))?;
-    runtime.block_on(migrate(database_url))
+    runtime.block_on(f)
+}
+
+/// [`migrate`] for callers outside any async runtime (a `main` before the actix system starts).
+pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
+    block_on(migrate(database_url))
 }
 
 /// The embedded migrations not yet applied to `database_url`, by name (empty when the schema is
@@ -213,10 +224,15 @@ pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
 /// # Ok(()) }
 /// ```
 pub async fn pending_migrations(database_url: &str) -> Result<Vec<String>, StoreError> {
+    pending_in(database_url, MIGRATIONS).await
+}
+
+/// The migrations of `set` not yet applied to `database_url`, by name.
+pub(crate) async fn pending_in(database_url: &str, set: EmbeddedMigrations) -> Result<Vec<String>, StoreError> {
     use diesel::migration::Migration;
     let conn = connect(database_url).await?;
-    with_harness(conn, |harness| {
-        let pending = harness.pending_migrations(MIGRATIONS).map_err(StoreError::Migration)?;
+    with_harness(conn, move |harness| {
+        let pending = harness.pending_migrations(set).map_err(StoreError::Migration)?;
         Ok(pending.iter().map(|m| m.name().to_string()).collect())
     })
     .await

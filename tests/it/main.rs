@@ -7,6 +7,7 @@ mod support;
 mod actors;
 mod connect;
 mod fifo;
+mod inbox;
 mod outage;
 mod rabbit;
 mod store;

@@ -1,0 +1,228 @@
+//! An inbox consumer: applies each message of a RabbitMQ queue exactly once to PostgreSQL.
+//!
+//! ```text
+//! cargo run --example inbox_consumer -- --database-url URL --amqp-url URL --queue NAME
+//! ```
+//!
+//! - `--database-url` (or `DATABASE_URL`; default
+//!   `postgres://root@127.0.0.1:5432/actix_outbox_inbox_example`): created if missing; the inbox
+//!   is migrated there, and the example adds a table of its own, `received_events`.
+//! - `--amqp-url` (or `AMQP_URL`; default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+//! - `--queue` (default `actix-outbox.inbox-example`): declared durable and bound to the
+//!   `outbox` topic exchange (the one the dispatcher's RabbitMQ sink publishes to) with `#`;
+//!   `--exchange`, `--binding-key` and `--no-bind` change that.
+//!
+//! For each new message, the handler inserts a `received_events` row in the same transaction as
+//! the inbox row, and prints the message; a copy of a message already applied is acknowledged
+//! without a second row. Failures go to `<queue>.dlq`. SIGINT or SIGTERM stops consuming, lets
+//! the deliveries in hand commit and be acknowledged, and exits 0. A service that cannot be
+//! reached at start makes it print one line and exit 1. Logs go to stderr (`RUST_LOG`).
+//!
+//! Try it with the dispatcher feeding it:
+//!
+//! ```text
+//! cargo run --example inbox_consumer &
+//! cargo run -p actix-outbox-cli -- migrate --database-url postgres://root@127.0.0.1:5432/app
+//! cargo run -p actix-outbox-cli -- enqueue --database-url postgres://root@127.0.0.1:5432/app \
+//!     --aggregate-type order --aggregate-id 42 --event-type order.created --payload '{"total": 10}'
+//! cargo run -p actix-outbox-cli -- run --database-url postgres://root@127.0.0.1:5432/app
+//! ```
+
+use std::process::ExitCode;
+
+use actix_outbox::inbox::{self, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxSupervisor};
+use clap::Parser;
+use diesel::prelude::*;
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures_util::future::BoxFuture;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+
+const DEFAULT_DATABASE_URL: &str = "postgres://root@127.0.0.1:5432/actix_outbox_inbox_example";
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Log filter unless `RUST_LOG` says otherwise: the consumer's lifecycle, and warnings.
+const QUIET_LOGS: &str = "warn,actix_outbox=info,lapin=off";
+
+type BoxError = Box<dyn std::error::Error>;
+
+/// Consume a queue into PostgreSQL, applying each message exactly once.
+#[derive(Debug, Parser)]
+struct Args {
+    /// PostgreSQL URL [default: DATABASE_URL, else postgres://root@127.0.0.1:5432/actix_outbox_inbox_example]
+    #[arg(long, value_name = "URL")]
+    database_url: Option<String>,
+    /// AMQP URL [default: AMQP_URL, else amqp://guest:guest@127.0.0.1:5672/%2f]
+    #[arg(long, value_name = "URL")]
+    amqp_url: Option<String>,
+    /// The queue to consume (declared durable)
+    #[arg(long, value_name = "NAME", default_value = "actix-outbox.inbox-example")]
+    queue: String,
+    /// The consumer's name: the inbox's key is (consumer, message id)
+    #[arg(long, value_name = "NAME", default_value = "inbox-consumer-example")]
+    consumer: String,
+    /// The topic exchange the queue is bound to (declared durable, as the outbox's sink does)
+    #[arg(long, value_name = "NAME", default_value = "outbox")]
+    exchange: String,
+    /// The binding's routing key
+    #[arg(long, value_name = "KEY", default_value = "#")]
+    binding_key: String,
+    /// Declare the queue only; leave exchanges and bindings alone
+    #[arg(long)]
+    no_bind: bool,
+    /// Deliveries the broker sends ahead of their acknowledgements
+    #[arg(long, value_name = "N", default_value_t = inbox::DEFAULT_PREFETCH)]
+    prefetch: u16,
+}
+
+diesel::table! {
+    received_events (message_id) {
+        message_id -> Int8,
+        event_type -> Text,
+        payload -> Jsonb,
+        received_at -> Timestamptz,
+    }
+}
+
+/// Inserts one `received_events` row per new message, in the inbox's transaction.
+struct RecordEvent;
+
+impl InboxHandler for RecordEvent {
+    fn handle<'a>(
+        &'a self,
+        conn: &'a mut AsyncPgConnection,
+        message: &'a InboxMessage,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            diesel::insert_into(received_events::table)
+                .values((
+                    received_events::message_id.eq(message.message_id),
+                    received_events::event_type.eq(&message.event_type),
+                    received_events::payload.eq(&message.payload),
+                ))
+                .execute(conn)
+                .await?;
+            println!(
+                "received {} {} ({}/{}, attempt {}{})",
+                message.message_id,
+                message.event_type,
+                message.aggregate_type,
+                message.aggregate_id,
+                message.attempt,
+                if message.redelivered { ", redelivered" } else { "" }
+            );
+            Ok(())
+        })
+    }
+}
+
+#[actix::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| QUIET_LOGS.into()))
+        .init();
+    let args = Args::parse();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("inbox_consumer failed: {}", one_line(&*e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), BoxError> {
+    let database_url = args
+        .database_url
+        .clone()
+        .or_else(|| std::env::var("DATABASE_URL").ok())
+        .unwrap_or_else(|| DEFAULT_DATABASE_URL.into());
+    let amqp_url =
+        args.amqp_url.clone().or_else(|| std::env::var("AMQP_URL").ok()).unwrap_or_else(|| DEFAULT_AMQP_URL.into());
+    let masked = actix_outbox::mask_url(&database_url);
+
+    // The database: created if missing, the inbox migrated, the example's own table.
+    actix_outbox::ensure_database(&database_url)
+        .await
+        .map_err(|e| format!("PostgreSQL at {masked}: {}", one_line(&e)))?;
+    for version in inbox::migrate_inbox(&database_url).await? {
+        eprintln!("applied inbox migration {version}");
+    }
+    let pool = actix_outbox::connect_pool(&database_url, 8).await?;
+    pool.get()
+        .await
+        .map_err(|e| format!("PostgreSQL at {masked}: {e}"))?
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS received_events (
+                message_id  bigint      PRIMARY KEY,
+                event_type  text        NOT NULL,
+                payload     jsonb       NOT NULL,
+                received_at timestamptz NOT NULL DEFAULT now()
+            )",
+        )
+        .await?;
+
+    // The queue and its binding, on a short-lived connection of the example's own (this is the
+    // System's arbiter, which lives as long as the program).
+    declare_topology(&args, &amqp_url)
+        .await
+        .map_err(|e| format!("RabbitMQ at {}: {e}", actix_outbox::mask_url(&amqp_url)))?;
+
+    let config = InboxConfig::new(&args.consumer, &amqp_url, &args.queue).prefetch(args.prefetch);
+    let consumer = InboxSupervisor::start(config, pool, RecordEvent)?;
+    eprintln!(
+        "consuming {:?} as {:?} into {masked}; SIGINT or SIGTERM stops after the deliveries in hand",
+        args.queue, args.consumer
+    );
+
+    wait_for_signal().await?;
+    eprintln!("stopping: finishing the deliveries in hand");
+    consumer.send(inbox::Shutdown).await?;
+    let m = consumer.send(GetMetrics).await?;
+    eprintln!(
+        "stopped: {} received, {} applied, {} duplicates, {} retried, {} dead-lettered",
+        m.received, m.handled, m.duplicates, m.retried, m.dead_lettered
+    );
+    Ok(())
+}
+
+async fn declare_topology(args: &Args, amqp_url: &str) -> Result<(), lapin::Error> {
+    let properties = ConnectionProperties::default().with_connection_name("actix-outbox inbox example setup".into());
+    let conn = Connection::connect(amqp_url, properties).await?;
+    let channel = conn.create_channel().await?;
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(args.queue.as_str().into(), durable, FieldTable::default()).await?;
+    if !args.no_bind {
+        let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+        channel
+            .exchange_declare(args.exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
+            .await?;
+        channel
+            .queue_bind(
+                args.queue.as_str().into(),
+                args.exchange.as_str().into(),
+                args.binding_key.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+    }
+    conn.close(200, "set up".into()).await
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
+async fn wait_for_signal() -> std::io::Result<()> {
+    use actix_rt::signal::unix::{SignalKind, signal};
+    let mut terminate = signal(SignalKind::terminate())?;
+    tokio::select! {
+        interrupted = actix_rt::signal::ctrl_c() => interrupted,
+        _ = terminate.recv() => Ok(()),
+    }
+}
+
+fn one_line(e: &dyn std::fmt::Display) -> String {
+    e.to_string().split_whitespace().collect::<Vec<_>>().join(" ")
+}

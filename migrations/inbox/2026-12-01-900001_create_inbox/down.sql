@@ -1,0 +1,2 @@
+DROP TABLE inbox_aggregates;
+DROP TABLE inbox;

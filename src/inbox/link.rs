@@ -1,0 +1,222 @@
+//! The consumer's broker link: one lapin connection on a thread and tokio runtime of its own,
+//! with one channel (confirm mode, prefetch set) consuming the queue.
+//!
+//! A lapin connection is bound to the runtime that created it: created on an actix arbiter
+//! that later stops, it would hang silently. So [`Link::open`] starts a thread
+//! (`actix-outbox-inbox-amqp`) with a current-thread runtime that connects, declares the
+//! dead-letter topology, starts consuming, hands the channel and the consumer stream back, and
+//! then only keeps the connection alive. The channel and the stream are runtime-agnostic: the
+//! consumer actor reads, acknowledges and publishes from its own arbiter. The thread closes the
+//! connection and ends when the [`Link`] is dropped or closed, and not before, even when the
+//! connection died: lapin fails the pending acknowledgements of a dead channel on that runtime.
+
+use std::time::Duration;
+
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer, ExchangeKind};
+use tokio::sync::{oneshot, watch};
+use tracing::debug;
+
+use super::config::InboxConfig;
+use crate::url::mask_url;
+
+/// Bound on waiting for the broker's confirm of a forwarded copy.
+const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a graceful close of the connection may take.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// An open broker connection, owned by its thread; dropping it closes the connection.
+pub(crate) struct Link {
+    /// The consuming channel (confirm mode on), for acknowledgements and forwards.
+    pub(crate) channel: Channel,
+    stop: Option<oneshot::Sender<()>>,
+    closed: watch::Receiver<bool>,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link").field("channel", &self.channel.id()).finish()
+    }
+}
+
+impl Link {
+    /// Connects, sets the link up and starts consuming (bounded by the connect timeout).
+    /// `Err` is a one-line reason, password masked.
+    pub(crate) async fn open(config: InboxConfig, tag: String) -> Result<(Link, Consumer), String> {
+        let (ready_tx, ready_rx) = oneshot::channel::<Result<(Channel, Consumer), String>>();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (closed_tx, closed_rx) = watch::channel(false);
+        std::thread::Builder::new()
+            .name("actix-outbox-inbox-amqp".to_owned())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(runtime) => runtime,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(format!("could not start the link's runtime: {e}")));
+                        return;
+                    }
+                };
+                runtime.block_on(hold(config, tag, ready_tx, stop_rx));
+                let _ = closed_tx.send(true);
+            })
+            .map_err(|e| format!("could not start the link's thread: {e}"))?;
+        match ready_rx.await {
+            Ok(Ok((channel, consumer))) => Ok((Link { channel, stop: Some(stop_tx), closed: closed_rx }, consumer)),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err("the link's thread ended before connecting".into()),
+        }
+    }
+
+    /// Closes the connection gracefully and waits for the thread to finish.
+    pub(crate) async fn close(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = self.closed.wait_for(|closed| *closed).await;
+    }
+}
+
+/// The link thread's whole life: set up, hand over, keep the connection until told to stop.
+async fn hold(
+    config: InboxConfig,
+    tag: String,
+    ready: oneshot::Sender<Result<(Channel, Consumer), String>>,
+    stop: oneshot::Receiver<()>,
+) {
+    let mut connection = None;
+    let timeout = config.connect_timeout;
+    let setup = tokio::time::timeout(timeout, set_up(&config, &tag, &mut connection)).await.unwrap_or_else(|_| {
+        Err(format!("no answer within the connect timeout ({})", humantime::format_duration(timeout)))
+    });
+    let handed = match setup {
+        Ok(link) => ready.send(Ok(link)).is_ok(),
+        Err(e) => {
+            let _ = ready.send(Err(format!("RabbitMQ at {}: {e}", mask_url(&config.url))));
+            false
+        }
+    };
+    let Some(conn) = connection else { return };
+    if handed {
+        // Wait for the owner even when the connection died: lapin settles pending
+        // acknowledgements and confirms of a dead channel (with an error) on this runtime, and a
+        // runtime dropped under them would leave them pending for ever.
+        let _ = stop.await;
+    }
+    if conn.status().connected() {
+        match tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await {
+            Ok(Ok(())) => debug!("inbox link closed"),
+            Ok(Err(e)) => debug!(error = %e, "closing the inbox link failed"),
+            Err(_) => debug!("closing the inbox link timed out"),
+        }
+    }
+}
+
+/// Connects (into `connection`, so that the caller can close it whatever fails later), opens
+/// the channel, declares or checks the dead-letter topology, sets the prefetch and consumes.
+async fn set_up(
+    config: &InboxConfig,
+    tag: &str,
+    connection: &mut Option<Connection>,
+) -> Result<(Channel, Consumer), String> {
+    let name = config.connection_name.clone().unwrap_or_else(|| format!("actix-outbox inbox {}", config.consumer));
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    let conn = Connection::connect(&config.url, properties).await.map_err(|e| format!("connecting failed: {e}"))?;
+    let conn = connection.insert(conn);
+    let failed = |what: String| move |e: lapin::Error| format!("{what} failed: {e}");
+    let channel = conn.create_channel().await.map_err(failed("opening a channel".into()))?;
+    channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(failed("enabling confirms".into()))?;
+    let dlx = config.dead_letter_exchange_name();
+    if config.declare_dead_letter {
+        let dlq = config.dead_letter_queue_name();
+        let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+        channel
+            .exchange_declare(dlx.as_str().into(), ExchangeKind::Direct, durable, FieldTable::default())
+            .await
+            .map_err(failed(format!("declaring the dead-letter exchange {dlx:?}")))?;
+        let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+        channel
+            .queue_declare(dlq.as_str().into(), durable, FieldTable::default())
+            .await
+            .map_err(failed(format!("declaring the dead-letter queue {dlq:?}")))?;
+        channel
+            .queue_bind(
+                dlq.as_str().into(),
+                dlx.as_str().into(),
+                config.queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(failed(format!("binding {dlq:?} to {dlx:?}")))?;
+    } else {
+        let passive = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
+        channel
+            .exchange_declare(dlx.as_str().into(), ExchangeKind::Direct, passive, FieldTable::default())
+            .await
+            .map_err(failed(format!(
+                "the dead-letter exchange {dlx:?} must exist (declare_dead_letter is off); checking it"
+            )))?;
+    }
+    channel
+        .basic_qos(config.prefetch, BasicQosOptions { global: false })
+        .await
+        .map_err(failed("setting the prefetch".into()))?;
+    let consumer = channel
+        .basic_consume(config.queue.as_str().into(), tag.into(), BasicConsumeOptions::default(), FieldTable::default())
+        .await
+        .map_err(failed(format!("consuming from queue {:?}", config.queue)))?;
+    Ok((channel, consumer))
+}
+
+/// Why a forward (a retry copy or a dead letter) was not confirmed.
+#[derive(Debug)]
+pub(crate) enum PublishFailure {
+    /// The channel or connection failed: the original delivery cannot be acknowledged on it
+    /// any more, so the broker delivers it again.
+    Link(String),
+    /// The broker refused the copy (nack, or returned it: nobody is bound for it), or did not
+    /// confirm it in time. The link may be fine; the copy can be tried again later (a second copy
+    /// of a message is harmless: the inbox applies it once).
+    Refused(String),
+}
+
+/// Publishes `body` with `properties` to `exchange` (mandatory) and waits for the broker's
+/// confirm.
+pub(crate) async fn publish_confirmed(
+    channel: &Channel,
+    exchange: &str,
+    routing_key: &str,
+    properties: BasicProperties,
+    body: &[u8],
+) -> Result<(), PublishFailure> {
+    let link = |e: lapin::Error| PublishFailure::Link(e.to_string());
+    let options = BasicPublishOptions { mandatory: true, immediate: false };
+    let confirmed = tokio::time::timeout(CONFIRM_TIMEOUT, async {
+        channel
+            .basic_publish(ShortString::from(exchange), ShortString::from(routing_key), options, body, properties)
+            .await?
+            .await
+    })
+    .await
+    .map_err(|_| {
+        PublishFailure::Refused(format!(
+            "no confirm from the broker within {}",
+            humantime::format_duration(CONFIRM_TIMEOUT)
+        ))
+    })?;
+    match confirmed.map_err(link)? {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(returned)) => Err(PublishFailure::Refused(format!(
+            "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} ({} {})",
+            returned.reply_code, returned.reply_text
+        ))),
+        Confirmation::Nack(_) => {
+            Err(PublishFailure::Refused(format!("the broker nacked the copy sent to exchange {exchange:?}")))
+        }
+        Confirmation::NotRequested => Err(PublishFailure::Link("the channel is not in confirm mode".into())),
+    }
+}

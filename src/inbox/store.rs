@@ -1,0 +1,176 @@
+//! The inbox's SQL: its migrations and every statement the consumer runs, as typed Diesel
+//! queries. Each function takes a connection, so that it runs inside the caller's transaction;
+//! the consumer runs them in the same transaction as the handler.
+
+use chrono::{DateTime, Utc};
+use diesel::prelude::*;
+use diesel::upsert::excluded;
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_migrations::{EmbeddedMigrations, embed_migrations};
+
+use super::message::InboxMessage;
+use super::schema::{inbox, inbox_aggregates};
+use crate::error::StoreError;
+
+/// The inbox's migrations (`migrations/inbox/`), compiled into the crate. They share diesel's
+/// `__diesel_schema_migrations` table with the outbox's [`MIGRATIONS`](crate::MIGRATIONS) but
+/// never a version, so either set can be applied first, alone, or again.
+pub const INBOX_MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/inbox");
+
+/// Applies the inbox's pending migrations to `database_url` (the consumer's database) and
+/// returns the versions it applied. It touches neither the outbox's tables nor its migrations.
+///
+/// Runs diesel's synchronous harness on a blocking thread, so it is safe to await from an actix
+/// or tokio runtime.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), actix_outbox::StoreError> {
+/// let applied = actix_outbox::inbox::migrate_inbox("postgres://localhost/billing").await?;
+/// println!("applied {applied:?}");
+/// # Ok(()) }
+/// ```
+pub async fn migrate_inbox(database_url: &str) -> Result<Vec<String>, StoreError> {
+    crate::store::apply_migrations(database_url, INBOX_MIGRATIONS).await
+}
+
+/// [`migrate_inbox`] for callers outside any async runtime.
+pub fn migrate_inbox_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
+    crate::store::block_on(migrate_inbox(database_url))
+}
+
+/// The inbox migrations not yet applied to `database_url`, by name (empty when up to date).
+pub async fn pending_inbox_migrations(database_url: &str) -> Result<Vec<String>, StoreError> {
+    crate::store::pending_in(database_url, INBOX_MIGRATIONS).await
+}
+
+/// Records that `consumer` handled `message` (`INSERT ... ON CONFLICT DO NOTHING`). Returns
+/// whether the row is new: `false` means an earlier copy of the message was already recorded
+/// (committed), or is being recorded by a transaction still open, in which case the insert
+/// waits for that transaction and then reports what it did.
+pub async fn record(conn: &mut AsyncPgConnection, consumer: &str, message: &InboxMessage) -> QueryResult<bool> {
+    let inserted = diesel::insert_into(inbox::table)
+        .values((
+            inbox::consumer.eq(consumer),
+            inbox::message_id.eq(message.message_id),
+            inbox::event_type.eq(&message.event_type),
+            inbox::aggregate_type.eq(&message.aggregate_type),
+            inbox::aggregate_id.eq(&message.aggregate_id),
+            inbox::late.eq(message.late),
+        ))
+        .on_conflict_do_nothing()
+        .execute(conn)
+        .await?;
+    Ok(inserted == 1)
+}
+
+/// Whether `consumer` has recorded `message_id`.
+pub async fn is_recorded(conn: &mut AsyncPgConnection, consumer: &str, message_id: i64) -> QueryResult<bool> {
+    diesel::select(diesel::dsl::exists(
+        inbox::table.filter(inbox::consumer.eq(consumer)).filter(inbox::message_id.eq(message_id)),
+    ))
+    .get_result(conn)
+    .await
+}
+
+/// Where a message stands against the newest one applied for its aggregate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AggregateOrder {
+    /// No newer message of the aggregate was applied: the message is now the newest.
+    InOrder,
+    /// A message with a higher id (`newest`) was already applied; the high-water mark stays.
+    Late {
+        /// The highest message id applied for the aggregate.
+        newest: i64,
+    },
+}
+
+/// Raises the high-water mark of `(consumer, aggregate_type, aggregate_id)` to `message_id`
+/// unless it is already at or above it, and says which it was. The aggregate's row stays locked
+/// until the transaction ends, so two transactions for one aggregate take turns.
+pub async fn advance_aggregate(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    message_id: i64,
+) -> QueryResult<AggregateOrder> {
+    // The filter of `ON CONFLICT DO UPDATE ... WHERE` (diesel's prelude brings the query's).
+    use diesel::query_dsl::methods::FilterDsl;
+    use inbox_aggregates::dsl as a;
+    let raised: Option<i64> = diesel::insert_into(a::inbox_aggregates)
+        .values((
+            a::consumer.eq(consumer),
+            a::aggregate_type.eq(aggregate_type),
+            a::aggregate_id.eq(aggregate_id),
+            a::last_message_id.eq(message_id),
+        ))
+        .on_conflict((a::consumer, a::aggregate_type, a::aggregate_id))
+        .do_update()
+        .set((a::last_message_id.eq(excluded(a::last_message_id)), a::updated_at.eq(diesel::dsl::now)))
+        .filter(a::last_message_id.lt(excluded(a::last_message_id)))
+        .returning(a::last_message_id)
+        .get_result(conn)
+        .await
+        .optional()?;
+    if raised.is_some() {
+        return Ok(AggregateOrder::InOrder);
+    }
+    // ON CONFLICT locked the row even though it did not update it: this read is current.
+    let newest = last_applied(conn, consumer, aggregate_type, aggregate_id).await?.unwrap_or(message_id);
+    Ok(AggregateOrder::Late { newest })
+}
+
+/// The highest message id `consumer` applied for an aggregate, if any.
+pub async fn last_applied(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    aggregate_type: &str,
+    aggregate_id: &str,
+) -> QueryResult<Option<i64>> {
+    use inbox_aggregates::dsl as a;
+    a::inbox_aggregates
+        .filter(a::consumer.eq(consumer))
+        .filter(a::aggregate_type.eq(aggregate_type))
+        .filter(a::aggregate_id.eq(aggregate_id))
+        .select(a::last_message_id)
+        .first(conn)
+        .await
+        .optional()
+}
+
+/// Deletes `consumer`'s inbox rows received before `received_before` and returns how many.
+///
+/// A purged message id is no longer recognised: a copy of it delivered afterwards is handled
+/// again. Keep rows for longer than a copy can take to arrive (a producer's retries and
+/// lease takeovers, a consumer's retry delays, messages parked in queues).
+pub async fn purge_inbox(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    received_before: DateTime<Utc>,
+) -> QueryResult<usize> {
+    diesel::delete(inbox::table.filter(inbox::consumer.eq(consumer)).filter(inbox::received_at.lt(received_before)))
+        .execute(conn)
+        .await
+}
+
+#[cfg(test)]
+mod tests {
+    use diesel::migration::MigrationSource;
+    use diesel::pg::Pg;
+
+    use super::*;
+
+    #[test]
+    fn inbox_and_outbox_versions_never_collide() {
+        let versions = |source: &EmbeddedMigrations| -> Vec<String> {
+            MigrationSource::<Pg>::migrations(source).unwrap().iter().map(|m| m.name().version().to_string()).collect()
+        };
+        let outbox = versions(&crate::MIGRATIONS);
+        let inbox = versions(&INBOX_MIGRATIONS);
+        assert!(!inbox.is_empty() && !outbox.is_empty());
+        for v in &inbox {
+            assert!(!outbox.contains(v), "inbox migration version {v} is also an outbox version");
+        }
+    }
+}
