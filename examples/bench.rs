@@ -59,9 +59,9 @@ use std::process::{Child as Process, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use actix_outbox::sink::{RabbitConfig, RabbitSink};
 use actix_outbox::{
-    DispatcherConfig, GetMetrics, MetricsSnapshot, OutboxMessage, OutboxSupervisor, PublishFuture, Publisher,
-    RabbitConfig, RabbitSink, Shutdown,
+    DispatcherConfig, GetMetrics, MetricsSnapshot, OutboxMessage, OutboxSupervisor, PublishFuture, Publisher, Shutdown,
 };
 use clap::{Args, Parser, Subcommand};
 use diesel::sql_types::{BigInt, Int4, Text};

@@ -15,7 +15,7 @@
 use std::time::{Duration, Instant};
 
 use actix_outbox::Fifo;
-use actix_outbox::store::{self, ClaimParams};
+use actix_outbox::testing::ClaimParams;
 use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
 };
@@ -91,7 +91,7 @@ async fn scenario(conn: &mut AsyncPgConnection) -> Result<bool, Box<dyn std::err
     let mut scanned = false;
     for (name, fifo) in [("gate on all types", &Fifo::All), ("gate on order.changed only", &types)] {
         let params = params(fifo);
-        let plan = store::explain_claim(conn, &params, true).await?;
+        let plan = actix_outbox::testing::explain_claim(conn, &params, true).await?;
         println!("\n--- EXPLAIN (ANALYZE, BUFFERS), {name} ---");
         for line in &plan {
             println!("{line}");
@@ -136,7 +136,7 @@ async fn time_claim(
     for run in 0..RUNS + 3 {
         AnsiTransactionManager::begin_transaction(conn).await?;
         let started = Instant::now();
-        let claim = store::claim(conn, params).await;
+        let claim = actix_outbox::testing::claim(conn, params).await;
         let took = started.elapsed();
         AnsiTransactionManager::rollback_transaction(conn).await?;
         claimed = claim?.messages.len();

@@ -10,9 +10,8 @@
 
 use std::time::Duration;
 
-use actix_outbox::{
-    ChannelSink, DispatcherConfig, GetMetrics, NewEvent, OutboxSupervisor, PublishError, Shutdown, SinkAction,
-};
+use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::{DispatcherConfig, GetMetrics, NewEvent, OutboxSupervisor, PublishError, Shutdown};
 use diesel_async::AsyncConnection;
 
 #[actix::main]

@@ -20,7 +20,8 @@ use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, RabbitConfig, RabbitError, RabbitSink, Shutdown};
+use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::StreamExt;

@@ -5,19 +5,13 @@ use std::time::Duration;
 use rand::RngExt;
 
 /// The upper bound of the retry delay after `attempts` claims: `min(cap, base × 2^attempts)`.
-pub fn backoff_ceiling(attempts: i32, base: Duration, cap: Duration) -> Duration {
+pub(crate) fn backoff_ceiling(attempts: i32, base: Duration, cap: Duration) -> Duration {
     let exp = attempts.clamp(0, 62) as u32;
     base.checked_mul(1u32.checked_shl(exp.min(31)).unwrap_or(u32::MAX)).unwrap_or(cap).min(cap)
 }
 
 /// A retry delay drawn uniformly from `[0, min(cap, base × 2^attempts)]`.
-///
-/// ```
-/// use std::time::Duration;
-/// let d = actix_outbox::full_jitter(3, Duration::from_secs(1), Duration::from_secs(300));
-/// assert!(d <= Duration::from_secs(8));
-/// ```
-pub fn full_jitter(attempts: i32, base: Duration, cap: Duration) -> Duration {
+pub(crate) fn full_jitter(attempts: i32, base: Duration, cap: Duration) -> Duration {
     let ceiling = backoff_ceiling(attempts, base, cap);
     if ceiling.is_zero() {
         return Duration::ZERO;

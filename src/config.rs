@@ -325,14 +325,14 @@ pub enum ConfigError {
 /// aggregate is `pending`, `processing` or `dead`, i.e. when every earlier row is `done`. So
 /// each aggregate has at most one row in flight, and its rows are claimed and finalized in id
 /// order, across workers, processes and lease takeovers. A `dead` row blocks the rows behind it
-/// until an operator retries it ([`dead_retry`](crate::store::dead_retry)) or skips it
-/// ([`dead_skip`](crate::store::dead_skip)); [`blocked_aggregates`](crate::store::blocked_aggregates)
+/// until an operator retries it ([`dead_retry`](crate::admin::dead_retry)) or skips it
+/// ([`dead_skip`](crate::admin::dead_skip)); [`blocked_aggregates`](crate::admin::blocked_aggregates)
 /// lists them. A row waiting for its backoff or a deferral blocks the same way.
 ///
 /// What it does **not** promise: the order in which a broker sees the messages after a lease
 /// takeover (the old worker's late publish can arrive after its successor), so consumers still
 /// apply events idempotently. And it trusts that ids commit in order within an aggregate, which
-/// producers ensure with [`enqueue_ordered`](crate::store::enqueue_ordered) (or by locking the
+/// producers ensure with [`enqueue_ordered`](crate::enqueue_ordered) (or by locking the
 /// aggregate's own row `FOR UPDATE`) inside their transaction.
 ///
 /// **Ordered and unordered types** ([`Fifo::EventTypes`]), one rule: *only rows of the listed

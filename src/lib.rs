@@ -24,14 +24,16 @@
 //! outbox id so that consumers deduplicate.
 //!
 //! ## Layers
-//! - [`store`]: the schema, models and every SQL statement; knows no actor and no sink.
+//! - the store (`src/store/`): the schema, models and every SQL statement; knows no actor and
+//!   no sink. Its operator queries are public in [`admin`].
 //! - [`sink`]: publishers; know no database.
 //! - the actors ([`OutboxSupervisor`] and its claim, publish and finalize actors) connect the two.
 //!
 //! ## Example
 //!
 //! ```no_run
-//! use actix_outbox::{ChannelSink, DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown};
+//! use actix_outbox::sink::ChannelSink;
+//! use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown};
 //! use diesel_async::AsyncConnection;
 //!
 //! #[actix::main]
@@ -67,26 +69,51 @@ pub mod inbox;
 mod metrics;
 mod model;
 mod publisher;
+/// The `outbox` table as Diesel sees it, for queries of an application's own (reports,
+/// joins with business tables). Its columns are part of the crate's interface: they change
+/// only with a migration and a major version.
 #[allow(missing_docs)]
 pub mod schema;
 pub mod sink;
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
 mod step;
-pub mod store;
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
+mod store;
 mod url;
 
-pub use backoff::{backoff_ceiling, full_jitter};
-pub use config::{ConfigError, DispatcherConfig, Fifo, default_owner};
-#[doc(hidden)]
-pub use dispatcher::{CrashFinalizer, CrashWorker};
+pub use config::{ConfigError, DispatcherConfig, Fifo};
 pub use dispatcher::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
 pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher, SinkState};
-pub use sink::{ChannelSink, RabbitConfig, RabbitError, RabbitSink, SinkAction};
-pub use step::{Step, decide};
 pub use store::{
-    BlockedAggregate, MIGRATIONS, PgPool, blocked_aggregates, blocked_aggregates_count, check_connection, connect_pool,
-    enqueue, enqueue_many, enqueue_ordered, ensure_database, lock_aggregate, migrate, migrate_blocking,
+    MIGRATIONS, PgPool, check_connection, connect, connect_pool, enqueue, enqueue_many, enqueue_ordered,
+    ensure_database, lock_aggregate, migrate, migrate_blocking, pending_migrations,
 };
 pub use url::{ConnectionString, InvalidConnectionString, mask_url};
+
+/// Operator queries: what the `actix-outbox` command line shows and repairs, for applications
+/// that do the same from Rust (an admin page, a health check, a scheduled purge).
+///
+/// Each takes a connection (from [`connect`], or a pooled one), so it can run inside the
+/// caller's transaction. None of them touches a row that is `processing`.
+pub mod admin {
+    pub use crate::store::{
+        BlockedAggregate, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count, dead_list, dead_retry,
+        dead_retry_all, dead_skip, purge_done, stats,
+    };
+}
+
+/// The claim and finalize protocol itself, and hooks that crash actors on request: for the
+/// crate's own tests, for drills, and for tools that inspect the claim (`examples/fifo_explain.rs`).
+/// Behind the `test-util` feature; nothing here is covered by semver.
+#[cfg(feature = "test-util")]
+pub mod testing {
+    pub use crate::dispatcher::{CrashFinalizer, CrashWorker};
+    pub use crate::step::{Step, decide};
+    pub use crate::store::{
+        AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, claim,
+        explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
+    };
+}

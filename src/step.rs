@@ -41,7 +41,8 @@ impl Step {
 ///   the row is older than `max_defer_age` (decided in SQL, on the database clock).
 ///
 /// ```
-/// # use actix_outbox::{decide, DispatcherConfig, OutboxMessage, PublishError, Step};
+/// # use actix_outbox::{DispatcherConfig, OutboxMessage, PublishError};
+/// # use actix_outbox::testing::{Step, decide};
 /// # let message = OutboxMessage { id: 7, aggregate_type: "order".into(), aggregate_id: "1".into(),
 /// #     event_type: "order.paid".into(), payload: serde_json::value::to_raw_value(&serde_json::json!({})).unwrap(), created_at: chrono::Utc::now(),
 /// #     attempts: 12, lease_version: 12, lease_until: None };

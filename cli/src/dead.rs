@@ -13,7 +13,7 @@ use actix_outbox::ConnectionString;
 use actix_outbox::Fifo;
 use actix_outbox::OutboxRow;
 use actix_outbox::StoreError;
-use actix_outbox::store::{self, BlockedAggregate};
+use actix_outbox::admin::BlockedAggregate;
 
 /// `--help` text.
 pub(super) const LIST_LONG_ABOUT: &str = "List dead rows, oldest first: id, aggregate (type/id), event type, attempts, created_at and \
@@ -189,7 +189,8 @@ pub(super) async fn list(args: DeadListArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     // One row more than asked tells whether the list was cut.
-    let mut rows = store::dead_list(&mut conn, args.limit + 1).await.map_err(|e| CliError::store(&url, e))?;
+    let mut rows =
+        actix_outbox::admin::dead_list(&mut conn, args.limit + 1).await.map_err(|e| CliError::store(&url, e))?;
     let more = rows.len() as i64 > args.limit;
     rows.truncate(args.limit as usize);
     if args.json {
@@ -279,8 +280,8 @@ pub(super) async fn blocked_view(
         .repeatable_read()
         .run(async |tx| {
             Ok(BlockedView {
-                blocked_aggregates: store::blocked_aggregates(tx, fifo, limit).await?,
-                blocked_aggregates_total: store::blocked_aggregates_count(tx, fifo).await?,
+                blocked_aggregates: actix_outbox::admin::blocked_aggregates(tx, fifo, limit).await?,
+                blocked_aggregates_total: actix_outbox::admin::blocked_aggregates_count(tx, fifo).await?,
             })
         })
         .await
@@ -343,7 +344,7 @@ pub(super) async fn retry(args: DeadRetryArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     if args.all {
-        let ids = store::dead_retry_all(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
+        let ids = actix_outbox::admin::dead_retry_all(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
         println!("retried {} (now pending, attempts reset)", rows(ids.len()));
         return Ok(());
     }
@@ -398,8 +399,8 @@ async fn all_or_nothing(
     let outcome = conn
         .transaction(async |tx| {
             let changed = match repair {
-                Repair::Retry => store::dead_retry(tx, ids).await,
-                Repair::Skip { reason } => store::dead_skip(tx, ids, reason).await,
+                Repair::Retry => actix_outbox::admin::dead_retry(tx, ids).await,
+                Repair::Skip { reason } => actix_outbox::admin::dead_skip(tx, ids, reason).await,
             };
             let mut changed = changed.map_err(Rollback::Store)?;
             changed.sort_unstable();

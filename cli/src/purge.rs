@@ -3,7 +3,6 @@
 use clap::Args;
 
 use crate::{CliError, DatabaseArgs, connect};
-use actix_outbox::store;
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Delete `done` rows whose done_at is older than --older-than (database clock), --batch rows \
@@ -28,8 +27,9 @@ pub struct PurgeArgs {
 pub(super) async fn purge(args: PurgeArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let deleted =
-        store::purge_done(&mut conn, args.older_than.into(), args.batch).await.map_err(|e| CliError::store(&url, e))?;
+    let deleted = actix_outbox::admin::purge_done(&mut conn, args.older_than.into(), args.batch)
+        .await
+        .map_err(|e| CliError::store(&url, e))?;
     println!("purged {deleted} done rows older than {}", args.older_than);
     Ok(())
 }

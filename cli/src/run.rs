@@ -127,7 +127,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let mut signals = Signals::register()?;
 
     connect(&url).await?;
-    let pending = actix_outbox::store::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    let pending = actix_outbox::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if !pending.is_empty() {
         return Err(CliError::Failed(format!(
             "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate` first",

@@ -14,7 +14,7 @@ use serde::Serialize;
 use crate::dead::{BlockedView, blocked_view, render_blocked_summary};
 use crate::{CliError, DatabaseArgs, FifoArgs, connect};
 use actix_outbox::Status;
-use actix_outbox::store::{self, Stats};
+use actix_outbox::admin::Stats;
 
 /// Blocked aggregates `stats --fifo` lists (`dead blocked` lists more); [`LONG_ABOUT`] says 20.
 const BLOCKED_SHOWN: i64 = 20;
@@ -70,7 +70,7 @@ pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
     let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let stats = store::stats(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
+    let stats = actix_outbox::admin::stats(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
     let blocked = if fifo.is_on() { Some(blocked_view(&mut conn, &url, &fifo, BLOCKED_SHOWN).await?) } else { None };
     if args.json {
         let report = Report { stats: &stats, blocked: blocked.as_ref() };

@@ -8,7 +8,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use actix_outbox::store::SKIPPED_PREFIX;
+use actix_outbox::admin::SKIPPED_PREFIX;
 use actix_outbox::{OutboxRow, Status};
 use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};

@@ -64,6 +64,7 @@ const CLAIM_RETRY_MIN: Duration = Duration::from_millis(100);
 /// Longest pause between claims while the database fails.
 const CLAIM_RETRY_MAX: Duration = Duration::from_secs(1);
 
+#[cfg(feature = "test-util")]
 /// Panics inside the worker's handler, to exercise the supervisor's restart path.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
@@ -386,6 +387,7 @@ impl Handler<Probe> for ClaimActor {
     }
 }
 
+#[cfg(feature = "test-util")]
 impl Handler<Crash> for ClaimActor {
     type Result = ();
 

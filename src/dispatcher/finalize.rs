@@ -62,11 +62,13 @@ pub(crate) struct Heartbeat(pub(crate) Fence);
 #[rtype(result = "()")]
 pub(crate) struct Flushed;
 
+#[cfg(feature = "test-util")]
 /// Panics inside the finalizer's handler, to exercise the supervisor's restart path.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub(crate) struct Crash;
 
+#[cfg(feature = "test-util")]
 impl Handler<Crash> for FinalizeActor {
     type Result = ();
 

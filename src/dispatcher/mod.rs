@@ -20,6 +20,6 @@ mod publish;
 mod shared;
 mod supervisor;
 
-#[doc(hidden)]
+#[cfg(feature = "test-util")]
 pub use supervisor::{CrashFinalizer, CrashWorker};
 pub use supervisor::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};

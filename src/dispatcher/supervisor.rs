@@ -8,7 +8,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
-use super::claim::{ClaimActor, Crash, Drain, Probe, Wake};
+use super::claim::{ClaimActor, Drain, Probe, Wake};
 use super::finalize::{FinalizeActor, FinalizerSlot, Flushed};
 use super::gate::Check;
 use super::shared::Shared;
@@ -33,7 +33,8 @@ const SINK_CHECK_PERIOD: Duration = Duration::from_millis(100);
 /// write from the dead attempt is fenced off. A panicking sink kills only its own publish.
 ///
 /// ```no_run
-/// use actix_outbox::{ChannelSink, DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool, migrate};
+/// use actix_outbox::sink::ChannelSink;
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool, migrate};
 ///
 /// #[actix::main]
 /// async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -285,6 +286,7 @@ impl Handler<Shutdown> for OutboxSupervisor {
     }
 }
 
+#[cfg(feature = "test-util")]
 /// Makes worker `n`'s claim actor panic, so that tests and drills can watch the supervisor
 /// replace it. Not for production use.
 #[doc(hidden)]
@@ -292,6 +294,7 @@ impl Handler<Shutdown> for OutboxSupervisor {
 #[rtype(result = "()")]
 pub struct CrashWorker(pub usize);
 
+#[cfg(feature = "test-util")]
 /// Makes the finalize actor panic, so that tests and drills can watch the supervisor replace
 /// it (while draining too). Not for production use.
 #[doc(hidden)]
@@ -299,6 +302,7 @@ pub struct CrashWorker(pub usize);
 #[rtype(result = "()")]
 pub struct CrashFinalizer;
 
+#[cfg(feature = "test-util")]
 impl Handler<CrashFinalizer> for OutboxSupervisor {
     type Result = ();
 
@@ -309,12 +313,13 @@ impl Handler<CrashFinalizer> for OutboxSupervisor {
     }
 }
 
+#[cfg(feature = "test-util")]
 impl Handler<CrashWorker> for OutboxSupervisor {
     type Result = ();
 
     fn handle(&mut self, msg: CrashWorker, _: &mut Context<Self>) {
         if let Some(w) = self.workers.get(msg.0) {
-            w.do_send(Crash);
+            w.do_send(super::claim::Crash);
         }
     }
 }

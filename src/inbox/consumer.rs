@@ -267,7 +267,8 @@ impl InboxConsumer {
             return;
         }
         let config = &self.shared.config;
-        let ceiling = crate::backoff_ceiling(self.link_failures - 1, config.reconnect_min, config.reconnect_max);
+        let ceiling =
+            crate::backoff::backoff_ceiling(self.link_failures - 1, config.reconnect_min, config.reconnect_max);
         let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
         debug!(delay = ?delay, "inbox consumer reconnects after a pause");
         self.reconnect_timer = Some(ctx.run_later(delay, |act, ctx| {
@@ -535,7 +536,7 @@ impl Handler<Crash> for InboxConsumer {
 /// The consumer tag shown by the broker: `<consumer>@<host>:<pid>#<n>`, or a tag of the
 /// broker's choosing when that would be too long.
 fn consumer_tag(consumer: &str, generation: u64) -> String {
-    let tag = format!("{consumer}@{}#{generation}", crate::default_owner());
+    let tag = format!("{consumer}@{}#{generation}", crate::config::default_owner());
     if ShortString::try_new(tag.as_str()).is_ok() { tag } else { String::new() }
 }
 
@@ -599,7 +600,8 @@ async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>
                     requeue(&job.envelope.acker).await;
                     return Processed::Settled(Settled::Requeued);
                 }
-                let ceiling = crate::backoff_ceiling(outages, config.outage_backoff_min, config.outage_backoff_max);
+                let ceiling =
+                    crate::backoff::backoff_ceiling(outages, config.outage_backoff_min, config.outage_backoff_max);
                 let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
                 outages = outages.saturating_add(1);
                 warn!(reason = %reason, retry_in = ?delay,
@@ -612,7 +614,7 @@ async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>
             Attempt::Failed { reason, retryable } => {
                 let attempt = job.message.attempt;
                 if retryable && attempt < config.max_attempts {
-                    let delay = crate::full_jitter(
+                    let delay = crate::backoff::full_jitter(
                         i32::try_from(attempt - 1).unwrap_or(i32::MAX),
                         config.retry_base,
                         config.retry_cap,
@@ -789,7 +791,8 @@ async fn forward(
                     requeue(&envelope.acker).await;
                     return Settled::Requeued;
                 }
-                let ceiling = crate::backoff_ceiling(refusals, config.outage_backoff_min, config.outage_backoff_max);
+                let ceiling =
+                    crate::backoff::backoff_ceiling(refusals, config.outage_backoff_min, config.outage_backoff_max);
                 let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
                 refusals = refusals.saturating_add(1);
                 error!(error = %e, exchange = %exchange, retry_in = ?delay,

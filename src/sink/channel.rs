@@ -29,7 +29,8 @@ type StateFn = dyn Fn() -> SinkState + Send + Sync;
 /// tests, demos and applications whose consumer lives in the same process.
 ///
 /// ```
-/// use actix_outbox::{ChannelSink, PublishError, SinkAction};
+/// use actix_outbox::PublishError;
+/// use actix_outbox::sink::{ChannelSink, SinkAction};
 ///
 /// // Fails every message's first attempt, then delivers.
 /// let (sink, _published) = ChannelSink::new();

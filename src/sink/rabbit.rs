@@ -137,7 +137,7 @@ impl RabbitConfig {
     /// [`RabbitConfig::urls`]), with every other setting at its default.
     ///
     /// ```
-    /// let config = actix_outbox::RabbitConfig::cluster(["amqp://rabbit-1:5672/%2f", "amqp://rabbit-2:5672/%2f"]);
+    /// let config = actix_outbox::sink::RabbitConfig::cluster(["amqp://rabbit-1:5672/%2f", "amqp://rabbit-2:5672/%2f"]);
     /// assert_eq!(config.urls.len(), 2);
     /// ```
     pub fn cluster<U: Into<String>>(urls: impl IntoIterator<Item = U>) -> Self {

@@ -161,7 +161,7 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
 /// use actix_outbox::Fifo;
-/// use actix_outbox::store::{ClaimParams, explain_claim};
+/// use actix_outbox::testing::{ClaimParams, explain_claim};
 ///
 /// let params = ClaimParams {
 ///     owner: "explain",

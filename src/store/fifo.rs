@@ -62,7 +62,7 @@ pub struct BlockedAggregate {
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
 /// use actix_outbox::Fifo;
-/// use actix_outbox::store::{blocked_aggregates, dead_retry};
+/// use actix_outbox::admin::{blocked_aggregates, dead_retry};
 ///
 /// for blocked in blocked_aggregates(conn, &Fifo::All, 100).await? {
 ///     println!("{}/{} held by #{} ({}): {} waiting; {:?}", blocked.aggregate_type, blocked.aggregate_id,
@@ -94,7 +94,7 @@ pub async fn blocked_aggregates(
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
 /// use actix_outbox::Fifo;
-/// use actix_outbox::store::blocked_aggregates_count;
+/// use actix_outbox::admin::blocked_aggregates_count;
 ///
 /// let n = blocked_aggregates_count(conn, &Fifo::event_types(["order.created", "order.paid"])).await?;
 /// println!("{n} aggregates wait for an operator");

@@ -9,9 +9,13 @@
 //! PostgreSQL may switch them to a generic plan after their fifth run.
 
 mod admin;
+// The claim and the fenced writes are the dispatcher's; they are public only through the
+// `test-util` feature's `testing` module.
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod claim;
 mod fence;
 mod fifo;
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod finalize;
 mod prepared;
 mod producer;
@@ -27,8 +31,10 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, purge_done, stats};
+#[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim};
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
+#[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use finalize::{
     Bury, Reschedule, Rescheduled, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
 };
@@ -82,11 +88,11 @@ const APPLICATION_NAME: &str = "actix-outbox";
 
 /// How long one connection attempt may take when the connection string sets no
 /// `connect_timeout`.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Opens one connection to `database_url` (a URL or `key=value` pairs, see
 /// [`ConnectionString`]), every option of the string applied. Without a `connect_timeout` in
-/// the string, an attempt that gets no answer within [`DEFAULT_CONNECT_TIMEOUT`] fails; without
+/// the string, an attempt that gets no answer within 10 s fails; without
 /// an `application_name`, the connection is named `actix-outbox`.
 ///
 /// A failure is [`StoreError::Connect`] whose source is the driver's error, with its own cause
@@ -94,8 +100,8 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
-/// let mut conn = actix_outbox::store::connect("host=db user=app dbname=app").await?;
-/// let stats = actix_outbox::store::stats(&mut conn).await?;
+/// let mut conn = actix_outbox::connect("host=db user=app dbname=app").await?;
+/// let stats = actix_outbox::admin::stats(&mut conn).await?;
 /// # Ok(()) }
 /// ```
 pub async fn connect(database_url: &str) -> Result<AsyncPgConnection, StoreError> {
@@ -219,7 +225,7 @@ pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
-/// let pending = actix_outbox::store::pending_migrations("postgres://localhost/app").await?;
+/// let pending = actix_outbox::pending_migrations("postgres://localhost/app").await?;
 /// assert!(pending.is_empty(), "run `actix-outbox migrate` first: {pending:?}");
 /// # Ok(()) }
 /// ```

@@ -7,9 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
+use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::testing::CrashWorker;
 use actix_outbox::{
-    ActorPublisher, ChannelSink, CrashWorker, DispatcherConfig, GetMetrics, OutboxMessage, OutboxSupervisor, Publish,
-    PublishError, PublishResult, Shutdown, SinkAction, Status,
+    ActorPublisher, DispatcherConfig, GetMetrics, OutboxMessage, OutboxSupervisor, Publish, PublishError,
+    PublishResult, Shutdown, Status,
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -120,7 +122,7 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 2, 2));
     let late = actix_outbox::Fence { id: victim, lease_version: 1 };
     let mut conn = db.conn().await;
-    assert!(actix_outbox::store::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "stale finalize fenced");
+    assert!(actix_outbox::testing::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "stale finalize fenced");
 
     let published = drain(&mut rx);
     assert_eq!(published.iter().filter(|m| m.id == victim).map(|m| m.attempts).collect::<Vec<_>>(), vec![2]);

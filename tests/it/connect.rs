@@ -4,7 +4,8 @@
 
 use std::error::Error as _;
 
-use actix_outbox::{RabbitConfig, RabbitError, RabbitSink, StoreError};
+use actix_outbox::StoreError;
+use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
 use diesel::QueryableByName;
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
@@ -60,10 +61,10 @@ async fn key_value_strings_connect_everywhere_and_keep_their_application_name() 
     let mut direct = AsyncPgConnection::establish(&pairs).await.expect("diesel-async establishes a key=value string");
     assert_eq!(session(&mut direct).await, (db.name.clone(), "outbox it".to_owned()));
 
-    let mut own = actix_outbox::store::connect(&pairs).await.unwrap();
+    let mut own = actix_outbox::connect(&pairs).await.unwrap();
     assert_eq!(session(&mut own).await, (db.name.clone(), "outbox it".to_owned()));
     let unnamed = format!("host={HOST} port={PORT} user={USER} dbname={}", db.name);
-    let mut own = actix_outbox::store::connect(&unnamed).await.unwrap();
+    let mut own = actix_outbox::connect(&unnamed).await.unwrap();
     assert_eq!(session(&mut own).await, (db.name.clone(), "actix-outbox".to_owned()));
 
     let pool = actix_outbox::connect_pool(&pairs, 2).await.unwrap();
@@ -72,7 +73,7 @@ async fn key_value_strings_connect_everywhere_and_keep_their_application_name() 
     let pool = actix_outbox::connect_pool(&unnamed, 2).await.unwrap();
     assert_eq!(session(&mut pool.get().await.unwrap()).await, (db.name.clone(), "actix-outbox".to_owned()));
 
-    assert_eq!(actix_outbox::store::pending_migrations(&pairs).await.unwrap(), Vec::<String>::new());
+    assert_eq!(actix_outbox::pending_migrations(&pairs).await.unwrap(), Vec::<String>::new());
     assert_eq!(actix_outbox::migrate(&pairs).await.unwrap(), Vec::<String>::new());
 }
 
@@ -95,7 +96,7 @@ async fn ensure_database_keeps_every_option_of_the_string() {
         let embedded =
             diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
         assert_eq!(applied.len(), embedded.len(), "{form}");
-        assert_eq!(actix_outbox::store::pending_migrations(&url).await.unwrap(), Vec::<String>::new(), "{form}");
+        assert_eq!(actix_outbox::pending_migrations(&url).await.unwrap(), Vec::<String>::new(), "{form}");
     }
 }
 
@@ -109,7 +110,7 @@ async fn connection_failures_keep_their_cause_and_no_password() {
         "host=127.0.0.1 port=1 user=admin password=s3cret dbname=outbox",
         "host=127.0.0.1 port=1 user=admin password='s3cret word' dbname=outbox",
     ] {
-        let e = actix_outbox::store::connect(url).await.map(|_| ()).unwrap_err();
+        let e = actix_outbox::connect(url).await.map(|_| ()).unwrap_err();
         assert!(matches!(e, StoreError::Connect(_)) && e.is_transient(), "{e:?}");
         assert_eq!(
             e.to_string(),
@@ -130,7 +131,7 @@ async fn connection_failures_keep_their_cause_and_no_password() {
     }
 
     let missing = ScratchDb::new();
-    let e = actix_outbox::store::connect(&missing.url).await.map(|_| ()).unwrap_err();
+    let e = actix_outbox::connect(&missing.url).await.map(|_| ()).unwrap_err();
     assert_eq!(
         e.to_string(),
         format!("database connection failed: db error: FATAL: database \"{}\" does not exist", missing.name)

@@ -6,13 +6,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_outbox::store::{
-    self, BlockedAggregate, Claim, ClaimParams, Reschedule, blocked_aggregates, dead_retry, dead_skip, mark_dead,
-    mark_done,
-};
+use actix_outbox::admin::{BlockedAggregate, blocked_aggregates, dead_retry, dead_skip};
+use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::testing::{Claim, ClaimParams, Reschedule, mark_dead, mark_done};
 use actix_outbox::{
-    ChannelSink, DispatcherConfig, Fence, Fifo, NewEvent, OutboxMessage, OutboxSupervisor, SinkAction, Status,
-    StoreError, enqueue, enqueue_many, enqueue_ordered,
+    DispatcherConfig, Fence, Fifo, NewEvent, OutboxMessage, OutboxSupervisor, Status, StoreError, enqueue,
+    enqueue_many, enqueue_ordered,
 };
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Int8, Text};
@@ -38,7 +37,7 @@ fn params<'a>(owner: &'a str, fifo: &'a Fifo) -> ClaimParams<'a> {
 }
 
 async fn claim(conn: &mut AsyncPgConnection, owner: &str, fifo: &Fifo) -> Claim {
-    store::claim(conn, &params(owner, fifo)).await.expect("claim")
+    actix_outbox::testing::claim(conn, &params(owner, fifo)).await.expect("claim")
 }
 
 fn ids(claim: &Claim) -> Vec<i64> {
@@ -62,7 +61,8 @@ async fn done(conn: &mut AsyncPgConnection, fences: &[Fence]) {
 }
 
 async fn bury(conn: &mut AsyncPgConnection, claim: &Claim, error: &str) {
-    let rows: Vec<_> = fences(claim).into_iter().map(|fence| store::Bury { fence, error: error.to_owned() }).collect();
+    let rows: Vec<_> =
+        fences(claim).into_iter().map(|fence| actix_outbox::testing::Bury { fence, error: error.to_owned() }).collect();
     let won = mark_dead(conn, &rows).await.expect("mark dead");
     assert_eq!(won, ids(claim));
 }
@@ -153,7 +153,7 @@ async fn a_head_waiting_for_its_backoff_blocks_its_tail() {
     let x = db.seed(2, "X").await;
     let first = claim(&mut conn, "w1", &Fifo::All).await;
     assert_eq!(ids(&first), vec![x[0]]);
-    let back = store::reschedule(
+    let back = actix_outbox::testing::reschedule(
         &mut conn,
         &[Reschedule {
             fence: first.messages[0].fence(),
@@ -295,7 +295,7 @@ async fn a_dead_head_blocks_its_tail_until_retried_or_skipped() {
     assert!(skipped.done_at.is_some());
     assert_eq!(
         skipped.last_error.as_deref(),
-        Some(format!("{}{reason} (was: permanent: boom)", store::SKIPPED_PREFIX).as_str())
+        Some(format!("{}{reason} (was: permanent: boom)", actix_outbox::admin::SKIPPED_PREFIX).as_str())
     );
     let after_skip = claim(&mut conn, "w3", &Fifo::All).await;
     assert_eq!(ids(&after_skip), vec![b2], "B's next row is the head now; A's next waits for {a2}");
@@ -314,7 +314,7 @@ async fn a_crashed_workers_head_is_reclaimed_and_its_tail_waits_until_the_head_i
 
     // The crashed worker: claims the head with a short lease and never finalizes it.
     let short = ClaimParams { lease: Duration::from_millis(200), ..params("crashed", &fifo) };
-    let crashed = store::claim(&mut conn, &short).await.unwrap();
+    let crashed = actix_outbox::testing::claim(&mut conn, &short).await.unwrap();
     assert_eq!(ids(&crashed), vec![x[0]]);
     let stale = crashed.messages[0].fence();
     assert_eq!(stale.lease_version, 1);
@@ -350,7 +350,7 @@ async fn expired_leases_are_reclaimed_one_head_at_a_time() {
     let mut conn = db.conn().await;
     let x = db.seed(2, "X").await;
     let unordered = ClaimParams { lease: Duration::from_millis(200), ..params("no-gate", &Fifo::Off) };
-    assert_eq!(ids(&store::claim(&mut conn, &unordered).await.unwrap()), x);
+    assert_eq!(ids(&actix_outbox::testing::claim(&mut conn, &unordered).await.unwrap()), x);
 
     eventually(Duration::from_secs(10), "both leases to expire", || async {
         lease_expired(&mut db.conn().await, x[1]).await && lease_expired(&mut db.conn().await, x[0]).await
@@ -372,14 +372,16 @@ async fn the_reaper_works_under_the_gate_and_a_reaped_head_keeps_blocking() {
     let x = db.seed(3, "X").await;
     let fifo = Fifo::All;
     let last_chance = ClaimParams { lease: Duration::from_millis(200), max_attempts: 1, ..params("crashed", &fifo) };
-    let crashed = store::claim(&mut conn, &last_chance).await.unwrap();
+    let crashed = actix_outbox::testing::claim(&mut conn, &last_chance).await.unwrap();
     assert_eq!(ids(&crashed), vec![x[0]]);
 
     eventually(Duration::from_secs(10), "the lease to expire", || async {
         lease_expired(&mut db.conn().await, x[0]).await
     })
     .await;
-    let reaping = store::claim(&mut conn, &ClaimParams { max_attempts: 1, ..params("reaper", &fifo) }).await.unwrap();
+    let reaping = actix_outbox::testing::claim(&mut conn, &ClaimParams { max_attempts: 1, ..params("reaper", &fifo) })
+        .await
+        .unwrap();
     assert_eq!(reaping.reaped, vec![crashed.messages[0].fence()]);
     assert!(reaping.messages.is_empty(), "the tail is not claimed in the statement that reaps its head");
     assert_eq!(db.row(x[0]).await.status, Status::Dead);
@@ -643,13 +645,16 @@ async fn explain_claim_with_analyze_runs_the_claim_and_rolls_it_back() {
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
     db.seed(3, "X").await;
-    let plan = store::explain_claim(&mut conn, &params("explain", &Fifo::All), true).await.unwrap();
+    let plan = actix_outbox::testing::explain_claim(&mut conn, &params("explain", &Fifo::All), true).await.unwrap();
     let text = plan.join("\n");
     assert!(text.contains("actual time="), "{text}");
     assert_eq!(db.count_status("pending").await, 3, "rolled back");
     assert!(db.rows().await.iter().all(|r| r.lease_version == 0 && r.attempts == 0));
 
-    let estimate = store::explain_claim(&mut conn, &params("explain", &Fifo::event_types(["x"])), false).await.unwrap();
+    let estimate =
+        actix_outbox::testing::explain_claim(&mut conn, &params("explain", &Fifo::event_types(["x"])), false)
+            .await
+            .unwrap();
     assert!(!estimate.join("\n").contains("actual time="));
 }
 
@@ -660,7 +665,7 @@ async fn explain_claim_with_analyze_runs_the_claim_and_rolls_it_back() {
 /// only after that, so the queue receives an aggregate's messages one after the other.)
 #[actix_rt::test]
 async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
-    use actix_outbox::{RabbitConfig, RabbitSink};
+    use actix_outbox::sink::{RabbitConfig, RabbitSink};
     use futures_util::StreamExt;
     use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
     use lapin::types::FieldTable;
@@ -749,16 +754,16 @@ async fn heads_beyond_a_blocked_backlog_are_found() {
     let later = insert(&mut conn, &[("order", "c", "e"), ("order", "b", "e")]).await;
     let small = |batch| ClaimParams { batch, ..params("A", &fifo) };
 
-    let first = store::claim(&mut conn, &small(1)).await.unwrap();
+    let first = actix_outbox::testing::claim(&mut conn, &small(1)).await.unwrap();
     assert_eq!(ids(&first), vec![hot_ids[0]], "the oldest head first");
     // Batch 2: the walk looks at the 8 oldest pending rows, all behind `hot`'s first row.
-    let second = store::claim(&mut conn, &small(2)).await.unwrap();
+    let second = actix_outbox::testing::claim(&mut conn, &small(2)).await.unwrap();
     assert_eq!(ids(&second), later, "`c` and `b` head their aggregates");
-    let third = store::claim(&mut conn, &small(2)).await.unwrap();
+    let third = actix_outbox::testing::claim(&mut conn, &small(2)).await.unwrap();
     assert!(third.messages.is_empty(), "every pending row waits: {:?}", ids(&third));
 
     done(&mut conn, &fences(&first)).await;
-    let fourth = store::claim(&mut conn, &small(2)).await.unwrap();
+    let fourth = actix_outbox::testing::claim(&mut conn, &small(2)).await.unwrap();
     assert_eq!(ids(&fourth), vec![hot_ids[1]], "only `hot`'s next row");
 }
 
@@ -767,7 +772,7 @@ async fn heads_beyond_a_blocked_backlog_are_found() {
 /// turn, and the scan starts over after the last aggregate.
 #[tokio::test]
 async fn the_heads_scan_takes_turns_over_the_aggregates() {
-    use actix_outbox::store::{AggregateKey, HeadsScan};
+    use actix_outbox::testing::{AggregateKey, HeadsScan};
 
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
@@ -778,7 +783,7 @@ async fn the_heads_scan_takes_turns_over_the_aggregates() {
     insert(&mut conn, &heads).await;
     insert(&mut conn, &heads).await;
     let free = insert(&mut conn, &[("order", "agg-9", "e")]).await;
-    let taken = store::claim(&mut conn, &ClaimParams { batch: 9, ..params("A", &fifo) }).await.unwrap();
+    let taken = actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 9, ..params("A", &fifo) }).await.unwrap();
     assert_eq!(taken.messages.len(), 9, "the nine heads are now in flight");
 
     let key = |i: usize| AggregateKey { aggregate_type: "order".into(), aggregate_id: keys[i].clone() };
@@ -788,7 +793,7 @@ async fn the_heads_scan_takes_turns_over_the_aggregates() {
     let mut claimed = Vec::new();
     for _ in 0..4 {
         let p = ClaimParams { batch: 1, heads_after: after.as_ref(), ..params("B", &fifo) };
-        let c = store::claim(&mut conn, &p).await.unwrap();
+        let c = actix_outbox::testing::claim(&mut conn, &p).await.unwrap();
         claimed.push(ids(&c));
         after = match &c.heads {
             HeadsScan::StoppedAfter(k) => Some(k.clone()),

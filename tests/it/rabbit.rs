@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix_outbox::sink::ExchangeKind;
+use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
 use actix_outbox::{
-    DispatcherConfig, GetMetrics, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher, RabbitConfig,
-    RabbitError, RabbitSink, Shutdown, Status,
+    DispatcherConfig, GetMetrics, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher, Shutdown, Status,
 };
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};

@@ -4,8 +4,9 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use actix_outbox::store::{self, ClaimParams};
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, PublishError, Status, Step, decide};
+use actix_outbox::testing::ClaimParams;
+use actix_outbox::testing::{Step, decide};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, PublishError, Status};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
@@ -13,8 +14,14 @@ use crate::support::{TestDb, eventually};
 
 const LONG: Duration = Duration::from_secs(30);
 
-async fn claim(conn: &mut AsyncPgConnection, owner: &str, batch: usize, lease: Duration, max: i32) -> store::Claim {
-    store::claim(
+async fn claim(
+    conn: &mut AsyncPgConnection,
+    owner: &str,
+    batch: usize,
+    lease: Duration,
+    max: i32,
+) -> actix_outbox::testing::Claim {
+    actix_outbox::testing::claim(
         conn,
         &ClaimParams {
             owner,
@@ -39,9 +46,11 @@ async fn finalize(
     config: &DispatcherConfig,
 ) -> bool {
     let won = match decide(message, &outcome, config) {
-        Step::Done(f) => store::mark_done(conn, &[f]).await.unwrap(),
-        Step::Reschedule(r) => store::reschedule(conn, &[r]).await.unwrap().into_iter().map(|r| r.id).collect(),
-        Step::Dead(b) => store::mark_dead(conn, &[b]).await.unwrap(),
+        Step::Done(f) => actix_outbox::testing::mark_done(conn, &[f]).await.unwrap(),
+        Step::Reschedule(r) => {
+            actix_outbox::testing::reschedule(conn, &[r]).await.unwrap().into_iter().map(|r| r.id).collect()
+        }
+        Step::Dead(b) => actix_outbox::testing::mark_dead(conn, &[b]).await.unwrap(),
     };
     won == [message.id]
 }
@@ -192,9 +201,12 @@ async fn expired_lease_is_taken_over_and_stale_finalize_is_fenced() {
     assert_eq!((b[0].id, b[0].lease_version, b[0].attempts), (id, 2, 2));
     assert_eq!(db.row(id).await.lease_owner.as_deref(), Some("B"));
 
-    assert!(store::mark_done(&mut ca, &[a[0].fence()]).await.unwrap().is_empty(), "A's finalize is fenced off");
+    assert!(
+        actix_outbox::testing::mark_done(&mut ca, &[a[0].fence()]).await.unwrap().is_empty(),
+        "A's finalize is fenced off"
+    );
     assert_eq!(db.row(id).await.status, Status::Processing, "A wrote nothing");
-    assert_eq!(store::mark_done(&mut cb, &[b[0].fence()]).await.unwrap(), vec![id]);
+    assert_eq!(actix_outbox::testing::mark_done(&mut cb, &[b[0].fence()]).await.unwrap(), vec![id]);
     let row = db.row(id).await;
     assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 2, 2));
     assert!(row.done_at.is_some() && row.lease_owner.is_none() && row.lease_until.is_none());
@@ -209,7 +221,7 @@ async fn expired_lease_not_taken_over_still_finalizes() {
     let mut conn = db.conn().await;
     let a = claim(&mut conn, "A", 10, Duration::from_millis(50), 12).await.messages;
     until_leases_expired(&db).await;
-    assert_eq!(store::mark_done(&mut conn, &[a[0].fence()]).await.unwrap(), vec![id]);
+    assert_eq!(actix_outbox::testing::mark_done(&mut conn, &[a[0].fence()]).await.unwrap(), vec![id]);
     assert_eq!(db.row(id).await.status, Status::Done);
 }
 
@@ -360,7 +372,7 @@ async fn batch_finalize_reports_winners_and_leaves_losers_alone() {
     assert_eq!(taken.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..2]);
 
     let fences: Vec<_> = claimed.iter().map(|m| m.fence()).collect();
-    let won = store::mark_done(&mut conn, &fences).await.unwrap();
+    let won = actix_outbox::testing::mark_done(&mut conn, &fences).await.unwrap();
     let mut won_sorted = won.clone();
     won_sorted.sort();
     assert_eq!(won_sorted, ids[2..]);
@@ -408,23 +420,26 @@ async fn batch_writes_give_each_row_its_own_values() {
     let fence = |i: usize| claimed[i].fence();
     let stale = |i: usize| actix_outbox::Fence { lease_version: claimed[i].lease_version - 1, ..claimed[i].fence() };
 
-    let mut buried: Vec<store::Bury> =
-        (0..3).rev().map(|i| store::Bury { fence: fence(i), error: format!("permanent: {i}") }).collect();
-    buried.insert(1, store::Bury { fence: stale(0), error: "stale".into() });
-    let mut dead = store::mark_dead(&mut conn, &buried).await.unwrap();
+    let mut buried: Vec<actix_outbox::testing::Bury> = (0..3)
+        .rev()
+        .map(|i| actix_outbox::testing::Bury { fence: fence(i), error: format!("permanent: {i}") })
+        .collect();
+    buried.insert(1, actix_outbox::testing::Bury { fence: stale(0), error: "stale".into() });
+    let mut dead = actix_outbox::testing::mark_dead(&mut conn, &buried).await.unwrap();
     dead.sort();
     assert_eq!(dead, ids[..3]);
 
     let day = Duration::from_secs(86_400);
     let minutes = |m: u64| Duration::from_secs(60 * m);
-    let reschedule =
-        |i: usize, delay: u64, refund_attempt: bool, dead_if_older_than: Option<Duration>| store::Reschedule {
+    let reschedule = |i: usize, delay: u64, refund_attempt: bool, dead_if_older_than: Option<Duration>| {
+        actix_outbox::testing::Reschedule {
             fence: if i == 7 { stale(i) } else { fence(i) },
             delay: minutes(delay),
             error: format!("retryable: {i}"),
             refund_attempt,
             dead_if_older_than,
-        };
+        }
+    };
     let rows = [
         reschedule(7, 40, true, None),
         reschedule(6, 30, true, None),
@@ -433,7 +448,7 @@ async fn batch_writes_give_each_row_its_own_values() {
         reschedule(3, 50, false, Some(day)),
     ];
     let before = chrono::Utc::now();
-    let mut back = store::reschedule(&mut conn, &rows).await.unwrap();
+    let mut back = actix_outbox::testing::reschedule(&mut conn, &rows).await.unwrap();
     back.sort_by_key(|r| r.id);
     let statuses: Vec<(i64, Status)> = back.iter().map(|r| (r.id, r.status)).collect();
     assert_eq!(
@@ -494,20 +509,22 @@ async fn claim_and_finalize_stay_prepared_and_never_run_on_a_generic_plan() {
         let (done, rest) = fences.split_at(size);
         let (dead, deferred) = rest.split_at(size);
 
-        assert_eq!(store::extend_leases(&mut pooled, done, LONG).await.unwrap().len(), size);
-        assert_eq!(store::mark_done(&mut pooled, done).await.unwrap().len(), size);
-        let settled = store::settled_at_version(&mut pooled, done).await.unwrap();
+        assert_eq!(actix_outbox::testing::extend_leases(&mut pooled, done, LONG).await.unwrap().len(), size);
+        assert_eq!(actix_outbox::testing::mark_done(&mut pooled, done).await.unwrap().len(), size);
+        let settled = actix_outbox::testing::settled_at_version(&mut pooled, done).await.unwrap();
         assert_eq!(settled.len(), size);
         assert!(settled.iter().all(|(_, status)| *status == Status::Done));
 
-        let buried: Vec<store::Bury> =
-            dead.iter().map(|&fence| store::Bury { fence, error: format!("permanent: {}", fence.id) }).collect();
-        assert_eq!(store::mark_dead(&mut pooled, &buried).await.unwrap().len(), size);
+        let buried: Vec<actix_outbox::testing::Bury> = dead
+            .iter()
+            .map(|&fence| actix_outbox::testing::Bury { fence, error: format!("permanent: {}", fence.id) })
+            .collect();
+        assert_eq!(actix_outbox::testing::mark_dead(&mut pooled, &buried).await.unwrap().len(), size);
 
-        let rescheduled: Vec<store::Reschedule> = deferred
+        let rescheduled: Vec<actix_outbox::testing::Reschedule> = deferred
             .iter()
             .enumerate()
-            .map(|(i, &fence)| store::Reschedule {
+            .map(|(i, &fence)| actix_outbox::testing::Reschedule {
                 fence,
                 delay: Duration::from_secs(3600 + i as u64),
                 error: format!("retryable: {}", fence.id),
@@ -515,7 +532,7 @@ async fn claim_and_finalize_stay_prepared_and_never_run_on_a_generic_plan() {
                 dead_if_older_than: (i % 2 == 1).then_some(Duration::from_secs(3600)),
             })
             .collect();
-        let back = store::reschedule(&mut pooled, &rescheduled).await.unwrap();
+        let back = actix_outbox::testing::reschedule(&mut pooled, &rescheduled).await.unwrap();
         assert_eq!(back.len(), size);
         assert!(back.iter().all(|r| r.status == Status::Pending), "{back:?}");
     }
@@ -563,7 +580,9 @@ async fn heartbeat_extends_only_current_leases() {
     let m = claim(&mut conn, "A", 10, Duration::from_secs(1), 12).await.messages;
     let before = db.row(ids[0]).await.lease_until.unwrap();
     let stale = actix_outbox::Fence { id: ids[1], lease_version: 99 };
-    let won = store::extend_leases(&mut conn, &[m[0].fence(), stale], Duration::from_secs(600)).await.unwrap();
+    let won = actix_outbox::testing::extend_leases(&mut conn, &[m[0].fence(), stale], Duration::from_secs(600))
+        .await
+        .unwrap();
     assert_eq!(won, vec![ids[0]]);
     let after = db.row(ids[0]).await.lease_until.unwrap();
     assert!(after - before > chrono::Duration::seconds(590), "extended from {before} to {after}");
@@ -609,7 +628,7 @@ async fn resumed_claim_starts_at_its_position_and_a_full_walk_finds_what_it_skip
         resume,
         heads_after: None,
     };
-    let first = store::claim(&mut conn, &params(None)).await.unwrap();
+    let first = actix_outbox::testing::claim(&mut conn, &params(None)).await.unwrap();
     assert_eq!(first.messages.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..2]);
     let resume = first.resume.expect("took pending rows");
     assert_eq!(resume.id, ids[0]);
@@ -623,7 +642,7 @@ async fn resumed_claim_starts_at_its_position_and_a_full_walk_finds_what_it_skip
     .await
     .unwrap()
     .id;
-    let resumed = store::claim(&mut conn, &params(Some(resume))).await.unwrap();
+    let resumed = actix_outbox::testing::claim(&mut conn, &params(Some(resume))).await.unwrap();
     assert_eq!(
         resumed.messages.iter().map(|m| m.id).collect::<Vec<_>>(),
         ids[2..4],
@@ -631,7 +650,7 @@ async fn resumed_claim_starts_at_its_position_and_a_full_walk_finds_what_it_skip
     );
     assert_eq!(resumed.resume.map(|r| r.id), Some(ids[2]));
 
-    let full = store::claim(&mut conn, &params(None)).await.unwrap();
+    let full = actix_outbox::testing::claim(&mut conn, &params(None)).await.unwrap();
     assert_eq!(full.messages.iter().map(|m| m.id).collect::<Vec<_>>(), vec![ids[4], late]);
     assert_eq!(full.resume.map(|r| r.id), Some(late), "the late row comes first in (available_at, id) order");
 }
@@ -799,18 +818,18 @@ async fn a_claim_takes_rows_while_their_payloads_fit_the_byte_budget() {
         resume: None,
         heads_after: None,
     };
-    let c = store::claim(&mut conn, &params(3_500)).await.unwrap();
+    let c = actix_outbox::testing::claim(&mut conn, &params(3_500)).await.unwrap();
     assert_eq!(c.messages.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..3], "3 × 1,000 bytes fit in 3,500");
     assert!(c.messages.iter().all(|m| m.payload_bytes() == 1000), "{:?}", c.messages[0].payload.get());
     assert_eq!(c.cut_by_budget, 7, "the other 7 wait for a later claim");
-    let c = store::claim(&mut conn, &params(10)).await.unwrap();
+    let c = actix_outbox::testing::claim(&mut conn, &params(10)).await.unwrap();
     assert_eq!(
         c.messages.iter().map(|m| m.id).collect::<Vec<_>>(),
         ids[3..4],
         "a row larger than the budget goes alone"
     );
     assert_eq!(c.cut_by_budget, 6);
-    let c = store::claim(&mut conn, &params(usize::MAX)).await.unwrap();
+    let c = actix_outbox::testing::claim(&mut conn, &params(usize::MAX)).await.unwrap();
     assert_eq!(c.messages.len(), 6);
     assert_eq!(c.cut_by_budget, 0);
 }
