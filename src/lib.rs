@@ -90,3 +90,8 @@ pub use store::{
     enqueue, enqueue_many, enqueue_ordered, ensure_database, lock_aggregate, migrate, migrate_blocking,
 };
 pub use url::{ConnectionString, InvalidConnectionString, mask_url};
+
+/// The README's Rust blocks, compiled by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
