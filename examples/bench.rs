@@ -314,7 +314,7 @@ fn body(n: i64, pad: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "n": n, "pad": pad })).expect("a JSON value serialises")
 }
 
-/// The properties and headers the RabbitMQ sink sets (DESIGN §6), for the raw publisher.
+/// The properties and headers the RabbitMQ sink sets (see `RabbitSink`), for the raw publisher.
 fn properties(id: i64, aggregate_id: &str) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(id));

@@ -1,4 +1,4 @@
-//! Full-jitter exponential backoff (DESIGN §3).
+//! Full-jitter exponential backoff: a retry waits `uniform(0, min(cap, base × 2^attempts))`.
 
 use std::time::Duration;
 

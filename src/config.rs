@@ -316,7 +316,7 @@ pub enum ConfigError {
 }
 
 /// Per-aggregate FIFO: which rows a claim holds back until the earlier rows of their aggregate
-/// are finished (DESIGN §4).
+/// are finished (docs/architecture.md, "The FIFO gate").
 ///
 /// An **aggregate** is identified by `(aggregate_type, aggregate_id)`: `order/42` and
 /// `customer/42` are two aggregates with independent order.

@@ -117,3 +117,8 @@ pub mod testing {
         explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
     };
 }
+
+/// The README's Rust blocks, compiled by `cargo test --doc`.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,4 +1,4 @@
-//! The RabbitMQ sink (DESIGN §6): one lapin connection with publisher confirms, shared by every
+//! The RabbitMQ sink: one lapin connection with publisher confirms, shared by every
 //! publish, re-established by the sink itself when it is lost.
 //!
 //! The user-facing notes (where the connection lives, how broker answers become outcomes) are
@@ -310,7 +310,7 @@ impl RabbitError {
 }
 
 /// A [`Publisher`] that publishes each outbox message to a RabbitMQ exchange with publisher
-/// confirms, in the format of DESIGN §6:
+/// confirms, in this format:
 ///
 /// - `delivery_mode = 2` (persistent), `mandatory = true`;
 /// - properties `message_id` = the outbox id in decimal, `type` = the event type,
@@ -709,7 +709,7 @@ impl Drop for Waiting<'_> {
     }
 }
 
-/// The AMQP properties and headers of `message` (DESIGN §6).
+/// The AMQP properties and headers of `message` (listed on [`RabbitSink`]).
 fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProperties, PublishError> {
     let event_type = ShortString::try_new(message.event_type.as_str())
         .map_err(|e| PublishError::Permanent(format!("event type cannot be sent as the AMQP `type` property: {e}")))?;

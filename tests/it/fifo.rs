@@ -1,4 +1,4 @@
-//! Per-aggregate FIFO (DESIGN §4): the head gate in the claim, across workers, dispatchers and
+//! Per-aggregate FIFO (docs/architecture.md): the head gate in the claim, across workers, dispatchers and
 //! lease takeovers; its event-type variant; the producer lock it relies on; the operator's view
 //! of blocked aggregates and the two ways out.
 

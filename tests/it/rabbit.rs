@@ -62,7 +62,7 @@ fn message(id: i64, event_type: &str) -> Arc<OutboxMessage> {
     })
 }
 
-/// (a) Every property and header of DESIGN §6 arrives on a real consumer; the body is the payload.
+/// (a) Every property and header the sink documents (see `RabbitSink`) arrives on a real consumer; the body is the payload.
 #[actix_rt::test]
 async fn message_carries_every_property_and_header() {
     let db = TestDb::new().await;

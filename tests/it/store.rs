@@ -1,4 +1,4 @@
-//! The store against a real PostgreSQL: the seed article's scenarios 1–9 (section 7), plus the
+//! The store against a real PostgreSQL: claims, takeovers, fencing, retries, deferral, poison rows, plus the
 //! batch fences, the heartbeat, the producer and the schema.
 
 use std::collections::HashSet;

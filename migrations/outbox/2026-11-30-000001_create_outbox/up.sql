@@ -1,4 +1,4 @@
--- The transactional outbox (DESIGN §2). Producers insert with only the four business columns;
+-- The transactional outbox (docs/architecture.md, "The table"). Producers insert with only the four business columns;
 -- every dispatcher column has a default so that any producer, in any language, can write here.
 CREATE TABLE outbox (
     id             bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
