@@ -78,7 +78,7 @@ pub use backoff::{backoff_ceiling, full_jitter};
 pub use config::{ConfigError, DispatcherConfig, Fifo, default_owner};
 #[doc(hidden)]
 pub use dispatcher::{CrashFinalizer, CrashWorker};
-pub use dispatcher::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
+pub use dispatcher::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
