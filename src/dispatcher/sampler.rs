@@ -1,6 +1,7 @@
 //! The table sampler: every [`DispatcherConfig::table_metrics_interval`] the supervisor reads
 //! the outbox table in one aggregate statement (a second one under the FIFO gate, for the
-//! blocked aggregates) and sets the sampled gauges of the `metrics` facade. A sample that
+//! blocked aggregates) and sets the sampled gauges of the `metrics` facade. No sample starts
+//! while the database is known to be down (the gauges keep their last values). A sample that
 //! fails leaves the gauges as they were and counts `outbox_table_sample_errors_total`; one
 //! still running when the next is due makes that one skip.
 //!

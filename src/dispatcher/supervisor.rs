@@ -139,7 +139,9 @@ impl OutboxSupervisor {
     /// Asks the sink how it is, logs its changes of state, and acts on the gate's verdict.
     /// Starts a table sample unless one is running.
     fn sample_table(&mut self, ctx: &mut Context<Self>) {
-        if self.sampling || self.state == State::Stopped {
+        // While the database is down the claims and the finalizer probe it; a sample would only
+        // add a waiter for the pool's connections.
+        if self.sampling || self.state == State::Stopped || !self.shared.db.reachable() {
             return;
         }
         self.sampling = true;
