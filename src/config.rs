@@ -22,6 +22,8 @@ pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
 pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 /// Pause between two probes of an unavailable sink, by default.
 pub const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
+/// How often the dispatcher samples the outbox table for its gauges, by default.
+pub const DEFAULT_TABLE_METRICS_INTERVAL: Duration = Duration::from_secs(5);
 /// Age (since `created_at`) past which a deferral sends the row dead, by default.
 pub const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -100,6 +102,11 @@ pub struct DispatcherConfig {
     /// its own state ([`Publisher::state`](crate::Publisher::state)) is probed as soon as it
     /// says it is up. Default 500 ms.
     pub sink_probe_interval: Duration,
+    /// How often the dispatcher samples the outbox table (rows per status, age of the oldest
+    /// unfinished row, expired leases, blocked aggregates under FIFO) into the gauges of the
+    /// `metrics` facade; one aggregate statement a sample, whose cost grows with the table (a
+    /// purged table keeps it small). `None`: no sampling. Default 5 s.
+    pub table_metrics_interval: Option<Duration>,
 }
 
 impl Default for DispatcherConfig {
@@ -121,6 +128,7 @@ impl Default for DispatcherConfig {
             fifo: Fifo::Off,
             listen_for_inserts: true,
             sink_probe_interval: DEFAULT_SINK_PROBE_INTERVAL,
+            table_metrics_interval: Some(DEFAULT_TABLE_METRICS_INTERVAL),
         }
     }
 }
@@ -181,6 +189,8 @@ impl DispatcherConfig {
         listen_for_inserts: bool,
         /// Sets [`DispatcherConfig::sink_probe_interval`].
         sink_probe_interval: Duration,
+        /// Sets [`DispatcherConfig::table_metrics_interval`] (`None`: no sampling).
+        table_metrics_interval: Option<Duration>,
     }
 
     /// Sets [`DispatcherConfig::max_in_flight`].
@@ -236,6 +246,9 @@ impl DispatcherConfig {
         if self.sink_probe_interval.is_zero() {
             return Err(ZeroSinkProbeInterval);
         }
+        if self.table_metrics_interval.is_some_and(|d| d.is_zero()) {
+            return Err(ZeroTableMetricsInterval);
+        }
         if self.backoff_base > self.backoff_cap {
             return Err(BackoffBaseAboveCap { base: self.backoff_base, cap: self.backoff_cap });
         }
@@ -275,6 +288,9 @@ pub enum ConfigError {
     /// `max_in_flight_bytes` is 0: nothing could ever be claimed.
     #[error("max in flight bytes must be above zero")]
     ZeroInFlightBytes,
+    /// `table_metrics_interval` is `Some(0)` (use `None` to turn sampling off).
+    #[error("table metrics interval must be above zero (None turns sampling off)")]
+    ZeroTableMetricsInterval,
     /// `max_attempts` below 1.
     #[error("max attempts must be at least 1 (got {0})")]
     MaxAttempts(i32),

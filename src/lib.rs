@@ -82,7 +82,7 @@ mod store;
 mod url;
 
 pub use config::{ConfigError, DispatcherConfig, Fifo};
-pub use dispatcher::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
+pub use dispatcher::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
 pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};

@@ -1,15 +1,78 @@
-//! Counters the supervisor reports.
+//! The dispatcher's metrics: counters kept in process ([`MetricsSnapshot`], through
+//! [`GetMetrics`](crate::GetMetrics)) and the same, with gauges and histograms, emitted
+//! through the facade of the `metrics` crate.
+//!
+//! The library only emits: without a recorder installed, the facade drops everything at the
+//! cost of a branch. The application chooses the exporter (the `actix-outbox run` command
+//! serves them in the Prometheus text format with `--metrics-addr`). No series carries a
+//! process-specific label (host, pid, owner): the scraper adds its own `instance`. Two
+//! dispatchers in one process add up in the counters and in the in-flight gauges.
+//!
+//! | name | type | labels | meaning |
+//! | --- | --- | --- | --- |
+//! | `outbox_claimed_total` | counter | | rows leased by claims (a probe's row included) |
+//! | `outbox_published_total` | counter | | publishes the sink acknowledged |
+//! | `outbox_finalized_total` | counter | `outcome`: `done`, `retried`, `deferred`, `released`, `dead` | rows whose fenced outcome was written: `done`; back to pending after a retryable failure (`retried`), a deferral (`deferred`) or an outage, attempt refunded (`released`); `dead` (retries exhausted, permanent failure, deferred too long) |
+//! | `outbox_reaped_total` | counter | | rows the claim's reaper sent dead (lease expired with no attempt left) |
+//! | `outbox_lost_leases_total` | counter | | fenced writes that found the row taken over or already finalized (nothing written) |
+//! | `outbox_publish_crashes_total` | counter | | publishes whose sink panicked; their rows wait for lease expiry |
+//! | `outbox_actor_restarts_total` | counter | | claim or finalize actors the supervisor replaced after they died |
+//! | `outbox_claim_errors_total` | counter | | claims that failed on the database |
+//! | `outbox_finalize_errors_total` | counter | | finalize statements that failed after every retry (their rows wait for lease expiry) |
+//! | `outbox_finalize_retries_total` | counter | | finalize statements retried after a transient database failure |
+//! | `outbox_sink_outages_total` | counter | | times claiming paused because the sink became unavailable |
+//! | `outbox_in_flight` | gauge | | rows claimed and not yet finalized |
+//! | `outbox_in_flight_bytes` | gauge | | their payload bytes |
+//! | `outbox_sink_up` | gauge | | 1 while the sink says it is up and the sink gate is open, else 0 |
+//! | `outbox_claiming_paused` | gauge | | 1 while the sink gate holds claiming back (sink unavailable or being probed), else 0 |
+//! | `outbox_publish_seconds` | histogram | | from the sink call to its answer (not a panic nor a publish timeout) |
+//! | `outbox_delivery_lag_seconds` | histogram | | from the row's `created_at` (database clock) to the sink's acknowledgement (local clock; negative differences count as 0) |
+//! | `outbox_rows` | gauge | `status`: `pending`, `processing`, `done`, `dead` | rows in the table per status (sampled) |
+//! | `outbox_oldest_unfinished_age_seconds` | gauge | | age of the oldest `pending` or `processing` row, 0 when none (sampled, database clock) |
+//! | `outbox_expired_leases` | gauge | | `processing` rows whose lease ran out (sampled) |
+//! | `outbox_blocked_aggregates` | gauge | | aggregates held back by a dead head, under the FIFO gate only (sampled) |
+//! | `outbox_table_sample_errors_total` | counter | | table samples that failed on the database |
+//!
+//! The sampled gauges come from one statement the supervisor runs every
+//! [`DispatcherConfig::table_metrics_interval`](crate::DispatcherConfig::table_metrics_interval)
+//! (5 s by default; a second one under FIFO); every dispatcher samples the same table, so a
+//! dashboard takes any one instance's value (`max`), not their sum.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use serde::Serialize;
 
+/// What the facade sees of one of the in-process counters.
+#[derive(Debug)]
+pub(crate) struct Series {
+    value: AtomicU64,
+    name: &'static str,
+    labels: &'static [(&'static str, &'static str)],
+    gauge: bool,
+}
+
+impl Series {
+    const fn counter(name: &'static str, labels: &'static [(&'static str, &'static str)]) -> Self {
+        Self { value: AtomicU64::new(0), name, labels, gauge: false }
+    }
+
+    const fn gauge(name: &'static str) -> Self {
+        Self { value: AtomicU64::new(0), name, labels: &[], gauge: true }
+    }
+}
+
 macro_rules! counters {
-    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+    ($($(#[$doc:meta])* $name:ident: $kind:ident($($key:expr),*)),* $(,)?) => {
         /// Live counters, shared by the dispatcher's actors.
-        #[derive(Debug, Default)]
+        #[derive(Debug)]
         pub(crate) struct Metrics {
-            $(pub(crate) $name: AtomicU64,)*
+            $(pub(crate) $name: Series,)*
+        }
+
+        impl Default for Metrics {
+            fn default() -> Self {
+                Self { $($name: Series::$kind($($key),*),)* }
+            }
         }
 
         /// A copy of the dispatcher's counters since it started (and of its gauges now).
@@ -21,7 +84,7 @@ macro_rules! counters {
 
         impl Metrics {
             pub(crate) fn snapshot(&self) -> MetricsSnapshot {
-                MetricsSnapshot { $($name: self.$name.load(Relaxed),)* }
+                MetricsSnapshot { $($name: self.$name.value.load(Relaxed),)* }
             }
         }
     };
@@ -29,47 +92,74 @@ macro_rules! counters {
 
 counters! {
     /// Rows leased by claims.
-    claimed,
+    claimed: counter("outbox_claimed_total", &[]),
     /// Publishes the sink acknowledged.
-    published,
+    published: counter("outbox_published_total", &[]),
     /// Rows finalized `done`.
-    done,
+    done: counter("outbox_finalized_total", &[("outcome", "done")]),
     /// Rows put back to pending after a retryable failure.
-    retried,
+    retried: counter("outbox_finalized_total", &[("outcome", "retried")]),
     /// Rows put back to pending by a deferral.
-    deferred,
+    deferred: counter("outbox_finalized_total", &[("outcome", "deferred")]),
     /// Rows put back to pending, attempt refunded, because the sink was unavailable (an
     /// outage costs no attempt).
-    released,
+    released: counter("outbox_finalized_total", &[("outcome", "released")]),
     /// Rows finalized `dead` (retries exhausted, permanent failure, or deferred too long).
-    dead,
+    dead: counter("outbox_finalized_total", &[("outcome", "dead")]),
     /// Rows the claim's reaper sent dead (lease expired with no attempt left).
-    reaped,
+    reaped: counter("outbox_reaped_total", &[]),
     /// Fenced writes that found the row taken over (or already finalized).
-    lost_leases,
+    lost_leases: counter("outbox_lost_leases_total", &[]),
     /// Publishes that panicked; their rows wait for lease expiry.
-    publish_crashes,
+    publish_crashes: counter("outbox_publish_crashes_total", &[]),
     /// Actors the supervisor restarted after they died.
-    restarts,
+    restarts: counter("outbox_actor_restarts_total", &[]),
     /// Claims that failed on the database.
-    claim_errors,
+    claim_errors: counter("outbox_claim_errors_total", &[]),
     /// Finalize flushes that failed on the database after every retry.
-    finalize_errors,
+    finalize_errors: counter("outbox_finalize_errors_total", &[]),
     /// Finalize statements retried after a transient database failure.
-    finalize_retries,
+    finalize_retries: counter("outbox_finalize_retries_total", &[]),
     /// Times claiming paused because the sink became unavailable.
-    sink_outages,
+    sink_outages: counter("outbox_sink_outages_total", &[]),
     /// Payload bytes held claimed right now (a gauge: it goes down as publishes finish).
-    in_flight_bytes,
+    in_flight_bytes: gauge("outbox_in_flight_bytes"),
+    /// Rows held claimed right now, not yet finalized (a gauge).
+    in_flight: gauge("outbox_in_flight"),
 }
 
 impl Metrics {
-    pub(crate) fn add(counter: &AtomicU64, n: usize) {
-        counter.fetch_add(n as u64, Relaxed);
+    /// Adds `n` to a counter, or raises a gauge by `n`.
+    pub(crate) fn add(series: &Series, n: usize) {
+        series.value.fetch_add(n as u64, Relaxed);
+        if series.gauge {
+            metrics::gauge!(series.name, series.labels).increment(n as f64);
+        } else {
+            metrics::counter!(series.name, series.labels).increment(n as u64);
+        }
     }
 
     /// Lowers a gauge.
-    pub(crate) fn sub(gauge: &AtomicU64, n: usize) {
-        gauge.fetch_sub(n as u64, Relaxed);
+    pub(crate) fn sub(gauge: &Series, n: usize) {
+        debug_assert!(gauge.gauge, "{} is a counter", gauge.name);
+        gauge.value.fetch_sub(n as u64, Relaxed);
+        metrics::gauge!(gauge.name, gauge.labels).decrement(n as f64);
     }
+}
+
+/// `outbox_publish_seconds`.
+pub(crate) fn publish_seconds(seconds: f64) {
+    metrics::histogram!("outbox_publish_seconds").record(seconds);
+}
+
+/// `outbox_delivery_lag_seconds`, from the row's creation (database clock) to now.
+pub(crate) fn delivery_lag(created_at: chrono::DateTime<chrono::Utc>) {
+    let lag = (chrono::Utc::now() - created_at).to_std().unwrap_or_default();
+    metrics::histogram!("outbox_delivery_lag_seconds").record(lag.as_secs_f64());
+}
+
+/// `outbox_sink_up` and `outbox_claiming_paused`.
+pub(crate) fn sink_gauges(sink_up: bool, claiming_paused: bool) {
+    metrics::gauge!("outbox_sink_up").set(f64::from(u8::from(sink_up)));
+    metrics::gauge!("outbox_claiming_paused").set(f64::from(u8::from(claiming_paused)));
 }

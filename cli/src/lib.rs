@@ -26,10 +26,11 @@ mod enqueue;
 mod migrate;
 mod purge;
 mod run;
+mod serve;
 mod stats;
 
 use std::collections::BTreeSet;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
@@ -39,7 +40,7 @@ pub use dead::{DeadBlockedArgs, DeadCommand, DeadListArgs, DeadRetryArgs, DeadSk
 pub use enqueue::EnqueueArgs;
 pub use migrate::MigrateArgs;
 pub use purge::PurgeArgs;
-pub use run::{DEFAULT_AMQP_URL, RunArgs};
+pub use run::{DEFAULT_AMQP_URL, LogFormat, RunArgs};
 pub use stats::StatsArgs;
 
 use actix_outbox::{ConnectionString, Fifo, StoreError};
@@ -132,6 +133,14 @@ impl Command {
             _ => "warn",
         }
     }
+
+    /// How log lines are written: `run --log-format`, text for every other command.
+    fn log_format(&self) -> LogFormat {
+        match self {
+            Command::Run(args) => args.log_format,
+            _ => LogFormat::Text,
+        }
+    }
 }
 
 /// The entry point of the `actix-outbox` binary: parses the process arguments, runs the
@@ -141,11 +150,12 @@ pub fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(&e),
     };
-    init_logging(cli.command.default_log_filter());
+    init_logging(cli.command.default_log_filter(), cli.command.log_format());
     match actix::System::new().block_on(cli.execute()) {
         Ok(()) => ExitCode::from(EXIT_OK),
         Err(e) => {
-            eprintln!("error: {}", one_line(&e.to_string()));
+            // Not `eprintln!`, which panics when stderr is closed: the exit code still tells.
+            let _ = writeln!(std::io::stderr().lock(), "error: {}", one_line(&e.to_string()));
             ExitCode::from(e.exit_code())
         }
     }
@@ -163,19 +173,39 @@ fn usage_error(e: &clap::Error) -> ExitCode {
     }
     let rendered = e.render().to_string();
     let first_paragraph = rendered.split("\n\n").next().unwrap_or_default();
-    eprintln!("{} (see --help)", one_line(first_paragraph));
+    let _ = writeln!(std::io::stderr().lock(), "{} (see --help)", one_line(first_paragraph));
     ExitCode::from(code)
 }
 
 /// Logs to stderr; `RUST_LOG` overrides the command's default level.
-fn init_logging(default_filter: &str) {
+///
+/// Logging never stops the work: a log line that cannot be written (stderr closed, a broken
+/// pipe, a full disk) is dropped, without the error report the formatter would otherwise write
+/// to stderr with `eprintln!`, which panics on a closed stderr.
+fn init_logging(default_filter: &str, format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .try_init();
+    let builder =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LossyStderr).log_internal_errors(false);
+    let _ = match format {
+        LogFormat::Json => builder.json().with_ansi(false).try_init(),
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
+    };
+}
+
+/// Standard error, where a failed write counts as written: the line is lost, not the work.
+struct LossyStderr;
+
+impl std::io::Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
 }
 
 /// Joins the lines of `text`, each trimmed, with single spaces.

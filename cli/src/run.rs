@@ -18,7 +18,7 @@ use clap::Args;
 use rand::RngExt;
 use tracing::{info, warn};
 
-use crate::{CliError, DatabaseArgs, FifoArgs, connect};
+use crate::{CliError, DatabaseArgs, FifoArgs, connect, serve};
 use actix_outbox::config::{self, DispatcherConfig};
 use actix_outbox::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
 use actix_outbox::{OutboxSupervisor, Shutdown};
@@ -90,6 +90,27 @@ pub struct RunArgs {
     /// The per-aggregate FIFO gate this dispatcher applies (off without the flag).
     #[command(flatten)]
     pub fifo: FifoArgs,
+    /// Serve GET /metrics (Prometheus text format), /health/live and /health/ready on this address (port 0: any free port, logged)
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_addr: Option<String>,
+    /// Do not LISTEN for inserts (needed behind a transaction-mode PgBouncer); new rows wait for the poll
+    #[arg(long)]
+    pub no_listen: bool,
+    /// Log line format on stderr: text for humans, json (one object a line) for log shippers
+    #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// `--log-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[non_exhaustive]
+pub enum LogFormat {
+    /// One human-readable line an event.
+    #[default]
+    Text,
+    /// One JSON object a line: `timestamp`, `level`, `target`, the event's fields (its
+    /// message in `message`) and its spans.
+    Json,
 }
 
 impl RunArgs {
@@ -101,11 +122,18 @@ impl RunArgs {
             .lease(self.lease.into())
             .max_attempts(self.max_attempts)
             .publish_timeout(self.publish_timeout.into())
-            .poll_interval(self.poll_interval.into());
+            .poll_interval(self.poll_interval.into())
+            .listen_for_inserts(!self.no_listen);
         if let Some(owner) = &self.owner {
             config = config.owner(owner.clone());
         }
         config = config.fifo(self.fifo.fifo()?);
+        if let Some(addr) = &self.metrics_addr {
+            let port = addr.rsplit_once(':').map(|(host, port)| (host, port.parse::<u16>()));
+            if !matches!(port, Some((host, Ok(_))) if !host.is_empty()) {
+                return Err(CliError::BadInput(format!("--metrics-addr {addr:?}: expected HOST:PORT")));
+            }
+        }
         config.validate().map_err(|e| CliError::BadInput(format!("invalid dispatcher configuration: {e}")))?;
         Ok(config)
     }
@@ -139,16 +167,27 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         .await
         .map_err(|e| CliError::store(&url, e))?;
 
+    // Before the broker: an orchestrator sees the process live, and not ready until it runs.
+    let supervisor_slot = serve::SupervisorSlot::default();
+    let serving = match &args.metrics_addr {
+        Some(addr) => Some(serve::start(addr, serve::install_recorder()?, pool.clone(), supervisor_slot.clone())?),
+        None => None,
+    };
+
     let sink = tokio::select! {
         sink = connect_broker(rabbit) => sink?,
         signal = signals.recv() => {
             info!(signal, "stopping before the dispatcher started; nothing was claimed");
+            if let Some(serving) = serving {
+                serving.stop().await;
+            }
             return Ok(());
         }
     };
     info!(database = %url, fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
     let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
+    *supervisor_slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(supervisor.clone());
 
     let signal = signals.recv().await;
     info!(
@@ -166,6 +205,9 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         }
     }
     sink.close().await;
+    if let Some(serving) = serving {
+        serving.stop().await;
+    }
     // The supervisor has logged its final counters; this line says the exit is the clean one.
     info!("dispatcher stopped cleanly; exiting 0");
     Ok(())

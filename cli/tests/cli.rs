@@ -1164,3 +1164,194 @@ async fn run_on_an_unmigrated_database_exits_1_and_says_to_migrate() {
     ok(&db.url, &["migrate"]).await;
     assert!(db.rows().await.is_empty(), "migrate then works on the same database");
 }
+
+// ---------------------------------------------------------------------------------------------
+// run --metrics-addr, --log-format, and logging that cannot stop the work
+
+/// `GET path` over plain HTTP/1.1: the status code and the body.
+async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP head: {response:?}"));
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{head}"));
+    (status, body.to_owned())
+}
+
+/// Polls `check` until it returns something, failing the test after [`WITHIN`].
+async fn until<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + WITHIN;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out after {WITHIN:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The value of the series `series` (name and labels, as printed) in a Prometheus text page.
+fn sample(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The address `run` logged it serves its probes on.
+async fn served_addr(run: &Dispatcher) -> String {
+    let mut addr = None;
+    eventually(WITHIN, "the probe address is logged", || {
+        addr = run
+            .log()
+            .iter()
+            .find(|l| l.contains("serving /metrics"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .map(|rest| rest.split_whitespace().next().unwrap().to_owned());
+        std::future::ready(addr.is_some())
+    })
+    .await;
+    addr.unwrap()
+}
+
+#[tokio::test]
+async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_broker() {
+    const ROWS: usize = 50;
+    let db = TestDb::new().await;
+    db.seed(ROWS, "agg").await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let proxy = crate::proxy::Proxy::start(amqp_addr()).await;
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &proxy.amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--batch",
+            "10",
+            "--poll-interval",
+            "100ms",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    );
+    let addr = served_addr(&run).await;
+    assert_eq!(http_get(&addr, "/health/live").await, (200, "ok".to_owned()));
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+
+    // The table gauges are sampled every 5 s: wait for a sample taken after the last row.
+    let page = until("the sampled gauge says every row is done", async || {
+        let page = http_get(&addr, "/metrics").await.1;
+        (sample(&page, "outbox_rows{status=\"done\"}") == Some(ROWS as f64)).then_some(page)
+    })
+    .await;
+    let done = db.count_status("done").await as f64;
+    assert_eq!(sample(&page, "outbox_published_total"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_finalized_total{outcome=\"done\"}"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_claimed_total"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_rows{status=\"pending\"}"), Some(0.0), "{page}");
+    assert_eq!(sample(&page, "outbox_in_flight"), Some(0.0), "{page}");
+    assert_eq!(sample(&page, "outbox_sink_up"), Some(1.0), "{page}");
+    assert_eq!(sample(&page, "outbox_publish_seconds_count"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_delivery_lag_seconds_count"), Some(done), "{page}");
+    assert!(!page.contains("worker") && !page.contains("owner="), "no process-specific label: {page}");
+    assert_eq!(http_get(&addr, "/health/ready").await, (200, "ready".to_owned()));
+
+    // The broker goes away: not ready, with the reason; back: ready again.
+    proxy.refuse(true);
+    proxy.sever();
+    let reason = until("readiness says 503 while the broker is unreachable", async || {
+        let (status, body) = http_get(&addr, "/health/ready").await;
+        (status == 503).then_some(body)
+    })
+    .await;
+    assert!(reason.starts_with("the sink is down"), "{reason}");
+    assert_eq!(reason.lines().count(), 1, "{reason}");
+    assert_eq!(http_get(&addr, "/health/live").await.0, 200, "live while the broker is away");
+    proxy.refuse(false);
+    eventually(WITHIN, "ready again once the broker is back", || {
+        let addr = addr.clone();
+        async move { http_get(&addr, "/health/ready").await.0 == 200 }
+    })
+    .await;
+
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_err(), "the server stopped with the dispatcher");
+}
+
+#[tokio::test]
+async fn run_log_format_json_writes_one_json_object_a_line() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--log-format",
+            "json",
+            "--no-listen",
+        ],
+    );
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    let log = run.log();
+    let lines: Vec<Value> =
+        log.iter().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}"))).collect();
+    assert!(lines.iter().all(|l| l["level"].is_string() && l["timestamp"].is_string()), "{log:?}");
+    let messages: Vec<&str> = lines.iter().filter_map(|l| l["fields"]["message"].as_str()).collect();
+    assert!(messages.contains(&"claimed batch"), "{messages:?}");
+    assert_eq!(messages.last(), Some(&"dispatcher stopped cleanly; exiting 0"), "{messages:?}");
+    let start = lines.iter().find(|l| l["fields"]["message"] == "outbox dispatcher starting").expect("start line");
+    assert_eq!(start["fields"]["workers"], json!(4), "fields are JSON values: {start}");
+}
+
+/// A closed stderr and stdout (the log collector died) lose log lines, never work: the
+/// dispatcher goes on moving rows, and SIGTERM still exits 0 with nothing left processing.
+#[tokio::test]
+async fn run_goes_on_and_exits_0_when_stdout_and_stderr_are_closed() {
+    const ROWS: usize = 300;
+    let db = TestDb::new().await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let mut cmd = command(&db.url);
+    cmd.args(["run", "--amqp-url", &amqp_url(), "--exchange", &broker.exchange, "--no-declare"])
+        .args(["--batch", "20", "--poll-interval", "50ms"])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the dispatcher");
+    let (stdout, stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let started = tokio::task::spawn_blocking(move || {
+        let mut lines = BufReader::new(stderr).lines();
+        let found = lines.by_ref().map_while(Result::ok).any(|l| l.contains("starting the dispatcher"));
+        // Both read ends close here: every later write fails with EPIPE.
+        drop((lines, stdout));
+        found
+    })
+    .await
+    .unwrap();
+    assert!(started, "the dispatcher logged its start");
+
+    // Rows inserted now are claimed and logged (to the closed pipe) line by line.
+    db.seed(ROWS, "agg").await;
+    let deadline = Instant::now() + WITHIN;
+    while db.count_status("done").await < ROWS as i64 {
+        assert!(child.try_wait().unwrap().is_none(), "the dispatcher died: {:?}", child.try_wait());
+        assert!(Instant::now() < deadline, "only {} of {ROWS} rows done", db.count_status("done").await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || child.wait()).await.unwrap().unwrap();
+    assert_eq!(status.code(), Some(0), "{status:?}");
+    assert_eq!(db.count_status("processing").await, 0);
+    assert_eq!(db.count_status("done").await, ROWS as i64);
+}

@@ -233,6 +233,7 @@ impl ClaimActor {
                     }
                     let n = claim.messages.len();
                     Metrics::add(&metrics.claimed, n);
+                    Metrics::add(&metrics.in_flight, n);
                     if n > 0 {
                         info!(worker = %act.owner, claimed = n, first_id = claim.messages[0].id,
                             last_id = claim.messages[n - 1].id, "claimed batch");
@@ -334,7 +335,6 @@ impl Handler<PublishFinished> for ClaimActor {
     fn handle(&mut self, finished: PublishFinished, ctx: &mut Context<Self>) {
         self.in_flight = self.in_flight.saturating_sub(1);
         self.in_flight_bytes = self.in_flight_bytes.saturating_sub(finished.bytes);
-        Metrics::sub(&self.shared.metrics.in_flight_bytes, finished.bytes);
         if self.backlog {
             self.claim(ctx);
         } else if self.shared.config.fifo.is_on() {

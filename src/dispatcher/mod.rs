@@ -8,6 +8,7 @@
 //! - `finalize`: the finalize actor, which applies the fenced writes in batches;
 //! - `gate`: the sink gate, which pauses claiming while the sink is unavailable and probes it;
 //! - `listener`: the insert listener, which wakes a worker when rows are inserted;
+//! - `sampler`: the table sampler, which the supervisor runs for the table's gauges;
 //! - `shared`: the state they all read (configuration, pool, sink, counters).
 //!
 //! Each actor's messages sit beside it. Only the supervisor and its messages are public.
@@ -17,9 +18,10 @@ mod finalize;
 mod gate;
 mod listener;
 mod publish;
+mod sampler;
 mod shared;
 mod supervisor;
 
 #[cfg(feature = "test-util")]
 pub use supervisor::{CrashFinalizer, CrashWorker};
-pub use supervisor::{GetMetrics, OutboxSupervisor, Shutdown, WakeWorkers};
+pub use supervisor::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};

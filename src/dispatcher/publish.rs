@@ -24,7 +24,7 @@ use tracing::{Instrument, debug, error, info_span};
 use super::finalize::{Fenced, FinalizerSlot, Heartbeat};
 use super::shared::Shared;
 use crate::error::PublishError;
-use crate::metrics::Metrics;
+use crate::metrics::{self, Metrics};
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishResult, SinkState};
 use crate::step::{decide, release};
@@ -124,6 +124,7 @@ impl Actor for PublishActor {
                         match &result {
                             Ok(()) => {
                                 Metrics::add(&shared.metrics.published, 1);
+                                metrics::delivery_lag(message.created_at);
                                 shared.gate.delivered();
                             }
                             Err(e) if e.is_unavailable() => {
@@ -148,8 +149,11 @@ impl Actor for PublishActor {
                     Fenced::Failed => error!("finalize failed; the row waits for lease expiry"),
                 }
             }
-            // The message is dropped with this future: its bytes are free.
+            // The message is dropped with this future: its bytes are free. The gauges go down
+            // here rather than in the claim actor, which may have died (and been replaced) since.
             drop(message);
+            Metrics::sub(&shared.metrics.in_flight, 1);
+            Metrics::sub(&shared.metrics.in_flight_bytes, bytes);
             owner.do_send(PublishFinished { bytes });
         }
         .instrument(span);
@@ -174,9 +178,13 @@ async fn call_sink(
     let mut call = pin!(AssertUnwindSafe(call).catch_unwind());
     let mut deadline = tokio::time::Instant::now() + timeout;
     let mut held = Duration::ZERO;
+    let started = Instant::now();
     loop {
         match tokio::time::timeout_at(deadline, call.as_mut()).await {
-            Ok(Ok(result)) => return Attempt::Finished(result),
+            Ok(Ok(result)) => {
+                metrics::publish_seconds(started.elapsed().as_secs_f64());
+                return Attempt::Finished(result);
+            }
             Err(_elapsed) => match shared.publisher.state() {
                 SinkState::Blocked(why) => {
                     // What the sink was sent is held, not lost: wait, and keep the claim alive

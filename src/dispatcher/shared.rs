@@ -53,6 +53,11 @@ impl DbHealth {
         }
     }
 
+    /// Whether the last statement that ran answered (true before the first).
+    pub(crate) fn reachable(&self) -> bool {
+        self.down_since.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
     /// A statement succeeded: logs the end of an outage, with its length.
     pub(crate) fn answered(&self) {
         let mut down = self.down_since.lock().unwrap_or_else(|e| e.into_inner());

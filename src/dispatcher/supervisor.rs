@@ -10,11 +10,11 @@ use tracing::{error, info, warn};
 
 use super::claim::{ClaimActor, Drain, Probe, Wake};
 use super::finalize::{FinalizeActor, FinalizerSlot, Flushed};
-use super::gate::Check;
+use super::gate::{Check, Claimable};
 use super::shared::Shared;
 use crate::config::DispatcherConfig;
 use crate::error::Error;
-use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::metrics::{self, Metrics, MetricsSnapshot};
 use crate::publisher::{Publisher, SinkState};
 use crate::store::PgPool;
 
@@ -62,6 +62,8 @@ pub struct OutboxSupervisor {
     listener: Option<SpawnHandle>,
     /// The worker the next wake-up goes to.
     next_wake: usize,
+    /// A table sample is running (the next one due skips).
+    sampling: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +98,7 @@ impl OutboxSupervisor {
             shutdown_waiters: Vec::new(),
             listener: None,
             next_wake: 0,
+            sampling: false,
         })
     }
 
@@ -135,6 +138,18 @@ impl OutboxSupervisor {
     }
 
     /// Asks the sink how it is, logs its changes of state, and acts on the gate's verdict.
+    /// Starts a table sample unless one is running.
+    fn sample_table(&mut self, ctx: &mut Context<Self>) {
+        // While the database is down the claims and the finalizer probe it; a sample would only
+        // add a waiter for the pool's connections.
+        if self.sampling || self.state == State::Stopped || !self.shared.db.reachable() {
+            return;
+        }
+        self.sampling = true;
+        let sample = super::sampler::sample(self.shared.clone());
+        ctx.spawn(sample.into_actor(self).map(|(), act, _| act.sampling = false));
+    }
+
     fn check_sink(&mut self) {
         if self.state != State::Running {
             return;
@@ -150,7 +165,10 @@ impl OutboxSupervisor {
             }
             self.sink = (state.clone(), Instant::now());
         }
-        match self.shared.gate.check(&state) {
+        let check = self.shared.gate.check(&state);
+        let paused = self.shared.gate.claimable() == Claimable::No;
+        metrics::sink_gauges(state.is_up() && !paused, paused);
+        match check {
             Check::Nothing => {}
             Check::Paused => Metrics::add(&self.shared.metrics.sink_outages, 1),
             Check::WakeAll => {
@@ -183,6 +201,10 @@ impl Actor for OutboxSupervisor {
         self.check_sink();
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
         ctx.run_interval(SINK_CHECK_PERIOD, |act, _| act.check_sink());
+        if let Some(every) = config.table_metrics_interval {
+            self.sample_table(ctx);
+            ctx.run_interval(every, |act, ctx| act.sample_table(ctx));
+        }
         if config.listen_for_inserts {
             let supervisor = ctx.address().downgrade();
             let wake = move |burst: usize| {
@@ -208,6 +230,64 @@ impl Handler<GetMetrics> for OutboxSupervisor {
 
     fn handle(&mut self, _: GetMetrics, _: &mut Context<Self>) -> Self::Result {
         MessageResult(self.shared.metrics.snapshot())
+    }
+}
+
+/// Ask for the dispatcher's view of its dependencies, for a readiness probe.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "Health")]
+pub struct GetHealth;
+
+/// The dispatcher's view of the two services it depends on, as of its last look at each
+/// ([`GetHealth`]). Ready means: the database answered the last statement, and the sink is
+/// [`SinkState::Up`] with claiming not paused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Health {
+    /// What the sink said at the supervisor's last check (every 100 ms).
+    pub sink: SinkState,
+    /// The sink gate holds claiming back (the sink was found unavailable, or is being probed).
+    pub claiming_paused: bool,
+    /// The last statement the dispatcher ran (claim, finalize, table sample) answered; true
+    /// before the first.
+    pub database_reachable: bool,
+    /// Shutdown has begun: the dispatcher claims nothing more.
+    pub stopping: bool,
+}
+
+impl Health {
+    /// Whether the dispatcher can move rows: the database answers, the sink is up and
+    /// claiming is neither paused nor stopped.
+    pub fn is_ready(&self) -> bool {
+        self.database_reachable && self.sink.is_up() && !self.claiming_paused && !self.stopping
+    }
+
+    /// Why the dispatcher is not ready, in one line; `None` when it is.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if self.stopping {
+            Some("the dispatcher is shutting down".to_owned())
+        } else if !self.database_reachable {
+            Some("the database did not answer the dispatcher's last statement".to_owned())
+        } else if !self.sink.is_up() {
+            Some(format!("the sink is {}", self.sink))
+        } else if self.claiming_paused {
+            Some("claiming is paused until the sink answers a probe".to_owned())
+        } else {
+            None
+        }
+    }
+}
+
+impl Handler<GetHealth> for OutboxSupervisor {
+    type Result = MessageResult<GetHealth>;
+
+    fn handle(&mut self, _: GetHealth, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(Health {
+            sink: self.sink.0.clone(),
+            claiming_paused: self.shared.gate.claimable() == Claimable::No,
+            database_reachable: self.shared.db.reachable(),
+            stopping: self.state != State::Running,
+        })
     }
 }
 

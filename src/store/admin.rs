@@ -11,7 +11,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::claim::interval;
-use super::sql::STATS_AGES_SQL;
+use super::sql::{SAMPLE_SQL, STATS_AGES_SQL};
 use crate::error::StoreError;
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
@@ -60,6 +60,43 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
         .await?;
     stats.attempts = histogram.into_iter().map(|(a, n)| (a.to_string(), n)).collect();
     Ok(stats)
+}
+
+/// What the dispatcher samples of the table for its gauges: [`Stats`] less the attempts, read
+/// in one statement.
+#[derive(Debug, Clone, Copy, Default, PartialEq, QueryableByName)]
+pub(crate) struct Sample {
+    #[diesel(sql_type = Int8)]
+    pub(crate) pending: i64,
+    #[diesel(sql_type = Int8)]
+    pub(crate) processing: i64,
+    #[diesel(sql_type = Int8)]
+    pub(crate) done: i64,
+    #[diesel(sql_type = Int8)]
+    pub(crate) dead: i64,
+    /// Seconds since the oldest pending or processing row was created; `None` when none.
+    #[diesel(sql_type = Nullable<Double>)]
+    pub(crate) oldest: Option<f64>,
+    /// Processing rows whose lease ran out.
+    #[diesel(sql_type = Int8)]
+    pub(crate) expired: i64,
+}
+
+impl Sample {
+    /// The row count of each status.
+    pub(crate) fn by_status(&self) -> [(Status, i64); 4] {
+        [
+            (Status::Pending, self.pending),
+            (Status::Processing, self.processing),
+            (Status::Done, self.done),
+            (Status::Dead, self.dead),
+        ]
+    }
+}
+
+/// Reads a [`Sample`] (database clock).
+pub(crate) async fn sample(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
+    Ok(diesel::sql_query(SAMPLE_SQL).get_result(conn).await?)
 }
 
 /// Dead rows, oldest first, at most `limit`.

@@ -14,6 +14,8 @@
 //!   shared by the list and the count so that they cannot disagree;
 //! - the age of the oldest unfinished row ([`STATS_AGES_SQL`]): `extract(epoch FROM ...)` of
 //!   a difference of timestamps, on the database clock;
+//! - the dispatcher's table sample ([`SAMPLE_SQL`]): the same age and every count in one pass,
+//!   with aggregate `FILTER` clauses;
 //! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`.
 //!
 //! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
@@ -310,3 +312,16 @@ SELECT (SELECT extract(epoch FROM now() - min(created_at))::float8
 /// The producer's per-aggregate lock ([`super::lock_aggregate`]). $1 aggregate_type, $2
 /// aggregate_id.
 pub(super) const LOCK_AGGREGATE_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || $2, 0))";
+
+/// For the dispatcher's table metrics ([`super::sample`]): rows per status, the age in seconds
+/// of the oldest pending or processing row (NULL when none) and the count of processing rows
+/// whose lease ran out, in one pass over the table, on the database clock.
+pub(super) const SAMPLE_SQL: &str = "
+SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'processing') AS processing,
+       count(*) FILTER (WHERE status = 'done') AS done,
+       count(*) FILTER (WHERE status = 'dead') AS dead,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
+           AS oldest,
+       count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
+FROM outbox";

@@ -8,6 +8,7 @@ mod actors;
 mod connect;
 mod fifo;
 mod inbox;
+mod metrics;
 mod outage;
 mod rabbit;
 mod store;

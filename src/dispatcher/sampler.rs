@@ -1,0 +1,51 @@
+//! The table sampler: every [`DispatcherConfig::table_metrics_interval`] the supervisor reads
+//! the outbox table in one aggregate statement (a second one under the FIFO gate, for the
+//! blocked aggregates) and sets the sampled gauges of the `metrics` facade. No sample starts
+//! while the database is known to be down (the gauges keep their last values). A sample that
+//! fails leaves the gauges as they were and counts `outbox_table_sample_errors_total`; one
+//! still running when the next is due makes that one skip.
+//!
+//! [`DispatcherConfig::table_metrics_interval`]: crate::DispatcherConfig::table_metrics_interval
+
+use std::sync::Arc;
+
+use tracing::debug;
+
+use super::shared::Shared;
+use crate::store;
+
+/// Samples the table once and sets the gauges.
+pub(crate) async fn sample(shared: Arc<Shared>) {
+    let result = async {
+        let mut conn = shared.pool.get().await?;
+        let sample = store::sample(&mut conn).await?;
+        let blocked = if shared.config.fifo.is_on() {
+            Some(store::blocked_aggregates_count(&mut conn, &shared.config.fifo).await?)
+        } else {
+            None
+        };
+        Ok::<_, crate::StoreError>((sample, blocked))
+    }
+    .await;
+    match result {
+        Ok((sample, blocked)) => {
+            shared.db.answered();
+            for (status, n) in sample.by_status() {
+                metrics::gauge!("outbox_rows", "status" => status.as_str()).set(n as f64);
+            }
+            metrics::gauge!("outbox_oldest_unfinished_age_seconds").set(sample.oldest.unwrap_or(0.0).max(0.0));
+            metrics::gauge!("outbox_expired_leases").set(sample.expired as f64);
+            if let Some(blocked) = blocked {
+                metrics::gauge!("outbox_blocked_aggregates").set(blocked as f64);
+            }
+        }
+        Err(e) => {
+            metrics::counter!("outbox_table_sample_errors_total").increment(1);
+            if e.is_transient() {
+                shared.db.failed("sample the table metrics", &e);
+            } else {
+                debug!(error = %e, "sampling the table metrics failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! What the dispatcher emits through the `metrics` facade, read back with the debugging
+//! recorder of `metrics-util` installed as this thread's recorder: an `#[actix_rt::test]` runs
+//! the dispatcher's actors on the test's own thread, so tests running in parallel each see their
+//! own series only.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::{
+    DispatcherConfig, Fifo, GetHealth, GetMetrics, NewEvent, OutboxSupervisor, PublishError, Shutdown, SinkState,
+};
+use diesel_async::SimpleAsyncConnection;
+use metrics_util::MetricKind;
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+use crate::support::{TestDb, eventually};
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// One snapshot of the recorder, by `name{label=value,...}` (labels sorted). Taking it resets
+/// the recorder's values, so a test takes one, at the end.
+#[derive(Debug)]
+struct Seen {
+    counters: HashMap<String, u64>,
+    gauges: HashMap<String, f64>,
+    histograms: HashMap<String, Vec<f64>>,
+}
+
+impl Seen {
+    fn take(recorder: &DebuggingRecorder) -> Seen {
+        let mut seen = Seen { counters: HashMap::new(), gauges: HashMap::new(), histograms: HashMap::new() };
+        for (key, _, _, value) in recorder.snapshotter().snapshot().into_vec() {
+            let (kind, key) = key.into_parts();
+            let mut labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+            labels.sort();
+            let name = if labels.is_empty() {
+                key.name().to_owned()
+            } else {
+                format!("{}{{{}}}", key.name(), labels.join(","))
+            };
+            match (kind, value) {
+                (MetricKind::Counter, DebugValue::Counter(n)) => {
+                    seen.counters.insert(name, n);
+                }
+                (MetricKind::Gauge, DebugValue::Gauge(v)) => {
+                    seen.gauges.insert(name, v.into_inner());
+                }
+                (MetricKind::Histogram, DebugValue::Histogram(vs)) => {
+                    seen.histograms.insert(name, vs.into_iter().map(|v| v.into_inner()).collect());
+                }
+                other => panic!("{name}: unexpected {other:?}"),
+            }
+        }
+        seen
+    }
+
+    fn counter(&self, name: &str) -> u64 {
+        self.counters.get(name).copied().unwrap_or(0)
+    }
+
+    fn gauge(&self, name: &str) -> f64 {
+        *self.gauges.get(name).unwrap_or_else(|| panic!("no gauge {name}: {:?}", self.gauges))
+    }
+
+    fn observations(&self, name: &str) -> usize {
+        self.histograms.get(name).map_or(0, Vec::len)
+    }
+}
+
+async fn sum_attempts(db: &TestDb) -> i64 {
+    db.rows().await.iter().map(|r| i64::from(r.attempts)).sum()
+}
+
+/// 40 rows through a scripted sink: per ten rows, one permanent failure (dead), one retryable
+/// failure then a delivery (retried, done), one that always fails retryably (retried twice,
+/// dead at the third attempt), one deferral then a delivery (deferred, done), six deliveries.
+/// Every counter equals what the table (and the script) says; the in-process snapshot agrees;
+/// the gauges and histograms match.
+#[actix_rt::test]
+async fn counters_gauges_and_histograms_match_the_table() {
+    const ROWS: usize = 40;
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+
+    let db = TestDb::new().await;
+    let ids = db.seed(ROWS, "agg").await;
+    let role: HashMap<i64, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i % 10)).collect();
+    let deferred_once = Arc::new(Mutex::new(HashSet::new()));
+    let (defers, deliveries) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let (sink, _rx) = ChannelSink::new();
+    let sink = {
+        let (defers, deliveries, deferred_once) = (defers.clone(), deliveries.clone(), deferred_once.clone());
+        sink.with_script(move |m| {
+            let action = match role[&m.id] {
+                1 => SinkAction::Fail(PublishError::Permanent("rejected".into())),
+                2 if m.attempts == 1 => SinkAction::Fail(PublishError::Retryable("flaky".into())),
+                3 => SinkAction::Fail(PublishError::Retryable("always".into())),
+                4 if deferred_once.lock().unwrap().insert(m.id) => {
+                    defers.fetch_add(1, Ordering::Relaxed);
+                    SinkAction::Fail(PublishError::Defer { delay: Duration::ZERO, reason: "later".into() })
+                }
+                _ => SinkAction::Deliver,
+            };
+            if action == SinkAction::Deliver {
+                deliveries.fetch_add(1, Ordering::Relaxed);
+            }
+            action
+        })
+    };
+    let config = DispatcherConfig::default()
+        .workers(2)
+        .batch(5)
+        .max_attempts(3)
+        .poll_interval(Duration::from_millis(20))
+        .backoff_base(Duration::from_millis(1))
+        .backoff_cap(Duration::from_millis(5))
+        .table_metrics_interval(Some(Duration::from_millis(50)));
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "every row final", || async {
+        db.count_status("done").await + db.count_status("dead").await == ROWS as i64
+    })
+    .await;
+    // Room for the last publishes to report and for a table sample and a sink check after them.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let health = dispatcher.send(GetHealth).await.unwrap();
+    let seen = Seen::take(&recorder);
+    dispatcher.send(Shutdown).await.unwrap();
+    let snapshot = dispatcher.send(GetMetrics).await.unwrap();
+
+    let (done, dead) = (db.count_status("done").await, db.count_status("dead").await);
+    let attempts = sum_attempts(&db).await;
+    let defers = defers.load(Ordering::Relaxed);
+    assert_eq!((done, dead, defers), (32, 8, 4), "the script ran as planned");
+    // A deferral refunds its attempt: every claim but those is counted in `attempts`.
+    let claimed = attempts as u64 + defers;
+    let retried = (attempts - ROWS as i64) as u64;
+    assert_eq!(retried, 12);
+
+    assert_eq!(seen.counter("outbox_claimed_total"), claimed);
+    assert_eq!(seen.counter("outbox_published_total"), done as u64);
+    assert_eq!(seen.counter("outbox_published_total"), deliveries.load(Ordering::Relaxed));
+    assert_eq!(seen.counter("outbox_finalized_total{outcome=done}"), done as u64);
+    assert_eq!(seen.counter("outbox_finalized_total{outcome=dead}"), dead as u64);
+    assert_eq!(seen.counter("outbox_finalized_total{outcome=retried}"), retried);
+    assert_eq!(seen.counter("outbox_finalized_total{outcome=deferred}"), defers);
+    assert_eq!(seen.counter("outbox_finalized_total{outcome=released}"), 0);
+    for quiet in [
+        "outbox_reaped_total",
+        "outbox_lost_leases_total",
+        "outbox_publish_crashes_total",
+        "outbox_actor_restarts_total",
+        "outbox_claim_errors_total",
+        "outbox_finalize_errors_total",
+        "outbox_sink_outages_total",
+        "outbox_table_sample_errors_total",
+    ] {
+        assert_eq!(seen.counter(quiet), 0, "{quiet}");
+    }
+    // The in-process counters say the same.
+    assert_eq!(
+        (snapshot.claimed, snapshot.published, snapshot.done, snapshot.dead, snapshot.retried, snapshot.deferred),
+        (claimed, done as u64, done as u64, dead as u64, retried, defers)
+    );
+    assert_eq!((snapshot.in_flight, snapshot.in_flight_bytes), (0, 0));
+
+    // Every sink answer was timed; every delivery's lag was recorded, and none is negative.
+    assert_eq!(seen.observations("outbox_publish_seconds"), claimed as usize);
+    assert_eq!(seen.observations("outbox_delivery_lag_seconds"), done as usize);
+    let lags = &seen.histograms["outbox_delivery_lag_seconds"];
+    assert!(lags.iter().all(|&s| (0.0..30.0).contains(&s)), "{lags:?}");
+
+    assert_eq!(seen.gauge("outbox_in_flight"), 0.0);
+    assert_eq!(seen.gauge("outbox_in_flight_bytes"), 0.0);
+    assert_eq!(seen.gauge("outbox_sink_up"), 1.0);
+    assert_eq!(seen.gauge("outbox_claiming_paused"), 0.0);
+    assert_eq!(seen.gauge("outbox_rows{status=done}"), done as f64);
+    assert_eq!(seen.gauge("outbox_rows{status=dead}"), dead as f64);
+    assert_eq!(seen.gauge("outbox_rows{status=pending}"), 0.0);
+    assert_eq!(seen.gauge("outbox_rows{status=processing}"), 0.0);
+    assert_eq!(seen.gauge("outbox_oldest_unfinished_age_seconds"), 0.0);
+    assert_eq!(seen.gauge("outbox_expired_leases"), 0.0);
+    assert!(!seen.gauges.contains_key("outbox_blocked_aggregates"), "sampled under FIFO only");
+    for name in seen.counters.keys().chain(seen.gauges.keys()).chain(seen.histograms.keys()) {
+        assert!(!name.contains("owner") && !name.contains("worker"), "no process-specific label: {name}");
+    }
+
+    assert_eq!(health.sink, SinkState::Up);
+    assert!(health.is_ready() && health.database_reachable && !health.claiming_paused, "{health:?}");
+}
+
+/// The sampled gauges follow the table: an expired lease, an old pending row and, under FIFO,
+/// an aggregate blocked by its dead head. Sampling off: none of them is emitted.
+#[actix_rt::test]
+async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for (agg, event) in [("A", "a.1"), ("A", "a.2"), ("B", "b.1"), ("C", "c.1")] {
+        actix_outbox::enqueue(&mut conn, &NewEvent::new("order", agg, event, serde_json::json!({}))).await.unwrap();
+    }
+    // A's head is dead (A's second row waits behind it); B's row is processing with a lease
+    // that ran out an hour ago; C's row is pending, created two minutes ago and not yet
+    // available (so the dispatcher leaves it alone).
+    conn.batch_execute(
+        "UPDATE outbox SET status = 'dead', attempts = 3 WHERE event_type = 'a.1';
+         UPDATE outbox SET available_at = now() + interval '1 hour' WHERE event_type IN ('a.2', 'c.1');
+         UPDATE outbox SET status = 'processing', attempts = 1, lease_version = 1, lease_owner = 'gone:1:worker-0',
+                lease_until = now() - interval '1 hour', created_at = now() - interval '1 minute'
+          WHERE event_type = 'b.1';
+         UPDATE outbox SET created_at = now() - interval '2 minutes' WHERE event_type = 'c.1';",
+    )
+    .await
+    .unwrap();
+    let (sink, _rx) = ChannelSink::new();
+    // A claim would reclaim B's row: the sink reports itself down from the start, so the sink
+    // gate keeps every claim from running and the table stays as set up.
+    let sink = sink.with_state(|| SinkState::Down("test".into()));
+    let config = DispatcherConfig::default()
+        .workers(1)
+        .fifo(Fifo::All)
+        .listen_for_inserts(false)
+        .sink_probe_interval(Duration::from_secs(3600))
+        .table_metrics_interval(Some(Duration::from_millis(50)));
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let health = dispatcher.send(GetHealth).await.unwrap();
+    let seen = Seen::take(&recorder);
+    dispatcher.send(Shutdown).await.unwrap();
+
+    assert_eq!(db.count_status("processing").await, 1, "nothing was claimed: {:?}", db.rows().await);
+    assert_eq!(seen.gauge("outbox_rows{status=pending}"), 2.0);
+    assert_eq!(seen.gauge("outbox_rows{status=processing}"), 1.0);
+    assert_eq!(seen.gauge("outbox_rows{status=dead}"), 1.0);
+    assert_eq!(seen.gauge("outbox_rows{status=done}"), 0.0);
+    assert_eq!(seen.gauge("outbox_expired_leases"), 1.0);
+    let age = seen.gauge("outbox_oldest_unfinished_age_seconds");
+    assert!((120.0..130.0).contains(&age), "the pending row created two minutes ago: {age}");
+    assert_eq!(seen.gauge("outbox_blocked_aggregates"), 1.0);
+    assert_eq!(seen.gauge("outbox_sink_up"), 0.0);
+    assert_eq!(seen.gauge("outbox_claiming_paused"), 1.0);
+    assert_eq!(seen.counter("outbox_sink_outages_total"), 1);
+    assert_eq!(seen.counter("outbox_claimed_total"), 0);
+    assert!(!health.is_ready(), "{health:?}");
+    assert_eq!(health.not_ready_reason().as_deref(), Some("the sink is down: test"));
+
+    // Sampling off: no sampled gauge at all.
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let (sink, _rx) = ChannelSink::new();
+    let config = DispatcherConfig::default().workers(1).listen_for_inserts(false).table_metrics_interval(None);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let seen = Seen::take(&recorder);
+    dispatcher.send(Shutdown).await.unwrap();
+    assert!(seen.gauges.keys().all(|k| !k.starts_with("outbox_rows") && !k.contains("expired")), "{:?}", seen.gauges);
+    assert_eq!(seen.gauge("outbox_sink_up"), 1.0);
+}
