@@ -11,3 +11,4 @@ mod inbox;
 mod outage;
 mod rabbit;
 mod store;
+mod web;
