@@ -72,6 +72,8 @@ pub mod schema;
 pub mod sink;
 mod step;
 pub mod store;
+#[cfg(feature = "opentelemetry")]
+mod trace;
 mod url;
 
 pub use backoff::{backoff_ceiling, full_jitter};

@@ -238,6 +238,30 @@ impl NewEvent {
     }
 }
 
+#[cfg(feature = "opentelemetry")]
+impl NewEvent {
+    /// Adds the current span's W3C trace context to the event's headers (`traceparent`, and
+    /// `tracestate` when set), so that the dispatcher's `publish` span continues the producer's
+    /// trace and consumers receive the context with the message. Feature `opentelemetry`.
+    ///
+    /// Call it while the span the event belongs to is current (inside the request's span, say).
+    /// It reads the span through `tracing_opentelemetry` and writes the headers with the global
+    /// propagator, so the application installs both: a `tracing_opentelemetry` layer in its
+    /// subscriber, and `opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new())`
+    /// (from `opentelemetry_sdk`). Outside such a span, or with the default (no-op) propagator,
+    /// it adds nothing. The `enqueue` functions never add trace context on their own.
+    ///
+    /// ```
+    /// let event = actix_outbox::NewEvent::new("order", "42", "order.created", serde_json::json!({}))
+    ///     .with_trace_context();
+    /// assert_eq!(event.headers, None, "no span with a trace context is current here");
+    /// ```
+    #[must_use]
+    pub fn with_trace_context(self) -> Self {
+        crate::trace::current_context_headers().into_iter().fold(self, |event, (name, value)| event.header(name, value))
+    }
+}
+
 /// Reads the `headers` column's JSON text leniently (see [`OutboxMessage::headers`]).
 pub(crate) fn headers_from_json(text: Option<&str>) -> BTreeMap<String, String> {
     let Some(text) = text.filter(|t| *t != "{}") else { return BTreeMap::new() };

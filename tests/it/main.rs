@@ -11,4 +11,6 @@ mod inbox;
 mod outage;
 mod rabbit;
 mod store;
+#[cfg(feature = "opentelemetry")]
+mod trace;
 mod web;
