@@ -109,11 +109,18 @@ impl Running {
 }
 
 /// The process-wide Prometheus recorder (installed on first use): every `metrics::counter!` and
-/// friends, the library's `outbox_*` metrics included, land in it.
+/// friends, the library's `outbox_*` metrics included, land in it. If the process already has
+/// another recorder, `/metrics` renders an empty one and says so in the log.
 fn prometheus() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
-        .get_or_init(|| PrometheusBuilder::new().install_recorder().expect("no other metrics recorder is installed"))
+        .get_or_init(|| match PrometheusBuilder::new().install_recorder() {
+            Ok(handle) => handle,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot install the Prometheus recorder; /metrics stays empty");
+                PrometheusBuilder::new().build_recorder().handle()
+            }
+        })
         .clone()
 }
 

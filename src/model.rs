@@ -211,8 +211,10 @@ impl NewEvent {
     /// The sink's own headers win: an entry named `x-deduplication-header` or `x-attempt`, or
     /// whose name starts with `x-outbox-` or `x-aggregate-`, is stored but not published (the
     /// message carries the sink's value of that name instead). A name longer than 255 bytes
-    /// cannot be sent over AMQP: the message then fails permanently (the row goes dead with a
-    /// `last_error` naming the header).
+    /// cannot be sent over AMQP, nor headers that take more than
+    /// [`MAX_PRODUCER_HEADER_BYTES`](crate::sink::MAX_PRODUCER_HEADER_BYTES) encoded (about the
+    /// sum of names and values): the message then fails permanently (the row goes dead with a
+    /// `last_error` saying why).
     ///
     /// ```
     /// let event = actix_outbox::NewEvent::new("order", "42", "order.created", serde_json::json!({}))

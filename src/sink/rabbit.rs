@@ -321,8 +321,9 @@ impl RabbitError {
 /// - then the producer's headers ([`NewEvent::header`](crate::NewEvent::header),
 ///   [`OutboxMessage::headers`]), each as a long string. **Ours win**: a producer's header
 ///   named `x-deduplication-header` or `x-attempt`, or starting with `x-outbox-` or
-///   `x-aggregate-`, is not sent. A producer's header name longer than 255 bytes fails the
-///   message with [`PublishError::Permanent`] naming it;
+///   `x-aggregate-`, is not sent. A producer's header name longer than 255 bytes, or headers
+///   taking more than [`MAX_PRODUCER_HEADER_BYTES`] encoded, fail the message with
+///   [`PublishError::Permanent`] saying so;
 /// - body = the payload's JSON bytes; routing key = the event type unless
 ///   [`RabbitConfig::routing_key`] says otherwise.
 ///
@@ -722,10 +723,13 @@ fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProp
     let mut headers = FieldTable::default();
     // The producer's headers first, so that ours, inserted after, win a clash; names in our
     // namespaces are left out altogether (see `is_reserved_header`).
+    let mut encoded = 0_usize;
     for (name, value) in &message.headers {
         if is_reserved_header(name) {
             continue;
         }
+        // Name length octet, name, type tag, value length, value.
+        encoded = encoded.saturating_add(1 + name.len() + 1 + 4 + value.len());
         let key = ShortString::try_new(name.as_str()).map_err(|_| {
             PublishError::Permanent(format!(
                 "header name \"{}...\" is {} bytes long; AMQP allows 255",
@@ -741,6 +745,14 @@ fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProp
         }
         headers.insert(key, AMQPValue::LongString(value.as_str().into()));
     }
+    // The properties travel in one content-header frame, which the broker refuses (closing the
+    // connection) beyond its frame size: a message that can never go must not look like an outage.
+    if encoded > MAX_PRODUCER_HEADER_BYTES {
+        return Err(PublishError::Permanent(format!(
+            "the producer's headers take {encoded} bytes encoded; at most {MAX_PRODUCER_HEADER_BYTES} fit the AMQP \
+             content header"
+        )));
+    }
     headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(message.id));
     headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.as_str().into()));
     headers.insert("x-aggregate-type".into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
@@ -755,6 +767,12 @@ fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProp
         .with_app_id(app_id.clone())
         .with_headers(headers))
 }
+
+/// The most bytes a message's producer headers may take encoded in the AMQP field table (about
+/// the sum of their names' and values' lengths, plus 7 bytes each). The content header that
+/// carries them must fit in one frame (RabbitMQ's default `frame_max` is 128 KiB); a broker
+/// closes the connection on a larger one, so a larger table fails its message permanently.
+pub const MAX_PRODUCER_HEADER_BYTES: usize = 64 * 1024;
 
 /// Whether a producer's header `name` is one the sink sets itself (or may set later): those win
 /// over the producer's (see [`crate::NewEvent::header`]).

@@ -654,3 +654,40 @@ async fn a_header_name_over_255_bytes_fails_the_message_permanently() {
         Some(r#"permanent: header name "hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhh..." is 256 bytes long; AMQP allows 255"#)
     );
 }
+
+/// Headers too large for the AMQP content header (which must fit one frame; the broker closes
+/// the connection otherwise) fail their message permanently instead of cutting the link again
+/// and again; headers at the bound go through.
+#[actix_rt::test]
+async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
+    use actix_outbox::sink::MAX_PRODUCER_HEADER_BYTES;
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("bighdr").await;
+    let mut conn = db.conn().await;
+    // One entry of name `big` takes 1 + 3 + 1 + 4 bytes besides its value.
+    let fits = "v".repeat(MAX_PRODUCER_HEADER_BYTES - 9);
+    let bad = NewEvent::new("order", "o-1", "order.created", serde_json::json!({})).header("big", format!("{fits}v"));
+    let bad = actix_outbox::enqueue(&mut conn, &bad).await.unwrap();
+    let good = NewEvent::new("order", "o-2", "order.created", serde_json::json!({})).header("big", fits.clone());
+    let good = actix_outbox::enqueue(&mut conn, &good).await.unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    let delivered = broker.take(&queue, 1).await.pop().unwrap();
+    eventually(WITHIN, "good row done", || async { db.row(good).await.status == Status::Done }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!(sink.reconnects(), 0, "the link was never cut");
+    sink.close().await;
+
+    assert_eq!((message_id(&delivered), long_string(header(&delivered, "big"))), (good, fits));
+    let row = db.row(bad).await;
+    assert_eq!(row.attempts, 1);
+    assert_eq!(
+        row.last_error,
+        Some(format!(
+            "permanent: the producer's headers take {} bytes encoded; at most {MAX_PRODUCER_HEADER_BYTES} fit the AMQP content header",
+            MAX_PRODUCER_HEADER_BYTES + 1
+        ))
+    );
+}
