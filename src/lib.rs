@@ -79,6 +79,8 @@ pub mod sink;
 mod step;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
 mod store;
+#[cfg(feature = "opentelemetry")]
+mod trace;
 mod url;
 
 pub use config::{ConfigError, DispatcherConfig, Fifo};

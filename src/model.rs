@@ -1,5 +1,6 @@
 //! Typed rows of the `outbox` table: its status, a claimed message, a new event.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 
@@ -111,6 +112,13 @@ pub struct OutboxMessage {
     pub lease_version: i64,
     /// Until when this claim's lease runs (database clock); `None` only for rows not claimed.
     pub lease_until: Option<DateTime<Utc>>,
+    /// The producer's headers (the `headers` column; see [`NewEvent::header`]), by name.
+    ///
+    /// The column is a JSON object written by anyone (plain SQL too), so it is read leniently:
+    /// NULL or a value that is not an object reads as no headers, an entry whose value is JSON
+    /// `null` is skipped, and any other non-string value (number, boolean, array, object)
+    /// becomes its compact JSON text (`7`, `true`, `[1,2]`).
+    pub headers: BTreeMap<String, String>,
 }
 
 impl OutboxMessage {
@@ -141,6 +149,7 @@ impl PartialEq for OutboxMessage {
             && self.attempts == other.attempts
             && self.lease_version == other.lease_version
             && self.lease_until == other.lease_until
+            && self.headers == other.headers
     }
 }
 
@@ -172,6 +181,11 @@ pub struct NewEvent {
     pub event_type: String,
     /// The event body, published as JSON.
     pub payload: serde_json::Value,
+    /// Headers to publish with the event: a JSON object of string values, stored in the
+    /// `headers` column. `None` (what [`NewEvent::new`] sets) stores the column's default, no
+    /// headers. Add entries with [`NewEvent::header`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub headers: Option<serde_json::Value>,
 }
 
 impl NewEvent {
@@ -187,7 +201,82 @@ impl NewEvent {
             aggregate_id: aggregate_id.into(),
             event_type: event_type.into(),
             payload,
+            headers: None,
         }
+    }
+
+    /// Adds the header `name: value` (replacing an earlier one of that name), published with
+    /// the event: the RabbitMQ sink sends it as an AMQP header whose value is a long string.
+    ///
+    /// The sink's own headers win: an entry named `x-deduplication-header` or `x-attempt`, or
+    /// whose name starts with `x-outbox-` or `x-aggregate-`, is stored but not published (the
+    /// message carries the sink's value of that name instead). A name longer than 255 bytes
+    /// cannot be sent over AMQP, nor headers that take more than
+    /// [`MAX_PRODUCER_HEADER_BYTES`](crate::sink::MAX_PRODUCER_HEADER_BYTES) encoded (about the
+    /// sum of names and values): the message then fails permanently (the row goes dead with a
+    /// `last_error` saying why).
+    ///
+    /// ```
+    /// let event = actix_outbox::NewEvent::new("order", "42", "order.created", serde_json::json!({}))
+    ///     .header("tenant", "acme")
+    ///     .header("correlation-id", "c-17");
+    /// assert_eq!(event.headers, Some(serde_json::json!({"tenant": "acme", "correlation-id": "c-17"})));
+    /// ```
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        let entry = serde_json::Value::String(value.into());
+        match &mut self.headers {
+            Some(serde_json::Value::Object(map)) => {
+                map.insert(name.into(), entry);
+            }
+            // None, or a non-object set by hand (which would publish no headers): start over.
+            other => {
+                let mut map = serde_json::Map::new();
+                map.insert(name.into(), entry);
+                *other = Some(serde_json::Value::Object(map));
+            }
+        }
+        self
+    }
+}
+
+#[cfg(feature = "opentelemetry")]
+impl NewEvent {
+    /// Adds the current span's W3C trace context to the event's headers (`traceparent`, and
+    /// `tracestate` when set), so that the dispatcher's `publish` span continues the producer's
+    /// trace and consumers receive the context with the message. Feature `opentelemetry`.
+    ///
+    /// Call it while the span the event belongs to is current (inside the request's span, say).
+    /// It reads the span through `tracing_opentelemetry` and writes the headers with the global
+    /// propagator, so the application installs both: a `tracing_opentelemetry` layer in its
+    /// subscriber, and `opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new())`
+    /// (from `opentelemetry_sdk`). Outside such a span, or with the default (no-op) propagator,
+    /// it adds nothing. The `enqueue` functions never add trace context on their own.
+    ///
+    /// ```
+    /// let event = actix_outbox::NewEvent::new("order", "42", "order.created", serde_json::json!({}))
+    ///     .with_trace_context();
+    /// assert_eq!(event.headers, None, "no span with a trace context is current here");
+    /// ```
+    #[must_use]
+    pub fn with_trace_context(self) -> Self {
+        crate::trace::current_context_headers().into_iter().fold(self, |event, (name, value)| event.header(name, value))
+    }
+}
+
+/// Reads the `headers` column's JSON text leniently (see [`OutboxMessage::headers`]).
+pub(crate) fn headers_from_json(text: Option<&str>) -> BTreeMap<String, String> {
+    let Some(text) = text.filter(|t| *t != "{}") else { return BTreeMap::new() };
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => map
+            .into_iter()
+            .filter_map(|(name, value)| match value {
+                serde_json::Value::Null => None,
+                serde_json::Value::String(s) => Some((name, s)),
+                other => Some((name, other.to_string())),
+            })
+            .collect(),
+        _ => BTreeMap::new(),
     }
 }
 

@@ -16,5 +16,6 @@ diesel::table! {
         lease_version -> Int8,
         last_error -> Nullable<Text>,
         done_at -> Nullable<Timestamptz>,
+        headers -> Nullable<Jsonb>,
     }
 }

@@ -89,6 +89,9 @@ impl Actor for PublishActor {
         let message = self.message.clone();
         let span = info_span!("publish", outbox_id = message.id, lease_version = message.lease_version,
             attempt = message.attempts, event_type = %message.event_type);
+        // The producer's trace context (`NewEvent::with_trace_context`) parents the publish.
+        #[cfg(feature = "opentelemetry")]
+        crate::trace::set_parent_from(&span, &message.headers);
 
         // A sink slower than a third of the lease keeps its claim alive (fenced). When the
         // publish timeout ends every publish before that mark (the default: 10 s against 20 s),

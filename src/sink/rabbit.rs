@@ -318,6 +318,12 @@ impl RabbitError {
 /// - headers `x-outbox-id` (the id, a signed 64-bit integer), `x-deduplication-header` (the id
 ///   as a string, for RabbitMQ's message-deduplication plugin), `x-aggregate-type`,
 ///   `x-aggregate-id`, `x-attempt` (the claim's attempt number, 1 on the first);
+/// - then the producer's headers ([`NewEvent::header`](crate::NewEvent::header),
+///   [`OutboxMessage::headers`]), each as a long string. **Ours win**: a producer's header
+///   named `x-deduplication-header` or `x-attempt`, or starting with `x-outbox-` or
+///   `x-aggregate-`, is not sent. A producer's header name longer than 255 bytes, or headers
+///   taking more than [`MAX_PRODUCER_HEADER_BYTES`] encoded, fail the message with
+///   [`PublishError::Permanent`] saying so;
 /// - body = the payload's JSON bytes; routing key = the event type unless
 ///   [`RabbitConfig::routing_key`] says otherwise.
 ///
@@ -715,6 +721,38 @@ fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProp
         .map_err(|e| PublishError::Permanent(format!("event type cannot be sent as the AMQP `type` property: {e}")))?;
     let id = message.id.to_string();
     let mut headers = FieldTable::default();
+    // The producer's headers first, so that ours, inserted after, win a clash; names in our
+    // namespaces are left out altogether (see `is_reserved_header`).
+    let mut encoded = 0_usize;
+    for (name, value) in &message.headers {
+        if is_reserved_header(name) {
+            continue;
+        }
+        // Name length octet, name, type tag, value length, value.
+        encoded = encoded.saturating_add(1 + name.len() + 1 + 4 + value.len());
+        let key = ShortString::try_new(name.as_str()).map_err(|_| {
+            PublishError::Permanent(format!(
+                "header name \"{}...\" is {} bytes long; AMQP allows 255",
+                name.chars().take(32).collect::<String>(),
+                name.len()
+            ))
+        })?;
+        if u32::try_from(value.len()).is_err() {
+            return Err(PublishError::Permanent(format!(
+                "header {name:?} has a {}-byte value; AMQP allows 4 GiB",
+                value.len()
+            )));
+        }
+        headers.insert(key, AMQPValue::LongString(value.as_str().into()));
+    }
+    // The properties travel in one content-header frame, which the broker refuses (closing the
+    // connection) beyond its frame size: a message that can never go must not look like an outage.
+    if encoded > MAX_PRODUCER_HEADER_BYTES {
+        return Err(PublishError::Permanent(format!(
+            "the producer's headers take {encoded} bytes encoded; at most {MAX_PRODUCER_HEADER_BYTES} fit the AMQP \
+             content header"
+        )));
+    }
     headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(message.id));
     headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.as_str().into()));
     headers.insert("x-aggregate-type".into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
@@ -728,6 +766,21 @@ fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProp
         .with_timestamp(u64::try_from(message.created_at.timestamp()).unwrap_or(0))
         .with_app_id(app_id.clone())
         .with_headers(headers))
+}
+
+/// The most bytes a message's producer headers may take encoded in the AMQP field table (about
+/// the sum of their names' and values' lengths, plus 7 bytes each). The content header that
+/// carries them must fit in one frame (RabbitMQ's default `frame_max` is 128 KiB); a broker
+/// closes the connection on a larger one, so a larger table fails its message permanently.
+pub const MAX_PRODUCER_HEADER_BYTES: usize = 64 * 1024;
+
+/// Whether a producer's header `name` is one the sink sets itself (or may set later): those win
+/// over the producer's (see [`crate::NewEvent::header`]).
+fn is_reserved_header(name: &str) -> bool {
+    name.starts_with("x-outbox-")
+        || name.starts_with("x-aggregate-")
+        || name == "x-deduplication-header"
+        || name == "x-attempt"
 }
 
 /// The one place where the broker's answer (or the client's failure) becomes an outcome, and

@@ -265,6 +265,9 @@ struct ClaimRow {
     /// For the heads-scan row: whether the scan stopped at its bound (else it reached the end).
     #[diesel(sql_type = Nullable<Bool>)]
     heads_bounded: Option<bool>,
+    /// The `headers` column's JSON text (`headers::text`; NULL when the column is).
+    #[diesel(sql_type = Nullable<Text>)]
+    headers: Option<String>,
 }
 
 const KIND_REAPED: i32 = 1;
@@ -286,6 +289,7 @@ impl ClaimRow {
             attempts: self.attempts,
             lease_version: self.lease_version,
             lease_until: self.lease_until,
+            headers: crate::model::headers_from_json(self.headers.as_deref()),
         })
     }
 }

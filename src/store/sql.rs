@@ -97,16 +97,17 @@ WITH reaped AS (
     WHERE o.id = picked.id
     RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload, o.created_at,
               o.attempts, o.lease_version, o.lease_until,
-              CASE WHEN picked.from_ready THEN o.available_at END AS ready_at
+              CASE WHEN picked.from_ready THEN o.available_at END AS ready_at,
+              o.headers::text AS headers
 )
 SELECT 0 AS kind, id, aggregate_type, aggregate_id, event_type, payload, created_at,
-       attempts, lease_version, lease_until, ready_at, NULL::bool AS heads_bounded
+       attempts, lease_version, lease_until, ready_at, NULL::bool AS heads_bounded, headers
 FROM claimed
 UNION ALL
-SELECT 1, id, '', '', '', 'null', now(), 0, lease_version, NULL, NULL, NULL
+SELECT 1, id, '', '', '', 'null', now(), 0, lease_version, NULL, NULL, NULL, NULL
 FROM reaped
 UNION ALL
-SELECT 3, cut, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL
+SELECT 3, cut, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL, NULL
 FROM (SELECT (SELECT count(*) FROM candidates) - (SELECT count(*) FROM picked) AS cut) AS budget
 WHERE cut > 0"#,
             $tail,
@@ -237,7 +238,7 @@ pub(super) const CLAIM_FIFO_SQL: &str = claim_sql!(
     r#"
 UNION ALL
 SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null', now(), 0, 0, NULL, NULL,
-       bounded
+       bounded, NULL
 FROM heads_end"#
 );
 

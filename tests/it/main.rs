@@ -12,3 +12,6 @@ mod metrics;
 mod outage;
 mod rabbit;
 mod store;
+#[cfg(feature = "opentelemetry")]
+mod trace;
+mod web;

@@ -59,6 +59,7 @@ fn message(id: i64, event_type: &str) -> Arc<OutboxMessage> {
         attempts: 1,
         lease_version: 1,
         lease_until: None,
+        headers: BTreeMap::new(),
     })
 }
 
@@ -523,4 +524,170 @@ async fn a_silent_broker_is_ridden_out_with_no_attempt_spent() {
     let copies = copies_by_id(&broker.take(&queue, depth).await);
     assert_eq!(copies.keys().copied().collect::<Vec<_>>(), ids, "every row delivered");
     sink.close().await;
+}
+
+/// The AMQP headers of `d`, as a map of name to value.
+fn headers_of(d: &Delivery) -> BTreeMap<String, AMQPValue> {
+    let table = d.properties.headers().as_ref().expect("headers");
+    table.inner().iter().map(|(k, v)| (k.as_str().to_owned(), v.clone())).collect()
+}
+
+fn ls(s: &str) -> AMQPValue {
+    AMQPValue::LongString(s.into())
+}
+
+/// A producer's headers arrive at a real consumer as long strings, next to the sink's own five;
+/// on a clash with a reserved name the sink's value is the one sent.
+#[actix_rt::test]
+async fn producer_headers_arrive_and_ours_win_a_clash() {
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("hdrs").await;
+    let event = NewEvent::new("order", "o-7", "order.created", serde_json::json!({"n": 1}))
+        .header("tenant", "acme")
+        .header("correlation-id", "c-17 ü")
+        .header("x-outbox-id", "forged")
+        .header("x-outbox-later", "forged")
+        .header("x-aggregate-id", "forged")
+        .header("x-deduplication-header", "forged")
+        .header("x-attempt", "99");
+    let id = actix_outbox::enqueue(&mut db.conn().await, &event).await.unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    let delivered = broker.take(&queue, 1).await.pop().unwrap();
+    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    sink.close().await;
+
+    let expected = BTreeMap::from([
+        ("correlation-id".to_owned(), ls("c-17 ü")),
+        ("tenant".to_owned(), ls("acme")),
+        ("x-aggregate-id".to_owned(), ls("o-7")),
+        ("x-aggregate-type".to_owned(), ls("order")),
+        ("x-attempt".to_owned(), AMQPValue::LongInt(1)),
+        ("x-deduplication-header".to_owned(), ls(&id.to_string())),
+        ("x-outbox-id".to_owned(), AMQPValue::LongLongInt(id)),
+    ]);
+    assert_eq!(headers_of(&delivered), expected, "the producer's two headers, and ours unchanged");
+    assert_eq!(message_id(&delivered), id);
+}
+
+/// Rows written by plain SQL: without the column (its default), with NULL, and with a
+/// hand-written object of non-string values: all publish; the first two carry exactly the
+/// sink's five headers, the third its entries stringified, `null` skipped.
+#[actix_rt::test]
+async fn rows_inserted_with_plain_sql_publish_with_lenient_headers() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("sqlhdrs").await;
+    db.conn()
+        .await
+        .batch_execute(
+            r#"INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('order', 'a', 'order.plain', '{"k": 1}');
+               INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers) VALUES ('order', 'b', 'order.null', '{"k": 2}', NULL);
+               INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers)
+                   VALUES ('order', 'c', 'order.mixed', '{"k": 3}', '{"s": "x", "n": 7, "ok": true, "nothing": null, "list": [1, "a"]}');"#,
+        )
+        .await
+        .unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    let mut delivered = broker.take(&queue, 3).await;
+    delivered.sort_by_key(message_id);
+    eventually(WITHIN, "3 rows done", || async { db.count_status("done").await == 3 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    sink.close().await;
+
+    let rows = db.rows().await;
+    let ids: Vec<i64> = delivered.iter().map(message_id).collect();
+    assert_eq!(ids, rows.iter().map(|r| r.id).collect::<Vec<_>>());
+    let ours = |d: &Delivery, agg: &str| {
+        BTreeMap::from([
+            ("x-aggregate-id".to_owned(), ls(agg)),
+            ("x-aggregate-type".to_owned(), ls("order")),
+            ("x-attempt".to_owned(), AMQPValue::LongInt(1)),
+            ("x-deduplication-header".to_owned(), ls(&message_id(d).to_string())),
+            ("x-outbox-id".to_owned(), AMQPValue::LongLongInt(message_id(d))),
+        ])
+    };
+    assert_eq!(headers_of(&delivered[0]), ours(&delivered[0], "a"), "the column's default: the five headers");
+    assert_eq!(headers_of(&delivered[1]), ours(&delivered[1], "b"), "NULL: the five headers");
+    let mut mixed = ours(&delivered[2], "c");
+    mixed.extend([
+        ("s".to_owned(), ls("x")),
+        ("n".to_owned(), ls("7")),
+        ("ok".to_owned(), ls("true")),
+        ("list".to_owned(), ls(r#"[1,"a"]"#)),
+    ]);
+    assert_eq!(headers_of(&delivered[2]), mixed, "non-strings as JSON text, null skipped");
+    let bodies: Vec<serde_json::Value> = delivered.iter().map(|d| serde_json::from_slice(&d.data).unwrap()).collect();
+    assert_eq!(bodies, [serde_json::json!({"k": 1}), serde_json::json!({"k": 2}), serde_json::json!({"k": 3})]);
+}
+
+/// A header name AMQP cannot carry (256 bytes) fails its message permanently, with a reason that
+/// names the header, while the next message flows.
+#[actix_rt::test]
+async fn a_header_name_over_255_bytes_fails_the_message_permanently() {
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("longhdr").await;
+    let mut conn = db.conn().await;
+    let bad = NewEvent::new("order", "o-1", "order.created", serde_json::json!({})).header("h".repeat(256), "v");
+    let bad = actix_outbox::enqueue(&mut conn, &bad).await.unwrap();
+    let good = NewEvent::new("order", "o-2", "order.created", serde_json::json!({})).header("h".repeat(255), "v");
+    let good = actix_outbox::enqueue(&mut conn, &good).await.unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    let delivered = broker.take(&queue, 1).await.pop().unwrap();
+    eventually(WITHIN, "good row done", || async { db.row(good).await.status == Status::Done }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    sink.close().await;
+
+    assert_eq!(message_id(&delivered), good);
+    assert_eq!(long_string(header(&delivered, &"h".repeat(255))), "v");
+    let row = db.row(bad).await;
+    assert_eq!(row.attempts, 1, "permanent: one attempt");
+    assert_eq!(
+        row.last_error.as_deref(),
+        Some(r#"permanent: header name "hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhh..." is 256 bytes long; AMQP allows 255"#)
+    );
+}
+
+/// Headers too large for the AMQP content header (which must fit one frame; the broker closes
+/// the connection otherwise) fail their message permanently instead of cutting the link again
+/// and again; headers at the bound go through.
+#[actix_rt::test]
+async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
+    use actix_outbox::sink::MAX_PRODUCER_HEADER_BYTES;
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("bighdr").await;
+    let mut conn = db.conn().await;
+    // One entry of name `big` takes 1 + 3 + 1 + 4 bytes besides its value.
+    let fits = "v".repeat(MAX_PRODUCER_HEADER_BYTES - 9);
+    let bad = NewEvent::new("order", "o-1", "order.created", serde_json::json!({})).header("big", format!("{fits}v"));
+    let bad = actix_outbox::enqueue(&mut conn, &bad).await.unwrap();
+    let good = NewEvent::new("order", "o-2", "order.created", serde_json::json!({})).header("big", fits.clone());
+    let good = actix_outbox::enqueue(&mut conn, &good).await.unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    let delivered = broker.take(&queue, 1).await.pop().unwrap();
+    eventually(WITHIN, "good row done", || async { db.row(good).await.status == Status::Done }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!(sink.reconnects(), 0, "the link was never cut");
+    sink.close().await;
+
+    assert_eq!((message_id(&delivered), long_string(header(&delivered, "big"))), (good, fits));
+    let row = db.row(bad).await;
+    assert_eq!(row.attempts, 1);
+    assert_eq!(
+        row.last_error,
+        Some(format!(
+            "permanent: the producer's headers take {} bytes encoded; at most {MAX_PRODUCER_HEADER_BYTES} fit the AMQP content header",
+            MAX_PRODUCER_HEADER_BYTES + 1
+        ))
+    );
 }

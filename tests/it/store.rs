@@ -747,6 +747,7 @@ async fn schema_rs_matches_the_migrated_table() {
         (o::lease_version::NAME, "int8", "NO"),
         (o::last_error::NAME, "text", "YES"),
         (o::done_at::NAME, "timestamptz", "YES"),
+        (o::headers::NAME, "jsonb", "YES"),
     ];
     let actual: Vec<_> =
         cols.iter().map(|c| (c.column_name.as_str(), c.udt_name.as_str(), c.is_nullable.as_str())).collect();

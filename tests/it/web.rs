@@ -1,0 +1,130 @@
+//! The actix-web example (`examples/actix_web.rs`, included here) driven over real HTTP against
+//! the real PostgreSQL and RabbitMQ: orders in, events out at a real queue.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use diesel::sql_types::BigInt;
+use diesel_async::RunQueryDsl;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::support::{TestBroker, TestDb, amqp_url, eventually};
+
+#[path = "../../examples/actix_web.rs"]
+mod app;
+
+/// One HTTP/1.1 request on a fresh connection: the status and the body.
+async fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).await.expect("connect to the app");
+    let body = body.unwrap_or("");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), stream.read_to_end(&mut response))
+        .await
+        .expect("response within 30s")
+        .unwrap();
+    let response = String::from_utf8(response).expect("UTF-8 response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("a head and a body");
+    let status = head.split(' ').nth(1).expect("status code").parse().expect("numeric status");
+    assert!(!head.to_ascii_lowercase().contains("transfer-encoding: chunked"), "{head}");
+    (status, body.to_owned())
+}
+
+/// 20 orders and 3 bad bodies over real HTTP: 20 × 201 with increasing ids, 3 × 400 writing
+/// nothing; 20 order rows, 20 outbox rows done, the 20 events at a real queue with their
+/// outbox ids and bodies; ready is 200, /metrics renders the example's counter; stopping the
+/// server drains the dispatcher and closes the sink.
+#[actix_rt::test]
+async fn orders_over_http_reach_a_real_queue() {
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("web").await;
+    let settings = app::Settings {
+        database_url: db.url.clone(),
+        amqp_url: amqp_url(),
+        exchange: broker.exchange.clone(),
+        bind: "127.0.0.1:0".into(),
+        http_workers: 2,
+    };
+    let running = app::start(&settings, false).await.expect("the app starts");
+    let addr = running.addrs[0];
+    let handle = running.handle.clone();
+    let served = actix_rt::spawn(running.run());
+
+    let (status, body) = http(addr, "GET", "/health/ready", None).await;
+    assert_eq!((status, body.as_str()), (200, "ready"));
+
+    let mut created = Vec::new();
+    for i in 0..20_i64 {
+        let order = serde_json::json!({"customer": format!("customer-{i}"), "total_cents": 100 * i});
+        let (status, body) = http(addr, "POST", "/orders", Some(&order.to_string())).await;
+        assert_eq!(status, 201, "order {i}: {body}");
+        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let keys: Vec<&str> = answer.as_object().unwrap().keys().map(String::as_str).collect();
+        assert_eq!(keys, ["event_id", "order_id"], "{body}");
+        created.push((answer["order_id"].as_i64().unwrap(), answer["event_id"].as_i64().unwrap(), i));
+    }
+    assert!(created.windows(2).all(|w| w[0].0 < w[1].0 && w[0].1 < w[1].1), "increasing ids: {created:?}");
+
+    for bad in [
+        r#"{"customer": "eve", "total_cents": "#,
+        r#"{"customer": "eve"}"#,
+        r#"{"customer": "eve", "total_cents": -1}"#,
+    ] {
+        let (status, body) = http(addr, "POST", "/orders", Some(bad)).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        let answer: serde_json::Value = serde_json::from_str(&body).expect("a JSON error");
+        assert!(answer["error"].as_str().is_some_and(|e| !e.is_empty()), "{body}");
+    }
+    let (_, body) = http(addr, "POST", "/orders", Some(r#"{"customer": "eve", "total_cents": -1}"#)).await;
+    assert_eq!(body, r#"{"error":"total_cents must not be negative"}"#);
+
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let orders: Count =
+        diesel::sql_query("SELECT count(*) AS n FROM orders").get_result(&mut db.conn().await).await.unwrap();
+    assert_eq!(orders.n, 20, "bad bodies wrote no order");
+    eventually(Duration::from_secs(30), "20 outbox rows done", || async { db.count_status("done").await == 20 }).await;
+    assert_eq!(db.rows().await.len(), 20, "bad bodies wrote no event");
+
+    let delivered = broker.take(&queue, 20).await;
+    let bodies: BTreeMap<i64, serde_json::Value> = delivered
+        .iter()
+        .map(|d| {
+            let id = d.properties.message_id().as_ref().expect("message_id").as_str().parse().unwrap();
+            (id, serde_json::from_slice(&d.data).unwrap())
+        })
+        .collect();
+    let expected: BTreeMap<i64, serde_json::Value> = created
+        .iter()
+        .map(|&(order_id, event_id, i)| {
+            let body =
+                serde_json::json!({"order_id": order_id, "customer": format!("customer-{i}"), "total_cents": 100 * i});
+            (event_id, body)
+        })
+        .collect();
+    assert_eq!(bodies, expected, "each event, once, under its outbox id");
+    assert!(delivered.iter().all(|d| d.routing_key.as_str() == "order.created"));
+
+    let (status, body) = http(addr, "GET", "/health/ready", None).await;
+    assert_eq!((status, body.as_str()), (200, "ready"));
+    let (status, metrics) = http(addr, "GET", "/metrics", None).await;
+    assert_eq!(status, 200);
+    assert!(metrics.lines().any(|l| l == "orders_created_total 20"), "{metrics}");
+
+    handle.stop(true).await;
+    tokio::time::timeout(Duration::from_secs(30), served)
+        .await
+        .expect("the app stops within 30s")
+        .unwrap()
+        .expect("the server ended cleanly");
+    assert!(TcpStream::connect(addr).await.is_err(), "nothing listens after the stop");
+}
