@@ -57,9 +57,18 @@ pub struct RunArgs {
     /// Where the outbox lives.
     #[command(flatten)]
     pub database: DatabaseArgs,
-    /// RabbitMQ URL (password masked in every message)
-    #[arg(long, env = "AMQP_URL", value_name = "URL", default_value = DEFAULT_AMQP_URL, hide_env_values = true)]
-    pub amqp_url: String,
+    /// RabbitMQ URL; several (comma-separated or repeated) for the nodes of a cluster, tried in turn
+    /// when reconnecting (passwords masked in every message)
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        value_name = "URL",
+        default_value = DEFAULT_AMQP_URL,
+        value_delimiter = ',',
+        num_args = 1..,
+        hide_env_values = true
+    )]
+    pub amqp_url: Vec<String>,
     /// Exchange every message is published to (routing key: the event type)
     #[arg(long, value_name = "NAME", default_value = DEFAULT_EXCHANGE)]
     pub exchange: String,
@@ -140,8 +149,9 @@ impl RunArgs {
 
     /// The sink configuration these flags describe, validated (a malformed AMQP URL is bad input).
     fn rabbit_config(&self) -> Result<RabbitConfig, CliError> {
-        let config =
-            RabbitConfig::new(self.amqp_url.clone()).exchange(self.exchange.clone()).declare_exchange(!self.no_declare);
+        let config = RabbitConfig::cluster(self.amqp_url.iter().map(|u| u.trim().to_owned()))
+            .exchange(self.exchange.clone())
+            .declare_exchange(!self.no_declare);
         config.validate().map_err(|e| CliError::BadInput(e.to_string()))?;
         Ok(config)
     }
@@ -293,6 +303,14 @@ mod tests {
         let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);
         let Command::Run(args) = Cli::try_parse_from(argv).unwrap().command else { panic!("a run command") };
         args.dispatcher_config().unwrap().fifo
+    }
+
+    #[test]
+    fn several_amqp_urls_reach_the_sink_configuration_in_order() {
+        let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"];
+        let flags = ["--amqp-url", "amqp://a/%2f,amqp://b/%2f", "--amqp-url", "amqp://c/%2f"];
+        let Command::Run(args) = Cli::try_parse_from(argv.iter().chain(&flags)).unwrap().command else { panic!() };
+        assert_eq!(args.rabbit_config().unwrap().urls, ["amqp://a/%2f", "amqp://b/%2f", "amqp://c/%2f"]);
     }
 
     #[test]

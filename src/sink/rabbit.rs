@@ -904,6 +904,11 @@ impl Manager {
                     }
                 }
                 Err(e) => {
+                    // The first connection tries every node of a cluster before `connect` fails.
+                    if first.is_some() && e.is_transient() && self.next_node < self.config.urls.len() {
+                        warn!(error = %e, "RabbitMQ node unreachable; trying the next one");
+                        continue;
+                    }
                     if let Some(first) = first.take() {
                         let _ = first.send(Err(e));
                         break self.shut(None).await;

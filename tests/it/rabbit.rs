@@ -691,3 +691,30 @@ async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
         ))
     );
 }
+
+/// A cluster's nodes are tried in turn: the first node is down, so the sink connects to the
+/// second; when that link is cut, it reconnects (moving on through the list) and goes on.
+#[actix_rt::test]
+async fn a_cluster_sink_moves_to_the_next_node() {
+    let db = TestDb::new().await;
+    let mut broker = TestBroker::new("cluster").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let down = Proxy::start(amqp_addr()).await;
+    down.refuse(true);
+    let up = Proxy::start(amqp_addr()).await;
+    let config = RabbitConfig::cluster([down.amqp_url(), up.amqp_url()])
+        .exchange(&broker.exchange)
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(200));
+    let sink = RabbitSink::connect(config).await.expect("the second node answers");
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+    db.seed(50, "first").await;
+    eventually(WITHIN, "50 rows done through the second node", || async { db.count_status("done").await == 50 }).await;
+    up.sever();
+    db.seed(50, "second").await;
+    eventually(WITHIN, "100 rows done after reconnecting", || async { db.count_status("done").await == 100 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert!(sink.reconnects() >= 1);
+    assert!(broker.depth(&queue).await >= 100);
+    sink.close().await;
+}
