@@ -93,6 +93,7 @@ impl FromSql<Text, Pg> for Status {
 /// [`OutboxMessage::payload_value`]), so a claimed message costs about its payload's size in
 /// memory, once.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct OutboxMessage {
     /// The outbox id: the stable message id consumers deduplicate on.
     pub id: i64,
@@ -122,6 +123,35 @@ pub struct OutboxMessage {
 }
 
 impl OutboxMessage {
+    /// A message as a first claim would hand it to a sink (attempt 1, lease version 1, created
+    /// now, no headers): for testing a sink without a database.
+    ///
+    /// ```
+    /// let payload = serde_json::value::to_raw_value(&serde_json::json!({"total": 10})).unwrap();
+    /// let m = actix_outbox::OutboxMessage::new(7, "order", "42", "order.created", payload);
+    /// assert_eq!((m.id, m.attempts, m.payload.get()), (7, 1, r#"{"total":10}"#));
+    /// ```
+    pub fn new(
+        id: i64,
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        event_type: impl Into<String>,
+        payload: Box<RawValue>,
+    ) -> Self {
+        Self {
+            id,
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            event_type: event_type.into(),
+            payload,
+            created_at: Utc::now(),
+            attempts: 1,
+            lease_version: 1,
+            lease_until: None,
+            headers: Default::default(),
+        }
+    }
+
     /// The fencing token of this claim.
     pub fn fence(&self) -> Fence {
         Fence { id: self.id, lease_version: self.lease_version }
@@ -172,6 +202,7 @@ pub struct Fence {
 /// ```
 #[derive(Debug, Clone, PartialEq, Insertable, Serialize, Deserialize)]
 #[diesel(table_name = outbox)]
+#[non_exhaustive]
 pub struct NewEvent {
     /// Kind of aggregate (`order`).
     pub aggregate_type: String,
@@ -284,6 +315,7 @@ pub(crate) fn headers_from_json(text: Option<&str>) -> BTreeMap<String, String> 
 #[derive(Debug, Clone, PartialEq, Queryable, Selectable, Serialize)]
 #[diesel(table_name = outbox)]
 #[diesel(check_for_backend(diesel::pg::Pg))]
+#[non_exhaustive]
 pub struct OutboxRow {
     /// The outbox id.
     pub id: i64,

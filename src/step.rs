@@ -43,9 +43,9 @@ impl Step {
 /// ```
 /// # use actix_outbox::{DispatcherConfig, OutboxMessage, PublishError};
 /// # use actix_outbox::testing::{Step, decide};
-/// # let message = OutboxMessage { id: 7, aggregate_type: "order".into(), aggregate_id: "1".into(),
-/// #     event_type: "order.paid".into(), payload: serde_json::value::to_raw_value(&serde_json::json!({})).unwrap(), created_at: chrono::Utc::now(),
-/// #     attempts: 12, lease_version: 12, lease_until: None, headers: Default::default() };
+/// # let payload = serde_json::value::to_raw_value(&serde_json::json!({})).unwrap();
+/// # let mut message = OutboxMessage::new(7, "order", "1", "order.paid", payload);
+/// # message.attempts = 12;
 /// let config = DispatcherConfig::default(); // max_attempts 12
 /// let step = decide(&message, &Err(PublishError::Retryable("broker away".into())), &config);
 /// assert!(matches!(step, Step::Dead(_)), "the 12th failed attempt is the last");

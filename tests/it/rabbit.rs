@@ -49,18 +49,8 @@ fn message_id(d: &Delivery) -> i64 {
 
 /// A claimed-looking message, for tests that drive the sink without a dispatcher.
 fn message(id: i64, event_type: &str) -> Arc<OutboxMessage> {
-    Arc::new(OutboxMessage {
-        id,
-        aggregate_type: "order".into(),
-        aggregate_id: format!("o-{id}"),
-        event_type: event_type.into(),
-        payload: serde_json::value::to_raw_value(&serde_json::json!({"id": id})).unwrap(),
-        created_at: chrono::Utc::now(),
-        attempts: 1,
-        lease_version: 1,
-        lease_until: None,
-        headers: BTreeMap::new(),
-    })
+    let payload = serde_json::value::to_raw_value(&serde_json::json!({"id": id})).unwrap();
+    Arc::new(OutboxMessage::new(id, "order", format!("o-{id}"), event_type, payload))
 }
 
 /// (a) Every property and header the sink documents (see `RabbitSink`) arrives on a real consumer; the body is the payload.
