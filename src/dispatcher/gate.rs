@@ -59,6 +59,8 @@ struct Inner {
     away_since: Option<Instant>,
     /// The gate opened since the supervisor's last check.
     opened: bool,
+    /// When the sink last said it was blocked.
+    last_blocked: Option<Instant>,
 }
 
 /// Shared by the dispatcher's actors; every method is a short critical section.
@@ -73,7 +75,7 @@ pub(crate) struct SinkGate {
 impl SinkGate {
     pub(crate) fn new(probe_interval: Duration, publish_timeout: Duration) -> Self {
         Self {
-            inner: Mutex::new(Inner { mode: Mode::Open, away_since: None, opened: false }),
+            inner: Mutex::new(Inner { mode: Mode::Open, away_since: None, opened: false, last_blocked: None }),
             probe_interval,
             probe_timeout: publish_timeout + Duration::from_secs(1),
         }
@@ -95,6 +97,12 @@ impl SinkGate {
     /// row, claimed while probing, may).
     pub(crate) fn may_publish(&self) -> bool {
         !matches!(self.lock().mode, Mode::Closed { .. })
+    }
+
+    /// Whether the sink said it was blocked within the last `d`: right after an unblock, the
+    /// publishes it held are still being confirmed, and timing them out would send them again.
+    pub(crate) fn blocked_within(&self, d: Duration) -> bool {
+        self.lock().last_blocked.is_some_and(|t| t.elapsed() < d)
     }
 
     /// A publish found the sink unavailable (or the probe failed): close the gate. Returns
@@ -145,6 +153,9 @@ impl SinkGate {
     /// The supervisor's periodic look at the sink's own state.
     pub(crate) fn check(&self, state: &SinkState) -> Check {
         let mut inner = self.lock();
+        if let SinkState::Blocked(_) = state {
+            inner.last_blocked = Some(Instant::now());
+        }
         if std::mem::take(&mut inner.opened) {
             return Check::WakeAll;
         }

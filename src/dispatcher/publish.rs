@@ -204,6 +204,11 @@ async fn call_sink(
                         humantime::format_duration(timeout)
                     ))));
                 }
+                // Just unblocked: what it held is still being confirmed; give it a timeout more.
+                SinkState::Up if shared.gate.blocked_within(timeout) => {
+                    debug!("publish held by a sink that was blocked until just now; still waiting");
+                    deadline += timeout;
+                }
                 SinkState::Up => {
                     return Attempt::Finished(Err(PublishError::Retryable(format!(
                         "publish timed out after {}",
