@@ -175,8 +175,8 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let proxy = Proxy::start(amqp_addr()).await;
     let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
     // The publish timeout is far above the time the test holds the confirms back, so that the
-    // only failures are the cut's.
-    // Three attempts: before outages were refunded, a cut this long sent rows dead.
+    // only failures are the cut's; three attempts: before outages were refunded, a cut this
+    // long sent rows dead.
     let config = dispatcher_config()
         .workers(4)
         .batch(50)
@@ -185,12 +185,7 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
         .publish_timeout(Duration::from_secs(40));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
-    proxy.stall_downstream();
-    let in_flight = db.seed(200, "cut").await;
-    eventually(WITHIN, "broker holds all 200 while their confirms are held back", || async {
-        broker.depth(&queue).await == 200 && db.count_status("processing").await == 200
-    })
-    .await;
+    let in_flight = seed_with_confirms_held(&db, &broker, &queue, &proxy, 200, "cut").await;
 
     proxy.refuse(true);
     proxy.sever();
@@ -442,12 +437,7 @@ async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
         .publish_timeout(Duration::from_secs(1));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
-    proxy.stall_downstream();
-    let first = db.seed(200, "held").await;
-    eventually(WITHIN, "the broker holds all 200 while their confirms are held back", || async {
-        broker.depth(&queue).await == 200 && db.count_status("processing").await == 200
-    })
-    .await;
+    let first = seed_with_confirms_held(&db, &broker, &queue, &proxy, 200, "held").await;
     proxy.amqp_block();
     eventually(WITHIN, "the sink says the broker blocked it, and the dispatcher paused", || async {
         matches!(sink.state(), actix_outbox::SinkState::Blocked(_))
@@ -707,4 +697,23 @@ async fn a_cluster_sink_moves_to_the_next_node() {
     assert!(sink.reconnects() >= 1);
     assert!(broker.depth(&queue).await >= 100);
     sink.close().await;
+}
+
+/// Holds the broker's confirms back (the proxy stalls broker -> client) and writes `n` rows;
+/// returns their ids once the broker has every one and all are processing.
+async fn seed_with_confirms_held(
+    db: &TestDb,
+    broker: &TestBroker,
+    queue: &str,
+    proxy: &Proxy,
+    n: usize,
+    tag: &str,
+) -> Vec<i64> {
+    proxy.stall_downstream();
+    let ids = db.seed(n, tag).await;
+    eventually(WITHIN, &format!("the broker holds all {n} while their confirms are held back"), || async {
+        broker.depth(queue).await as usize == n && db.count_status("processing").await as usize == n
+    })
+    .await;
+    ids
 }
