@@ -11,7 +11,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::claim::interval;
-use super::sql::{SAMPLE_SQL, STATS_AGES_SQL};
+use super::sql::SAMPLE_SQL;
 use crate::error::StoreError;
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
@@ -33,24 +33,14 @@ pub struct Stats {
 
 /// Reads [`Stats`] (database clock).
 pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
-    let mut stats = Stats::default();
-    for s in Status::ALL {
-        stats.by_status.insert(s.as_str().to_owned(), 0);
-    }
-    let counts: Vec<(Status, i64)> =
-        outbox::table.group_by(outbox::status).select((outbox::status, diesel::dsl::count_star())).load(conn).await?;
-    stats.by_status.extend(counts.into_iter().map(|(s, n)| (s.as_str().to_owned(), n)));
-
-    #[derive(QueryableByName)]
-    struct Ages {
-        #[diesel(sql_type = Nullable<Double>)]
-        oldest: Option<f64>,
-        #[diesel(sql_type = Int8)]
-        expired: i64,
-    }
-    let ages: Ages = diesel::sql_query(STATS_AGES_SQL).get_result(conn).await?;
-    stats.oldest_unfinished_age_s = ages.oldest;
-    stats.expired_leases = ages.expired;
+    // The same statement as the dispatcher's table gauges, so `stats` and the metrics agree.
+    let sample = sample(conn).await?;
+    let mut stats = Stats {
+        by_status: sample.by_status().into_iter().map(|(s, n)| (s.as_str().to_owned(), n)).collect(),
+        oldest_unfinished_age_s: sample.oldest,
+        expired_leases: sample.expired,
+        ..Stats::default()
+    };
 
     let histogram: Vec<(i32, i64)> = outbox::table
         .filter(outbox::status.eq_any([Status::Pending, Status::Processing]))

@@ -12,10 +12,9 @@
 //! - the dead heads of blocked aggregates ([`BLOCKED_SQL`], [`BLOCKED_COUNT_SQL`]): subqueries
 //!   of the table correlated with itself (`prev` and `w` against `d`), and one `FROM ... WHERE`
 //!   shared by the list and the count so that they cannot disagree;
-//! - the age of the oldest unfinished row ([`STATS_AGES_SQL`]): `extract(epoch FROM ...)` of
-//!   a difference of timestamps, on the database clock;
-//! - the dispatcher's table sample ([`SAMPLE_SQL`]): the same age and every count in one pass,
-//!   with aggregate `FILTER` clauses;
+//! - the table sample of `stats` and of the dispatcher's gauges ([`SAMPLE_SQL`]): every count
+//!   in one pass with aggregate `FILTER` clauses, and the age of the oldest unfinished row as
+//!   `extract(epoch FROM ...)` of a difference of timestamps, on the database clock;
 //! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`.
 //!
 //! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
@@ -302,13 +301,6 @@ SELECT d.aggregate_type, d.aggregate_id, d.id AS dead_id, d.event_type, d.last_e
 /// How many aggregates [`BLOCKED_SQL`] would list without a limit. $1 the gated event types
 /// (NULL: all).
 pub(super) const BLOCKED_COUNT_SQL: &str = concat!("\nSELECT count(*) AS n", blocked_heads!());
-
-/// For [`super::stats`]: seconds since the oldest pending or processing row was created (NULL
-/// when none) and the count of processing rows whose lease ran out, on the database clock.
-pub(super) const STATS_AGES_SQL: &str = "
-SELECT (SELECT extract(epoch FROM now() - min(created_at))::float8
-        FROM outbox WHERE status IN ('pending', 'processing')) AS oldest,
-       (SELECT count(*) FROM outbox WHERE status = 'processing' AND lease_until < now()) AS expired";
 
 /// The producer's per-aggregate lock ([`super::lock_aggregate`]). $1 aggregate_type, $2
 /// aggregate_id.
