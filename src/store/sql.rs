@@ -76,14 +76,17 @@ WITH reaped AS (
             $ready,
             r#"
 ), candidates AS (
-    SELECT c.id, c.from_ready, octet_length(o.payload::text) AS bytes
+    -- The payload is rendered as text once, here: measured for the budget, returned as is.
+    SELECT c.id, c.from_ready, o.payload::text AS body
     FROM (SELECT id, false AS from_ready FROM expired UNION ALL SELECT id, true FROM ready) AS c
     JOIN outbox AS o ON o.id = c.id
     ORDER BY c.id
     LIMIT $2
 ), picked AS (
-    SELECT id, from_ready
-    FROM (SELECT id, from_ready, bytes, sum(bytes) OVER (ORDER BY id) - bytes AS before FROM candidates) AS w
+    SELECT id, from_ready, body
+    FROM (SELECT id, from_ready, body, octet_length(body) AS bytes,
+                 sum(octet_length(body)) OVER (ORDER BY id) - octet_length(body) AS before
+          FROM candidates) AS w
     WHERE before = 0 OR before + bytes <= $9
 ), claimed AS (
     UPDATE outbox AS o
@@ -94,7 +97,7 @@ WITH reaped AS (
         attempts = o.attempts + 1
     FROM picked
     WHERE o.id = picked.id
-    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload, o.created_at,
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, picked.body AS payload, o.created_at,
               o.attempts, o.lease_version, o.lease_until,
               CASE WHEN picked.from_ready THEN o.available_at END AS ready_at,
               o.headers::text AS headers
