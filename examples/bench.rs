@@ -119,6 +119,10 @@ struct Opts {
     /// over 1,000 aggregates.
     #[arg(long)]
     fifo: bool,
+    /// Delete each row once its message is confirmed (`Retention::Delete`) instead of keeping
+    /// it `done`.
+    #[arg(long)]
+    delete_done: bool,
     /// Confirm channels of each raw publisher (broker ceiling); the sink uses one.
     #[arg(long, default_value_t = 1)]
     raw_channels: usize,
@@ -185,6 +189,9 @@ impl Opts {
         }
         if let Some(n) = self.max_in_flight {
             config = config.max_in_flight(n);
+        }
+        if self.delete_done {
+            config = config.retention(actix_outbox::Retention::Delete);
         }
         config
     }
@@ -926,6 +933,9 @@ mod parent {
         if opts.fifo {
             args.push("--fifo".to_owned());
         }
+        if opts.delete_done {
+            args.push("--delete-done".to_owned());
+        }
         args
     }
 
@@ -974,7 +984,7 @@ mod parent {
         if phase(Phase::Database) {
             let (first, _) = seed(db, n, opts).await?;
             let spent = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
-            verify_done(db, n).await?;
+            verify_done(db, n, opts.delete_done).await?;
             result.database_ceiling_msg_s = Some(spent.rate(n));
             result.database_cpu_us_per_msg = spent.cpu_us_per_message(n);
             result.database_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
@@ -984,7 +994,7 @@ mod parent {
         if phase(Phase::E2e) {
             let (first, _) = seed(db, n, opts).await?;
             let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
-            verify_done(db, n).await?;
+            verify_done(db, n, opts.delete_done).await?;
             result.end_to_end_msg_s = Some(spent.rate(n));
             result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
             result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
@@ -1087,8 +1097,8 @@ mod parent {
         Ok((range.first, n))
     }
 
-    /// Fails unless exactly `n` rows exist and all are `done`.
-    async fn verify_done(db: &mut AsyncPgConnection, n: usize) -> Result<(), BoxError> {
+    /// Fails unless exactly `n` rows exist and all are `done` (none at all with `--delete-done`).
+    async fn verify_done(db: &mut AsyncPgConnection, n: usize, deleted: bool) -> Result<(), BoxError> {
         #[derive(diesel::QueryableByName)]
         struct Count {
             #[diesel(sql_type = BigInt)]
@@ -1100,7 +1110,11 @@ mod parent {
             diesel::sql_query("SELECT count(*) FILTER (WHERE status = 'done') AS done, count(*) AS total FROM outbox")
                 .get_result(db)
                 .await?;
-        if c.done != n as i64 || c.total != n as i64 {
+        if deleted {
+            if c.total != 0 {
+                return Err(format!("expected every row deleted, found {} rows ({} done)", c.total, c.done).into());
+            }
+        } else if c.done != n as i64 || c.total != n as i64 {
             return Err(format!("expected {n} rows all done, found {} done of {}", c.done, c.total).into());
         }
         Ok(())
@@ -1281,7 +1295,7 @@ mod parent {
             report.date, report.machine.cores, report.machine.postgres
         );
         println!(
-            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  runs {}",
+            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  retention {}  runs {}",
             o.messages,
             o.payload_bytes,
             o.workers,
@@ -1289,6 +1303,7 @@ mod parent {
             report.in_flight_per_process,
             o.processes,
             if o.fifo { "on (1,000 aggregates)" } else { "off" },
+            if o.delete_done { "delete" } else { "keep" },
             o.runs
         );
         let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));

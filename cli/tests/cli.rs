@@ -1355,3 +1355,26 @@ async fn run_goes_on_and_exits_0_when_stdout_and_stderr_are_closed() {
     assert_eq!(db.count_status("processing").await, 0);
     assert_eq!(db.count_status("done").await, ROWS as i64);
 }
+
+/// `run --retention delete` against the real broker: every row is published (persistent, with
+/// its id) and then deleted; the table ends empty and the queue holds each id exactly once.
+#[tokio::test]
+async fn run_with_retention_delete_publishes_every_row_and_leaves_the_table_empty() {
+    const ROWS: usize = 500;
+    let db = TestDb::new().await;
+    let ids = db.seed(ROWS, "agg").await;
+    let (broker, queue) = TestBroker::with_queue("cli-delete").await;
+    let amqp = amqp_url();
+    let mut run = Dispatcher::start(
+        &db.url,
+        &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare", "--retention", "delete"],
+    );
+    eventually(WITHIN, "every row deleted", || async { db.rows().await.is_empty() }).await;
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+
+    assert_eq!(broker.depth(&queue).await, ROWS as u32, "one message a row, none twice");
+    let mut published = broker.message_ids(&queue, ROWS).await;
+    published.sort();
+    assert_eq!(published, ids, "each id exactly once");
+}

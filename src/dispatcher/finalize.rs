@@ -24,6 +24,7 @@ use tokio::sync::oneshot;
 use tracing::{debug, error, warn};
 
 use super::shared::Shared;
+use crate::config::Retention;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::model::{Fence, Status};
@@ -285,6 +286,29 @@ async fn add_settled(
     }
 }
 
+/// After a retried `delete done rows`: adds to the ids won those of `fences` whose rows are
+/// gone (an earlier try deleted them; see [`store::absent`]).
+async fn add_deleted(shared: &Shared, result: &mut Result<Vec<i64>, StoreError>, fences: &[Fence]) {
+    let Ok(won) = result else { return };
+    let seen: HashSet<i64> = won.iter().copied().collect();
+    let unsure: Vec<i64> = fences.iter().map(|f| f.id).filter(|id| !seen.contains(id)).collect();
+    if unsure.is_empty() {
+        return;
+    }
+    let deadline = Instant::now() + RETRY_MAX * 10;
+    match with_retry(shared, "read back a retried delete", deadline, async |c| store::absent(c, &unsure).await).await {
+        (Ok(gone), _) => {
+            if !gone.is_empty() {
+                debug!(rows = gone.len(), "an earlier try of a retried delete had committed");
+            }
+            won.extend(gone);
+        }
+        (Err(e), _) => {
+            warn!(error = %e, rows = unsure.len(), "cannot read back a retried delete; its rows count as lost leases");
+        }
+    }
+}
+
 async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: Vec<Fence>) {
     let metrics = &shared.metrics;
     let mut done = Vec::new();
@@ -331,10 +355,18 @@ async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: V
     };
 
     if !done.is_empty() {
-        let (mut result, in_doubt) =
-            with_retry(shared, "mark done", deadline, async |c| store::mark_done(c, &done).await).await;
+        let delete = shared.config.retention == Retention::Delete;
+        let what = if delete { "delete done rows" } else { "mark done" };
+        let (mut result, in_doubt) = with_retry(shared, what, deadline, async |c| {
+            if delete { store::delete_done(c, &done).await } else { store::mark_done(c, &done).await }
+        })
+        .await;
         if in_doubt {
-            add_settled(shared, &mut result, done.iter().copied(), Status::Done).await;
+            if delete {
+                add_deleted(shared, &mut result, &done).await;
+            } else {
+                add_settled(shared, &mut result, done.iter().copied(), Status::Done).await;
+            }
         }
         match &result {
             Ok(won) => Metrics::add(&metrics.done, won.len()),

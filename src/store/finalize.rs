@@ -2,7 +2,7 @@
 //! the rows it won. A row absent from the result was not written: its `lease_version` moved on
 //! (another worker reclaimed it) or it is no longer `processing` (reaped, or finalized already).
 //!
-//! Each is a Diesel `update` of [`outbox`](crate::schema::outbox), filtered by
+//! Each is a Diesel `update` (or, for [`delete_done`], a `delete`) of [`outbox`](crate::schema::outbox), filtered by
 //! [`processing`] and by the batch's [`Fenced`](super::fence::Fenced), its `SET` clause typed
 //! assignments, values that differ from row to row [`PerRow`](super::fence::PerRow) lookups:
 //! no column, type or status is spelled in text, so a schema change that breaks one of them
@@ -56,6 +56,31 @@ pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result
     )
     .get_results(conn)
     .await?)
+}
+
+/// Deletes each row, fenced: the finalize of a confirmed message under
+/// [`Retention::Delete`](crate::Retention::Delete). Returns the ids won.
+pub async fn delete_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result<Vec<i64>, StoreError> {
+    if fences.is_empty() {
+        return Ok(Vec::new());
+    }
+    let batch = Batch::new(fences, |f| *f);
+    Ok(keep_prepared(diesel::delete(outbox::table).filter(processing()).filter(batch.fenced()).returning(outbox::id))
+        .get_results(conn)
+        .await?)
+}
+
+/// The ids of `ids` that no row has: the read-back of a retried [`delete_done`]. Under
+/// [`Retention::Delete`](crate::Retention::Delete) only a fenced delete of a confirmed row
+/// removes a row, so an absent row was published and confirmed (by this claim, or by the claim
+/// that took it over).
+pub async fn absent(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let present: std::collections::HashSet<i64> =
+        outbox::table.filter(outbox::id.eq_any(ids)).select(outbox::id).load::<i64>(conn).await?.into_iter().collect();
+    Ok(ids.iter().copied().filter(|id| !present.contains(id)).collect())
 }
 
 /// A row to send dead.

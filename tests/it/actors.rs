@@ -437,6 +437,23 @@ async fn a_row_behind_the_resume_position_is_claimed_within_the_full_walk_interv
 /// claim's version, and counts it as done, not as a lost lease.
 #[actix_rt::test]
 async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_lease() {
+    let (db, id) = finalize_with_lost_answer(actix_outbox::Retention::Keep).await;
+    let row = db.row(id).await;
+    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 1, 1));
+}
+
+/// The same under `Retention::Delete`: the delete committed, its answer was lost, and the
+/// retried delete finds no row: the read-back counts it as done.
+#[actix_rt::test]
+async fn a_delete_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_lease() {
+    let (db, _) = finalize_with_lost_answer(actix_outbox::Retention::Delete).await;
+    assert!(db.rows().await.is_empty());
+}
+
+/// Two rows through one connection behind a proxy; the second row's finalize commits and its
+/// answer is lost with the connection. Asserts that the dispatcher counted both rows done and
+/// no lost lease; returns the second row's id.
+async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestDb, i64) {
     let db = TestDb::new().await;
     db.seed(1, "a").await;
     let proxy = Arc::new(crate::proxy::Proxy::start("127.0.0.1:5432".into()).await);
@@ -456,13 +473,24 @@ async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_le
     // The `stall` row is claimed on its insert's NOTIFY; the next poll comes a second later, when
     // the finalizer already holds the one connection (a poll claim holding it instead would keep
     // the finalize from running at all).
-    let quiet = config().workers(1).poll_interval(Duration::from_secs(1));
+    let quiet = config().workers(1).poll_interval(Duration::from_secs(1)).retention(retention);
     let dispatcher = OutboxSupervisor::start(quiet, pool, sink).unwrap();
-    all_done(&db, 1).await;
+    let settled = async |n: i64| {
+        // Each row is in the table from its insert on, so under Delete an empty table means
+        // every row so far was finalized.
+        eventually(WITHIN, &format!("{n} rows finalized"), || async {
+            match retention {
+                actix_outbox::Retention::Delete => db.rows().await.is_empty(),
+                _ => db.count_status("done").await == n,
+            }
+        })
+        .await
+    };
+    settled(1).await;
     let mut conn = db.conn().await;
     let stall = actix_outbox::NewEvent::new("test", "a", "stall", serde_json::json!({}));
     let id = actix_outbox::enqueue(&mut conn, &stall).await.unwrap();
-    all_done(&db, 2).await;
+    settled(2).await;
     proxy.sever();
     proxy.resume();
 
@@ -474,8 +502,7 @@ async fn a_finalize_whose_answer_was_lost_is_read_back_not_reported_as_a_lost_le
     let m = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!((m.done, m.lost_leases, m.finalize_errors), (2, 0, 0), "{m:?}");
-    let row = db.row(id).await;
-    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 1, 1));
+    (db, id)
 }
 
 /// Every database connection drops at once (a restart, a failover): pooled connections are not
@@ -502,4 +529,33 @@ async fn the_dispatcher_recovers_when_its_database_connections_drop() {
     assert_eq!(published, ids, "every row published once");
     assert_eq!((m.done, m.lost_leases, m.finalize_errors), (100, 0, 0), "{m:?}");
     assert!(m.claim_errors > 0, "the dead connections were used and failed: {m:?}");
+}
+
+/// `Retention::Delete`: every confirmed row is deleted, once, by its claim's fenced finalize; a
+/// row that failed first is deleted after the retry that got through; a dead row stays.
+#[actix_rt::test]
+async fn delete_retention_deletes_each_confirmed_row_and_keeps_the_dead_ones() {
+    let db = TestDb::new().await;
+    let ids = db.seed(60, "a").await;
+    let (poison, flaky) = (ids[10], ids[20]);
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(move |m| match m.id {
+        id if id == poison => SinkAction::Fail(PublishError::Permanent("rejected".into())),
+        id if id == flaky && m.attempts == 1 => SinkAction::Fail(PublishError::Retryable("flaky".into())),
+        _ => SinkAction::Deliver,
+    });
+    let config = config().workers(3).batch(7).retention(actix_outbox::Retention::Delete);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "only the dead row left", || async { db.rows().await.len() == 1 }).await;
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let rows = db.rows().await;
+    assert_eq!(rows.iter().map(|r| (r.id, r.status, r.attempts)).collect::<Vec<_>>(), vec![(poison, Status::Dead, 1)]);
+    let mut published: Vec<(i64, i32)> = drain(&mut rx).iter().map(|m| (m.id, m.attempts)).collect();
+    published.sort();
+    let expected: Vec<(i64, i32)> =
+        ids.iter().filter(|&&id| id != poison).map(|&id| (id, if id == flaky { 2 } else { 1 })).collect();
+    assert_eq!(published, expected, "every other row published once (the flaky one on its second attempt)");
+    assert_eq!((m.done, m.dead, m.retried, m.lost_leases), (59, 1, 1, 0), "{m:?}");
 }

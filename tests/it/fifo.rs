@@ -812,3 +812,37 @@ async fn the_heads_scan_takes_turns_over_the_aggregates() {
     );
     assert_eq!(claimed, vec![vec![], vec![], free.clone(), vec![]], "agg-9's row on the third turn");
 }
+
+/// Under `Retention::Delete` the gate still admits an aggregate's rows one at a time in id
+/// order (a head is in the table until its delete, which is what releases its tail), and the
+/// table ends empty.
+#[actix_rt::test]
+async fn under_delete_retention_each_aggregate_still_publishes_in_id_order() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let rows: Vec<(&str, &str, &str)> =
+        (0..24).map(|i| ("order", if i % 2 == 0 { "A" } else { "B" }, "order.changed")).collect();
+    let ids = insert(&mut conn, &rows).await;
+    let last = *ids.last().unwrap();
+    // Earlier rows publish slower, as in the test above.
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(move |m| SinkAction::Stall(Duration::from_millis(((last - m.id) % 4 * 3) as u64)));
+    let config = DispatcherConfig::default()
+        .workers(4)
+        .batch(10)
+        .poll_interval(Duration::from_millis(20))
+        .owner(format!("fifo-delete-{}", db.name))
+        .fifo(Fifo::All)
+        .retention(actix_outbox::Retention::Delete);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+
+    let received = receive(&mut rx, ids.len()).await;
+    eventually(Duration::from_secs(10), "every row deleted", || async { db.rows().await.is_empty() }).await;
+    dispatcher.send(actix_outbox::Shutdown).await.unwrap();
+    assert!(rx.try_recv().is_err(), "no message was published twice");
+    for aggregate in ["A", "B"] {
+        let got: Vec<i64> = received.iter().filter(|m| m.aggregate_id == aggregate).map(|m| m.id).collect();
+        let want: Vec<i64> = ids.iter().zip(&rows).filter(|(_, r)| r.1 == aggregate).map(|(id, _)| *id).collect();
+        assert_eq!(got, want, "aggregate {aggregate} in id order");
+    }
+}

@@ -834,3 +834,30 @@ async fn a_claim_takes_rows_while_their_payloads_fit_the_byte_budget() {
     assert_eq!(c.messages.len(), 6);
     assert_eq!(c.cut_by_budget, 0);
 }
+
+/// The delete of `Retention::Delete` is fenced like every finalize: after a takeover the old
+/// claim deletes nothing, the new one deletes the row; a row that is not `processing` (here
+/// `done` already, or pending) is never deleted; and `absent` reports exactly the ids gone.
+#[tokio::test]
+async fn the_delete_of_a_confirmed_row_is_fenced_and_read_back_by_absence() {
+    let db = TestDb::new().await;
+    let ids = db.seed(3, "a").await;
+    let (taken, done, pending) = (ids[0], ids[1], ids[2]);
+    let (mut ca, mut cb) = (db.conn().await, db.conn().await);
+    let a = claim(&mut ca, "A", 2, Duration::from_millis(200), 12).await.messages;
+    assert_eq!(a.iter().map(|m| m.id).collect::<Vec<_>>(), vec![taken, done]);
+    assert_eq!(actix_outbox::testing::mark_done(&mut ca, &[a[1].fence()]).await.unwrap(), vec![done]);
+
+    until_leases_expired(&db).await;
+    let b = claim(&mut cb, "B", 1, LONG, 12).await.messages;
+    assert_eq!((b[0].id, b[0].lease_version), (taken, 2));
+    let stale = [a[0].fence(), a[1].fence()];
+    assert!(actix_outbox::testing::delete_done(&mut ca, &stale).await.unwrap().is_empty(), "A is fenced off");
+    assert_eq!(db.rows().await.len(), 3, "nothing deleted");
+    assert_eq!(actix_outbox::testing::delete_done(&mut cb, &[b[0].fence()]).await.unwrap(), vec![taken]);
+
+    let rows: Vec<(i64, Status)> = db.rows().await.iter().map(|r| (r.id, r.status)).collect();
+    assert_eq!(rows, vec![(done, Status::Done), (pending, Status::Pending)]);
+    let asked = [pending, taken, done, i64::MAX];
+    assert_eq!(actix_outbox::testing::absent(&mut ca, &asked).await.unwrap(), vec![taken, i64::MAX]);
+}
