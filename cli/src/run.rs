@@ -75,6 +75,11 @@ pub struct RunArgs {
     /// Do not declare the exchange (durable topic) at connect; it must exist already
     #[arg(long)]
     pub no_declare: bool,
+    /// Send no x-outbox-id, x-deduplication-header, x-aggregate-type, x-aggregate-id or
+    /// x-attempt header (message_id, type and the producer's headers still go): less work for
+    /// the broker, for consumers that do not read them
+    #[arg(long)]
+    pub no_outbox_headers: bool,
     /// Claim actors, each with its own owner id
     #[arg(long, value_name = "N", default_value_t = config::DEFAULT_WORKERS)]
     pub workers: usize,
@@ -183,7 +188,8 @@ impl RunArgs {
     fn rabbit_config(&self) -> Result<RabbitConfig, CliError> {
         let config = RabbitConfig::cluster(self.amqp_url.iter().map(|u| u.trim().to_owned()))
             .exchange(self.exchange.clone())
-            .declare_exchange(!self.no_declare);
+            .declare_exchange(!self.no_declare)
+            .outbox_headers(!self.no_outbox_headers);
         config.validate().map_err(|e| CliError::BadInput(e.to_string()))?;
         Ok(config)
     }

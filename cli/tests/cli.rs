@@ -1378,3 +1378,26 @@ async fn run_with_retention_delete_publishes_every_row_and_leaves_the_table_empt
     published.sort();
     assert_eq!(published, ids, "each id exactly once");
 }
+
+/// `run --no-outbox-headers`: the messages carry their id and type but no header table.
+#[tokio::test]
+async fn run_with_no_outbox_headers_sends_messages_without_a_header_table() {
+    let db = TestDb::new().await;
+    let ids = db.seed(3, "agg").await;
+    let (broker, queue) = TestBroker::with_queue("cli-lean").await;
+    let amqp = amqp_url();
+    let mut run = Dispatcher::start(
+        &db.url,
+        &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare", "--no-outbox-headers"],
+    );
+    let delivered = broker.take(&queue, 3).await;
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+
+    let mut got: Vec<i64> =
+        delivered.iter().map(|d| d.properties.message_id().as_ref().unwrap().as_str().parse().unwrap()).collect();
+    got.sort();
+    assert_eq!(got, ids);
+    assert!(delivered.iter().all(|d| d.properties.headers().is_none()), "no header table");
+    assert!(delivered.iter().all(|d| d.properties.kind().as_ref().map(|t| t.as_str()) == Some("test.happened")));
+}

@@ -106,6 +106,19 @@ pub struct RabbitConfig {
     /// [`PublishError::Unavailable`] (attempt refunded). Keep it below the dispatcher's publish
     /// timeout. Default [`DEFAULT_UNRESPONSIVE_AFTER`] (5 s).
     pub unresponsive_after: Duration,
+    /// Whether each message carries the sink's own headers (`x-outbox-id`,
+    /// `x-deduplication-header`, `x-aggregate-type`, `x-aggregate-id`, `x-attempt`; see
+    /// [`RabbitSink`]). Default `true`.
+    ///
+    /// Without them a message still has its `message_id` (the outbox id, the deduplication key),
+    /// `type`, `content_type`, `timestamp`, `app_id` and the producer's own headers, and a
+    /// message whose row has no producer headers goes with no header table at all. That is
+    /// cheaper for the broker: on RabbitMQ 3.10 with a durable classic queue, any header table
+    /// cost the broker about 20 µs of CPU per message (a quarter of its share), and a message
+    /// without one went through about 20 % faster end to end (see the crate's benchmarks).
+    /// Turn them off only when no consumer reads them (nor RabbitMQ's message-deduplication
+    /// plugin, which reads `x-deduplication-header`).
+    pub outbox_headers: bool,
     routing_key: Option<Arc<RoutingKeyFn>>,
 }
 
@@ -122,6 +135,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("reconnect_max", &self.reconnect_max)
             .field("connection_name", &self.connection_name)
             .field("unresponsive_after", &self.unresponsive_after)
+            .field("outbox_headers", &self.outbox_headers)
             .field("routing_key", &if self.routing_key.is_some() { "custom" } else { "event_type" })
             .finish()
     }
@@ -152,8 +166,16 @@ impl RabbitConfig {
             reconnect_max: DEFAULT_RECONNECT_MAX,
             connection_name: None,
             unresponsive_after: DEFAULT_UNRESPONSIVE_AFTER,
+            outbox_headers: true,
             routing_key: None,
         }
+    }
+
+    /// Sets [`RabbitConfig::outbox_headers`].
+    #[must_use]
+    pub fn outbox_headers(mut self, on: bool) -> Self {
+        self.outbox_headers = on;
+        self
     }
 
     /// Sets [`RabbitConfig::unresponsive_after`].
@@ -317,7 +339,8 @@ impl RabbitError {
 ///   `content_type = application/json`, `timestamp` = `created_at` (Unix seconds), `app_id`;
 /// - headers `x-outbox-id` (the id, a signed 64-bit integer), `x-deduplication-header` (the id
 ///   as a string, for RabbitMQ's message-deduplication plugin), `x-aggregate-type`,
-///   `x-aggregate-id`, `x-attempt` (the claim's attempt number, 1 on the first);
+///   `x-aggregate-id`, `x-attempt` (the claim's attempt number, 1 on the first), unless
+///   [`RabbitConfig::outbox_headers`] is off;
 /// - then the producer's headers ([`NewEvent::header`](crate::NewEvent::header),
 ///   [`OutboxMessage::headers`]), each as a long string. **Ours win**: a producer's header
 ///   named `x-deduplication-header` or `x-attempt`, or starting with `x-outbox-` or
@@ -500,6 +523,7 @@ struct LinkState {
     exchange: ShortString,
     app_id: ShortString,
     routing_key: Option<Arc<RoutingKeyFn>>,
+    outbox_headers: bool,
     current: Mutex<Current>,
     /// Highest link generation a publish found broken.
     broken: AtomicU64,
@@ -541,6 +565,7 @@ impl LinkState {
             exchange: ShortString::try_new(config.exchange.as_str()).unwrap_or_default(),
             app_id: ShortString::try_new(config.app_id.as_str()).unwrap_or_default(),
             routing_key: config.routing_key.clone(),
+            outbox_headers: config.outbox_headers,
             current: Mutex::new(Current { link: None, down_reason: "not connected yet".into() }),
             broken: AtomicU64::new(0),
             broken_notify: Notify::new(),
@@ -620,7 +645,7 @@ impl LinkState {
         let key = ShortString::try_new(routing_key.as_str()).map_err(|e| {
             PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
         })?;
-        let properties = properties(message, &self.app_id)?;
+        let properties = properties(message, &self.app_id, self.outbox_headers)?;
         // The JSON text as PostgreSQL sent it: lapin copies it into its frames, nothing else does.
         let body = message.payload.get().as_bytes();
 
@@ -716,7 +741,11 @@ impl Drop for Waiting<'_> {
 }
 
 /// The AMQP properties and headers of `message` (listed on [`RabbitSink`]).
-fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProperties, PublishError> {
+fn properties(
+    message: &OutboxMessage,
+    app_id: &ShortString,
+    outbox_headers: bool,
+) -> Result<BasicProperties, PublishError> {
     let event_type = ShortString::try_new(message.event_type.as_str())
         .map_err(|e| PublishError::Permanent(format!("event type cannot be sent as the AMQP `type` property: {e}")))?;
     let id = message.id.to_string();
@@ -753,19 +782,22 @@ fn properties(message: &OutboxMessage, app_id: &ShortString) -> Result<BasicProp
              content header"
         )));
     }
-    headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(message.id));
-    headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.as_str().into()));
-    headers.insert("x-aggregate-type".into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
-    headers.insert("x-aggregate-id".into(), AMQPValue::LongString(message.aggregate_id.as_str().into()));
-    headers.insert("x-attempt".into(), AMQPValue::LongInt(message.attempts));
-    Ok(BasicProperties::default()
+    if outbox_headers {
+        headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(message.id));
+        headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.as_str().into()));
+        headers.insert("x-aggregate-type".into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
+        headers.insert("x-aggregate-id".into(), AMQPValue::LongString(message.aggregate_id.as_str().into()));
+        headers.insert("x-attempt".into(), AMQPValue::LongInt(message.attempts));
+    }
+    let properties = BasicProperties::default()
         .with_delivery_mode(2)
         .with_content_type("application/json".into())
         .with_message_id(id.into())
         .with_type(event_type)
         .with_timestamp(u64::try_from(message.created_at.timestamp()).unwrap_or(0))
-        .with_app_id(app_id.clone())
-        .with_headers(headers))
+        .with_app_id(app_id.clone());
+    // No table at all rather than an empty one: the broker pays for a table's presence.
+    Ok(if headers.inner().is_empty() { properties } else { properties.with_headers(headers) })
 }
 
 /// The most bytes a message's producer headers may take encoded in the AMQP field table (about

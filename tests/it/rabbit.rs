@@ -605,6 +605,37 @@ async fn rows_inserted_with_plain_sql_publish_with_lenient_headers() {
     assert_eq!(bodies, [serde_json::json!({"k": 1}), serde_json::json!({"k": 2}), serde_json::json!({"k": 3})]);
 }
 
+/// With `outbox_headers(false)` a row without producer headers goes with no header table at
+/// all, and one with producer headers carries those alone; every property stays.
+#[actix_rt::test]
+async fn without_outbox_headers_only_the_producers_headers_travel() {
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("lean").await;
+    let plain = NewEvent::new("order", "o-1", "order.created", serde_json::json!({"n": 1}));
+    let tagged = NewEvent::new("order", "o-2", "order.created", serde_json::json!({"n": 2})).header("tenant", "acme");
+    let ids = actix_outbox::enqueue_many(&mut db.conn().await, &[plain, tagged]).await.unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange).outbox_headers(false)).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
+
+    let mut delivered = broker.take(&queue, 2).await;
+    delivered.sort_by_key(message_id);
+    eventually(WITHIN, "2 rows done", || async { db.count_status("done").await == 2 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    sink.close().await;
+
+    assert_eq!(delivered.iter().map(message_id).collect::<Vec<_>>(), ids);
+    assert_eq!(*delivered[0].properties.headers(), None, "no producer header: no table");
+    assert_eq!(headers_of(&delivered[1]), BTreeMap::from([("tenant".to_owned(), ls("acme"))]));
+    for d in &delivered {
+        let p = &d.properties;
+        assert_eq!(*p.delivery_mode(), Some(2), "persistent");
+        assert_eq!(p.kind().as_ref().map(ShortString::as_str), Some("order.created"));
+        assert_eq!(p.content_type().as_ref().map(ShortString::as_str), Some("application/json"));
+        assert_eq!(p.app_id().as_ref().map(ShortString::as_str), Some("actix-outbox"));
+        assert!(p.timestamp().is_some());
+    }
+}
+
 /// A header name AMQP cannot carry (256 bytes) fails its message permanently, with a reason that
 /// names the header, while the next message flows.
 #[actix_rt::test]
