@@ -116,8 +116,9 @@ pub struct RabbitConfig {
     /// cheaper for the broker: on RabbitMQ 3.10 with a durable classic queue, any header table
     /// cost the broker about 20 µs of CPU per message (a quarter of its share), and a message
     /// without one went through about 20 % faster end to end (see the crate's benchmarks).
-    /// Turn them off only when no consumer reads them (nor RabbitMQ's message-deduplication
-    /// plugin, which reads `x-deduplication-header`).
+    /// Turn them off only when no consumer reads them: RabbitMQ's message-deduplication plugin
+    /// reads `x-deduplication-header`, and the [inbox](crate::inbox) orders by the aggregate
+    /// headers (its deduplication needs only the `message_id`).
     pub outbox_headers: bool,
     routing_key: Option<Arc<RoutingKeyFn>>,
 }

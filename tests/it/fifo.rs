@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use actix::Addr;
 use actix_outbox::admin::{BlockedAggregate, blocked_aggregates, dead_retry, dead_skip};
 use actix_outbox::sink::{ChannelSink, SinkAction};
 use actix_outbox::testing::{Claim, ClaimParams, Reschedule, mark_dead, mark_done};
@@ -175,23 +176,33 @@ async fn a_head_waiting_for_its_backoff_blocks_its_tail() {
     assert_eq!((retry.messages[0].lease_version, retry.messages[0].attempts), (2, 2));
 }
 
+/// A gated dispatcher (4 workers, batch 10) over `ids`, whose sink publishes earlier rows
+/// slower: without the gate, a batch published concurrently would reach the channel (and be
+/// finalized) out of order.
+fn gated_with_earlier_rows_slower(
+    db: &TestDb,
+    ids: &[i64],
+    owner: &str,
+    base: DispatcherConfig,
+) -> (Addr<OutboxSupervisor>, UnboundedReceiver<Arc<OutboxMessage>>) {
+    let last = *ids.last().unwrap();
+    let (sink, rx) = ChannelSink::new();
+    let sink = sink.with_script(move |m| SinkAction::Stall(Duration::from_millis(((last - m.id) % 4 * 3) as u64)));
+    let config = base
+        .workers(4)
+        .batch(10)
+        .poll_interval(Duration::from_millis(20))
+        .owner(format!("{owner}-{}", db.name))
+        .fifo(Fifo::All);
+    (OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap(), rx)
+}
+
 // (b)
 #[actix_rt::test]
 async fn thirty_rows_of_one_aggregate_through_four_workers_finalize_in_id_order() {
     let db = TestDb::new().await;
     let seeded = db.seed(30, "X").await;
-    let last = *seeded.last().unwrap();
-    // Earlier rows publish slower: without the gate, a batch published concurrently would
-    // reach the channel (and be finalized) out of order.
-    let (sink, mut rx) = ChannelSink::new();
-    let sink = sink.with_script(move |m| SinkAction::Stall(Duration::from_millis(((last - m.id) % 4 * 3) as u64)));
-    let config = DispatcherConfig::default()
-        .workers(4)
-        .batch(10)
-        .poll_interval(Duration::from_millis(20))
-        .owner(format!("fifo-b-{}", db.name))
-        .fifo(Fifo::All);
-    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    let (dispatcher, mut rx) = gated_with_earlier_rows_slower(&db, &seeded, "fifo-b", DispatcherConfig::default());
 
     let received = receive(&mut rx, seeded.len()).await;
     assert_eq!(received.iter().map(|m| m.id).collect::<Vec<_>>(), seeded, "publish order is id order");
@@ -823,18 +834,8 @@ async fn under_delete_retention_each_aggregate_still_publishes_in_id_order() {
     let rows: Vec<(&str, &str, &str)> =
         (0..24).map(|i| ("order", if i % 2 == 0 { "A" } else { "B" }, "order.changed")).collect();
     let ids = insert(&mut conn, &rows).await;
-    let last = *ids.last().unwrap();
-    // Earlier rows publish slower, as in the test above.
-    let (sink, mut rx) = ChannelSink::new();
-    let sink = sink.with_script(move |m| SinkAction::Stall(Duration::from_millis(((last - m.id) % 4 * 3) as u64)));
-    let config = DispatcherConfig::default()
-        .workers(4)
-        .batch(10)
-        .poll_interval(Duration::from_millis(20))
-        .owner(format!("fifo-delete-{}", db.name))
-        .fifo(Fifo::All)
-        .retention(actix_outbox::Retention::Delete);
-    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    let delete = DispatcherConfig::default().retention(actix_outbox::Retention::Delete);
+    let (dispatcher, mut rx) = gated_with_earlier_rows_slower(&db, &ids, "fifo-delete", delete);
 
     let received = receive(&mut rx, ids.len()).await;
     eventually(Duration::from_secs(10), "every row deleted", || async { db.rows().await.is_empty() }).await;
