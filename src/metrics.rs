@@ -33,6 +33,9 @@
 //! | `outbox_blocked_aggregates` | gauge | | aggregates held back by a dead head, under the FIFO gate only (sampled) |
 //! | `outbox_table_sample_errors_total` | counter | | table samples that failed on the database |
 //!
+//! Each series is described (its `# HELP` line in Prometheus) to the recorder installed when a
+//! supervisor starts; install the recorder first.
+//!
 //! The sampled gauges come from one statement the supervisor runs every
 //! [`DispatcherConfig::table_metrics_interval`](crate::DispatcherConfig::table_metrics_interval)
 //! (5 s by default; a second one under FIFO); every dispatcher samples the same table, so a
@@ -144,6 +147,89 @@ impl Metrics {
         debug_assert!(gauge.gauge, "{} is a counter", gauge.name);
         gauge.value.fetch_sub(n as u64, Relaxed);
         metrics::gauge!(gauge.name, gauge.labels).decrement(n as f64);
+    }
+}
+
+/// What each series means, given to the installed recorder when a supervisor starts (the
+/// `# HELP` lines of a Prometheus exporter); the table above says the same with the labels.
+const HELP: &[(&str, MetricKind, &str)] = &[
+    ("outbox_claimed_total", MetricKind::Counter, "Rows leased by claims (a probe's row included)."),
+    ("outbox_published_total", MetricKind::Counter, "Publishes the sink acknowledged."),
+    (
+        "outbox_finalized_total",
+        MetricKind::Counter,
+        "Rows whose fenced outcome was written, by outcome: done, retried, deferred, released (an outage, attempt \
+         refunded), dead.",
+    ),
+    ("outbox_reaped_total", MetricKind::Counter, "Rows the reaper sent dead: lease expired with no attempt left."),
+    (
+        "outbox_lost_leases_total",
+        MetricKind::Counter,
+        "Fenced writes that found the row taken over or already finalized (nothing written).",
+    ),
+    (
+        "outbox_publish_crashes_total",
+        MetricKind::Counter,
+        "Publishes whose sink panicked; their rows wait for lease expiry.",
+    ),
+    (
+        "outbox_actor_restarts_total",
+        MetricKind::Counter,
+        "Claim or finalize actors the supervisor replaced after they died.",
+    ),
+    ("outbox_claim_errors_total", MetricKind::Counter, "Claims that failed on the database."),
+    (
+        "outbox_finalize_errors_total",
+        MetricKind::Counter,
+        "Finalize statements that failed after every retry; their rows wait for lease expiry.",
+    ),
+    (
+        "outbox_finalize_retries_total",
+        MetricKind::Counter,
+        "Finalize statements retried after a transient database failure.",
+    ),
+    ("outbox_sink_outages_total", MetricKind::Counter, "Times claiming paused because the sink became unavailable."),
+    ("outbox_in_flight", MetricKind::Gauge, "Rows claimed and not yet finalized."),
+    ("outbox_in_flight_bytes", MetricKind::Gauge, "Payload bytes of the rows claimed and not yet finalized."),
+    ("outbox_sink_up", MetricKind::Gauge, "1 while the sink says it is up and the sink gate is open, else 0."),
+    ("outbox_claiming_paused", MetricKind::Gauge, "1 while the sink gate holds claiming back, else 0."),
+    ("outbox_publish_seconds", MetricKind::Histogram, "From the sink call to its answer."),
+    (
+        "outbox_delivery_lag_seconds",
+        MetricKind::Histogram,
+        "From the row's created_at (database clock) to the sink's acknowledgement.",
+    ),
+    ("outbox_rows", MetricKind::Gauge, "Rows in the outbox table per status (sampled)."),
+    (
+        "outbox_oldest_unfinished_age_seconds",
+        MetricKind::Gauge,
+        "Age of the oldest pending or processing row, 0 when none (sampled, database clock).",
+    ),
+    ("outbox_expired_leases", MetricKind::Gauge, "Processing rows whose lease ran out (sampled)."),
+    (
+        "outbox_blocked_aggregates",
+        MetricKind::Gauge,
+        "Aggregates held back by a dead head, under the FIFO gate only (sampled).",
+    ),
+    ("outbox_table_sample_errors_total", MetricKind::Counter, "Table samples that failed on the database."),
+];
+
+/// The kind of a series, for [`HELP`].
+#[derive(Debug, Clone, Copy)]
+enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Describes every series to the recorder installed now (nothing without one).
+pub(crate) fn describe() {
+    for &(name, kind, help) in HELP {
+        match kind {
+            MetricKind::Counter => metrics::describe_counter!(name, help),
+            MetricKind::Gauge => metrics::describe_gauge!(name, help),
+            MetricKind::Histogram => metrics::describe_histogram!(name, help),
+        }
     }
 }
 

@@ -1257,6 +1257,8 @@ async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_
     assert_eq!(sample(&page, "outbox_publish_seconds_count"), Some(done), "{page}");
     assert_eq!(sample(&page, "outbox_delivery_lag_seconds_count"), Some(done), "{page}");
     assert!(!page.contains("worker") && !page.contains("owner="), "no process-specific label: {page}");
+    assert!(page.contains("# HELP outbox_claimed_total Rows leased by claims"), "{page}");
+    assert!(page.contains("# HELP outbox_rows Rows in the outbox table per status"), "{page}");
     assert_eq!(http_get(&addr, "/health/ready").await, (200, "ready".to_owned()));
 
     // The broker goes away: not ready, with the reason; back: ready again.

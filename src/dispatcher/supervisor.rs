@@ -193,6 +193,7 @@ impl Actor for OutboxSupervisor {
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
             fifo = %config.fifo, "outbox dispatcher starting");
+        crate::metrics::describe();
         let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
         self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
         self.finalizer = Some(finalizer);

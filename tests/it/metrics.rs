@@ -27,13 +27,23 @@ struct Seen {
     counters: HashMap<String, u64>,
     gauges: HashMap<String, f64>,
     histograms: HashMap<String, Vec<f64>>,
+    /// Names of the series the recorder has no description of.
+    undescribed: HashSet<String>,
 }
 
 impl Seen {
     fn take(recorder: &DebuggingRecorder) -> Seen {
-        let mut seen = Seen { counters: HashMap::new(), gauges: HashMap::new(), histograms: HashMap::new() };
-        for (key, _, _, value) in recorder.snapshotter().snapshot().into_vec() {
+        let mut seen = Seen {
+            counters: HashMap::new(),
+            gauges: HashMap::new(),
+            histograms: HashMap::new(),
+            undescribed: HashSet::new(),
+        };
+        for (key, _, description, value) in recorder.snapshotter().snapshot().into_vec() {
             let (kind, key) = key.into_parts();
+            if description.is_none() {
+                seen.undescribed.insert(key.name().to_owned());
+            }
             let mut labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
             labels.sort();
             let name = if labels.is_empty() {
@@ -129,6 +139,8 @@ async fn counters_gauges_and_histograms_match_the_table() {
     let seen = Seen::take(&recorder);
     dispatcher.send(Shutdown).await.unwrap();
     let snapshot = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!(seen.undescribed, HashSet::new(), "every series has its help text");
+    assert!(seen.counters.len() + seen.gauges.len() + seen.histograms.len() >= 15, "{seen:?}");
 
     let (done, dead) = (db.count_status("done").await, db.count_status("dead").await);
     let attempts = sum_attempts(&db).await;
