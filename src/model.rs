@@ -345,4 +345,7 @@ pub struct OutboxRow {
     pub last_error: Option<String>,
     /// When the row became done.
     pub done_at: Option<DateTime<Utc>>,
+    /// The producer's headers ([`NewEvent::header`]), as stored: a JSON object, `NULL` for a
+    /// row written by plain SQL that set it so.
+    pub headers: Option<serde_json::Value>,
 }

@@ -550,6 +550,9 @@ async fn producer_headers_arrive_and_ours_win_a_clash() {
     ]);
     assert_eq!(headers_of(&delivered), expected, "the producer's two headers, and ours unchanged");
     assert_eq!(message_id(&delivered), id);
+    let stored = db.row(id).await.headers.expect("headers stored");
+    assert_eq!(stored["tenant"], "acme", "the row keeps the producer's headers as given: {stored}");
+    assert_eq!(stored["x-attempt"], "99", "a reserved name is dropped from the message, not from the row");
 }
 
 /// Rows written by plain SQL: without the column (its default), with NULL, and with a
