@@ -600,6 +600,18 @@ async fn shutdown_during_a_database_outage_gives_the_deliveries_back() {
     assert!(m.requeued >= 1, "deliveries in hand were given back: {m:?}");
     assert_eq!(m.handled + m.duplicates + m.requeued, m.received, "every delivery accounted for: {m:?}");
     assert_eq!(m.dead_lettered, 0);
+    // A COMMIT the server had received when the proxy cut its connection still completes on
+    // the server: read the count once no cut connection holds a transaction any more.
+    eventually(WITHIN, "the cut connections' transactions ended", || async {
+        count(
+            &db,
+            "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
+             AND pid <> pg_backend_pid() AND xact_start IS NOT NULL",
+        )
+        .await
+            == 0
+    })
+    .await;
     let recorded = inbox_count(&db).await;
     let waiting = i64::from(broker.depth(&queue).await);
     // Whatever was not applied is back on the queue; so is any delivery whose commit went
