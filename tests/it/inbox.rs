@@ -16,18 +16,14 @@ use actix_outbox::inbox::{
 };
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use futures_util::StreamExt;
 use futures_util::future::BoxFuture;
+use lapin::BasicProperties;
 use lapin::message::Delivery;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeleteOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
 use crate::proxy::Proxy;
-use crate::support::{ScratchDb, TestDb, amqp_addr, amqp_url, database_addr as postgres_addr, eventually, unique};
+use crate::support::{ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, database_addr as postgres_addr, eventually};
 
 const WITHIN: Duration = Duration::from_secs(60);
 
@@ -193,35 +189,22 @@ impl Event {
     }
 }
 
-/// The test's own view of the broker: a direct connection, its queues, and their removal.
-struct Broker {
-    conn: Connection,
-    channel: Channel,
-    queues: Vec<String>,
-    exchanges: Vec<String>,
-}
+/// The shared broker fixture, with what the inbox tests add: unbound queues whose dead-letter
+/// exchange and queue (declared by the consumer) go too, and publishing straight to a queue
+/// through the default exchange, confirmed.
+struct Broker(TestBroker);
 
 impl Broker {
     async fn new() -> Broker {
-        let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
-            .await
-            .expect("RabbitMQ must be running on 127.0.0.1:5672 (rabbitmq-server -detached)");
-        let channel = conn.create_channel().await.unwrap();
-        channel.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-        Broker { conn, channel, queues: Vec::new(), exchanges: Vec::new() }
+        let broker = TestBroker::new("inbox").await;
+        broker.channel.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+        Broker(broker)
     }
 
-    /// A new durable queue; its default dead-letter exchange and queue are cleaned up too.
+    /// A new durable queue, bound to nothing.
     async fn queue(&mut self) -> String {
-        let name = unique("q");
-        let mut arguments = FieldTable::default();
-        // A safety net for a test killed before its cleanup.
-        arguments.insert("x-expires".into(), AMQPValue::LongInt(600_000));
-        let options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-        self.channel.queue_declare(name.as_str().into(), options, arguments).await.unwrap();
-        self.queues.push(name.clone());
-        self.queues.push(format!("{name}.dlq"));
-        self.exchanges.push(format!("{name}.dlx"));
+        let name = self.0.queue(&[], FieldTable::default()).await;
+        self.0.remove_at_end(format!("{name}.dlq"), format!("{name}.dlx"));
         name
     }
 
@@ -237,7 +220,8 @@ impl Broker {
     }
 
     async fn publish_raw(&self, queue: &str, properties: BasicProperties, body: &[u8]) -> lapin::PublisherConfirm {
-        self.channel
+        self.0
+            .channel
             .basic_publish("".into(), queue.into(), BasicPublishOptions::default(), body, properties)
             .await
             .unwrap()
@@ -245,51 +229,12 @@ impl Broker {
 
     /// Messages ready in `queue` (not counting unacknowledged ones).
     async fn depth(&self, queue: &str) -> u32 {
-        let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
-        self.channel.queue_declare(queue.into(), options, FieldTable::default()).await.unwrap().message_count()
+        self.0.depth(queue).await
     }
 
     /// Consumes exactly `n` messages from `queue` and checks that nothing else is left in it.
     async fn take(&self, queue: &str, n: usize) -> Vec<Delivery> {
-        let channel = self.conn.create_channel().await.unwrap();
-        let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
-        let mut consumer = channel
-            .basic_consume(queue.into(), unique("c").as_str().into(), options, FieldTable::default())
-            .await
-            .unwrap();
-        let mut out = Vec::with_capacity(n);
-        tokio::time::timeout(WITHIN, async {
-            while out.len() < n {
-                out.push(consumer.next().await.expect("consumer ended").expect("delivery"));
-            }
-        })
-        .await
-        .unwrap_or_else(|_| panic!("only {} of {n} messages arrived on {queue}", out.len()));
-        channel.close(200, "done".into()).await.unwrap();
-        assert_eq!(self.depth(queue).await, 0, "more than {n} messages on {queue}");
-        out
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let (queues, exchanges) = (std::mem::take(&mut self.queues), std::mem::take(&mut self.exchanges));
-        // Drop runs inside the test's runtime (maybe while it unwinds): clean up on a thread.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let Ok(conn) = Connection::connect(&amqp_url(), ConnectionProperties::default()).await else { return };
-                let Ok(channel) = conn.create_channel().await else { return };
-                for q in queues {
-                    let _ = channel.queue_delete(q.as_str().into(), QueueDeleteOptions::default()).await;
-                }
-                for x in exchanges {
-                    let _ = channel.exchange_delete(x.as_str().into(), ExchangeDeleteOptions::default()).await;
-                }
-                let _ = conn.close(200, "cleanup".into()).await;
-            });
-        })
-        .join();
+        self.0.take(queue, n).await
     }
 }
 

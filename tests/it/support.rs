@@ -256,6 +256,14 @@ impl TestBroker {
         name
     }
 
+    /// Deletes these queues and exchanges too when the test ends: ones that the component under
+    /// test declares itself.
+    #[allow(dead_code)] // used by the inbox tests only
+    pub fn remove_at_end(&mut self, queue: String, exchange: String) {
+        self.queues.push(queue);
+        self.exchanges.push(exchange);
+    }
+
     /// Messages ready in `queue`.
     pub async fn depth(&self, queue: &str) -> u32 {
         let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };
