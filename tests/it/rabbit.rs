@@ -57,9 +57,7 @@ fn message(id: i64, event_type: &str) -> Arc<OutboxMessage> {
 #[actix_rt::test]
 async fn message_carries_every_property_and_header() {
     let db = TestDb::new().await;
-    let mut broker = TestBroker::new("props").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("props").await;
     let payload = serde_json::json!({"total": 12.5, "lines": [{"sku": "ü-1", "qty": 2}], "note": null});
     let id = {
         let mut conn = db.conn().await;
@@ -169,9 +167,7 @@ async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
 #[actix_rt::test]
 async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let db = TestDb::new().await;
-    let mut broker = TestBroker::new("cut").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("cut").await;
     let proxy = Proxy::start(amqp_addr()).await;
     let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
     // The publish timeout is far above the time the test holds the confirms back, so that the
@@ -240,9 +236,7 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
 #[actix_rt::test]
 async fn stalled_broker_times_out_and_reschedules_the_row() {
     let db = TestDb::new().await;
-    let mut broker = TestBroker::new("stall").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("stall").await;
     let proxy = Proxy::start(amqp_addr()).await;
     let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
     let config = dispatcher_config()
@@ -385,9 +379,7 @@ async fn connect_failures_are_classified() {
 /// publishing after that arbiter is gone.
 #[actix_rt::test]
 async fn sink_outlives_the_arbiter_that_created_it() {
-    let mut broker = TestBroker::new("arbiter").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("arbiter").await;
     let config = sink_config(amqp_url(), &broker.exchange);
     let arbiter = actix_rt::Arbiter::new();
     let (tx, rx) = tokio::sync::oneshot::channel();
@@ -421,9 +413,7 @@ fn copies_by_id(deliveries: &[Delivery]) -> BTreeMap<i64, usize> {
 #[actix_rt::test]
 async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
     let db = TestDb::new().await;
-    let mut broker = TestBroker::new("blocked").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("blocked").await;
     let proxy = Proxy::start(amqp_addr()).await;
     let sink =
         RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange).unresponsive_after(Duration::from_secs(1)))
@@ -474,9 +464,7 @@ async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
 #[actix_rt::test]
 async fn a_silent_broker_is_ridden_out_with_no_attempt_spent() {
     let db = TestDb::new().await;
-    let mut broker = TestBroker::new("silent").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("silent").await;
     let proxy = Proxy::start(amqp_addr()).await;
     let sink_config = sink_config(proxy.amqp_url(), &broker.exchange)
         .unresponsive_after(Duration::from_secs(1))
@@ -711,9 +699,7 @@ async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
 #[actix_rt::test]
 async fn a_cluster_sink_moves_to_the_next_node() {
     let db = TestDb::new().await;
-    let mut broker = TestBroker::new("cluster").await;
-    broker.declare(ExchangeKind::Topic).await;
-    let queue = broker.queue(&["#"], FieldTable::default()).await;
+    let (broker, queue) = TestBroker::with_queue("cluster").await;
     let down = Proxy::start(amqp_addr()).await;
     down.refuse(true);
     let up = Proxy::start(amqp_addr()).await;
