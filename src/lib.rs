@@ -115,8 +115,8 @@ pub mod testing {
     pub use crate::dispatcher::{CrashFinalizer, CrashWorker};
     pub use crate::step::{Step, decide};
     pub use crate::store::{
-        AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, absent, claim,
-        delete_done, explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled_at_version,
+        AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, claim, delete_done,
+        explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled,
     };
 }
 

@@ -238,27 +238,25 @@ where
     }
 }
 
-/// After a retried write: the rows of `fences` outside `won` that an earlier try wrote (settled
-/// at their claim's version in a status that `wrote` accepts). Without this, a write whose
-/// commit outlived its connection would be reported as a lost lease.
+/// After a retried write: the rows of `fences` outside `won` that an earlier try wrote, by how
+/// they stand now (see [`store::settled`]) in a state that `wrote` accepts. Without this, a
+/// write whose commit outlived its connection would be reported as a lost lease.
 async fn settled_before(
     shared: &Shared,
     fences: impl Iterator<Item = Fence>,
     won: &HashSet<i64>,
-    wrote: impl Fn(Status) -> bool,
-) -> Vec<(i64, Status)> {
+    wrote: impl Fn(Option<Status>) -> bool,
+) -> Vec<(i64, Option<Status>)> {
     let unsure: Vec<Fence> = fences.filter(|f| !won.contains(&f.id)).collect();
     if unsure.is_empty() {
         return Vec::new();
     }
     let deadline = Instant::now() + RETRY_MAX * 10;
-    let (settled, _) = with_retry(shared, "read back a retried write", deadline, async |c| {
-        store::settled_at_version(c, &unsure).await
-    })
-    .await;
+    let (settled, _) =
+        with_retry(shared, "read back a retried write", deadline, async |c| store::settled(c, &unsure).await).await;
     match settled {
         Ok(rows) => {
-            let rows: Vec<_> = rows.into_iter().filter(|&(_, status)| wrote(status)).collect();
+            let rows: Vec<_> = rows.into_iter().filter(|&(_, now)| wrote(now)).collect();
             if !rows.is_empty() {
                 debug!(rows = rows.len(), "an earlier try of a retried write had committed");
             }
@@ -271,41 +269,18 @@ async fn settled_before(
     }
 }
 
-/// After a retried `mark done` or `mark dead`: adds to the ids won those of `fences` that an
-/// earlier try had already set to `status`.
+/// After a retried `mark done`, `delete done rows` or `mark dead`: adds to the ids won those of
+/// `fences` that an earlier try had already written, as `wrote` recognises them.
 async fn add_settled(
     shared: &Shared,
     result: &mut Result<Vec<i64>, StoreError>,
     fences: impl Iterator<Item = Fence>,
-    status: Status,
+    wrote: impl Fn(Option<Status>) -> bool,
 ) {
     if let Ok(won) = result {
         let seen = won.iter().copied().collect();
-        let earlier = settled_before(shared, fences, &seen, |s| s == status).await;
+        let earlier = settled_before(shared, fences, &seen, wrote).await;
         won.extend(earlier.into_iter().map(|(id, _)| id));
-    }
-}
-
-/// After a retried `delete done rows`: adds to the ids won those of `fences` whose rows are
-/// gone (an earlier try deleted them; see [`store::absent`]).
-async fn add_deleted(shared: &Shared, result: &mut Result<Vec<i64>, StoreError>, fences: &[Fence]) {
-    let Ok(won) = result else { return };
-    let seen: HashSet<i64> = won.iter().copied().collect();
-    let unsure: Vec<i64> = fences.iter().map(|f| f.id).filter(|id| !seen.contains(id)).collect();
-    if unsure.is_empty() {
-        return;
-    }
-    let deadline = Instant::now() + RETRY_MAX * 10;
-    match with_retry(shared, "read back a retried delete", deadline, async |c| store::absent(c, &unsure).await).await {
-        (Ok(gone), _) => {
-            if !gone.is_empty() {
-                debug!(rows = gone.len(), "an earlier try of a retried delete had committed");
-            }
-            won.extend(gone);
-        }
-        (Err(e), _) => {
-            warn!(error = %e, rows = unsure.len(), "cannot read back a retried delete; its rows count as lost leases");
-        }
     }
 }
 
@@ -362,11 +337,9 @@ async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: V
         })
         .await;
         if in_doubt {
-            if delete {
-                add_deleted(shared, &mut result, &done).await;
-            } else {
-                add_settled(shared, &mut result, done.iter().copied(), Status::Done).await;
-            }
+            // Deleted rows are gone; kept ones are `done`.
+            let wrote = if delete { None } else { Some(Status::Done) };
+            add_settled(shared, &mut result, done.iter().copied(), |now| now == wrote).await;
         }
         match &result {
             Ok(won) => Metrics::add(&metrics.done, won.len()),
@@ -380,8 +353,11 @@ async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: V
         if in_doubt && let Ok(rows) = &mut result {
             let seen = rows.iter().map(|r| r.id).collect();
             let fences = resched.iter().map(|r| r.fence);
-            let earlier = settled_before(shared, fences, &seen, |s| matches!(s, Status::Pending | Status::Dead)).await;
-            rows.extend(earlier.into_iter().map(|(id, status)| store::Rescheduled { id, status }));
+            let earlier =
+                settled_before(shared, fences, &seen, |s| matches!(s, Some(Status::Pending | Status::Dead))).await;
+            rows.extend(
+                earlier.into_iter().filter_map(|(id, status)| Some(store::Rescheduled { id, status: status? })),
+            );
         }
         let ids: Option<Vec<i64>> = match &result {
             Ok(rows) => {
@@ -416,7 +392,7 @@ async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: V
         let (mut result, in_doubt) =
             with_retry(shared, "mark dead", deadline, async |c| store::mark_dead(c, &dead).await).await;
         if in_doubt {
-            add_settled(shared, &mut result, dead.iter().map(|b| b.fence), Status::Dead).await;
+            add_settled(shared, &mut result, dead.iter().map(|b| b.fence), |now| now == Some(Status::Dead)).await;
         }
         match &result {
             Ok(won) => {

@@ -10,6 +10,7 @@
 //! one array bind per column), so each stays one prepared statement per connection, planned
 //! afresh on every run (see [`super::connect_pool`]).
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -68,19 +69,6 @@ pub async fn delete_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Resu
     Ok(keep_prepared(diesel::delete(outbox::table).filter(processing()).filter(batch.fenced()).returning(outbox::id))
         .get_results(conn)
         .await?)
-}
-
-/// The ids of `ids` that no row has: the read-back of a retried [`delete_done`]. Under
-/// [`Retention::Delete`](crate::Retention::Delete) only a fenced delete of a confirmed row
-/// removes a row, so an absent row was published and confirmed (by this claim, or by the claim
-/// that took it over).
-pub async fn absent(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
-    if ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    let present: std::collections::HashSet<i64> =
-        outbox::table.filter(outbox::id.eq_any(ids)).select(outbox::id).load::<i64>(conn).await?.into_iter().collect();
-    Ok(ids.iter().copied().filter(|id| !present.contains(id)).collect())
 }
 
 /// A row to send dead.
@@ -200,26 +188,39 @@ pub async fn extend_leases(
     .await?)
 }
 
-/// The rows of `fences` that are no longer `processing` at their fence's `lease_version`, with
-/// their status now.
+/// How each of `fences` stands now, when it no longer stands as its claim left it: `Some(status)`
+/// for a row no longer `processing` at its fence's `lease_version`, `None` for a row that is gone.
+/// Rows still `processing` at their fence's version, and rows at another version (reclaimed),
+/// are left out.
 ///
 /// This answers a finalize whose outcome was in doubt: when the connection drops while a fenced
 /// write runs, the write may have committed before the answer was lost, and running it again
 /// then finds nothing to win. A row settled at the version of the caller's own claim was written
 /// by that claim's holder (only the claim's holder writes at its version, and the reaper, which
-/// sends it dead).
-pub async fn settled_at_version(
-    conn: &mut AsyncPgConnection,
-    fences: &[Fence],
-) -> Result<Vec<(i64, Status)>, StoreError> {
+/// sends it dead). A row that is gone was deleted by a fenced delete of a confirmed message
+/// ([`delete_done`], under [`Retention::Delete`](crate::Retention::Delete)) or purged once `done`.
+/// One statement, whatever the number of fences.
+pub async fn settled(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result<Vec<(i64, Option<Status>)>, StoreError> {
     if fences.is_empty() {
         return Ok(Vec::new());
     }
-    let batch = Batch::new(fences, |f| *f);
-    Ok(outbox::table
-        .filter(batch.fenced())
-        .filter(outbox::status.ne(Status::Processing))
-        .select((outbox::id, outbox::status))
-        .load(conn)
-        .await?)
+    let ids: Vec<i64> = fences.iter().map(|f| f.id).collect();
+    let current: HashMap<i64, (Status, i64)> = outbox::table
+        .filter(outbox::id.eq_any(&ids))
+        .select((outbox::id, outbox::status, outbox::lease_version))
+        .load::<(i64, Status, i64)>(conn)
+        .await?
+        .into_iter()
+        .map(|(id, status, version)| (id, (status, version)))
+        .collect();
+    Ok(fences
+        .iter()
+        .filter_map(|f| match current.get(&f.id) {
+            None => Some((f.id, None)),
+            Some(&(status, version)) if version == f.lease_version && status != Status::Processing => {
+                Some((f.id, Some(status)))
+            }
+            Some(_) => None,
+        })
+        .collect())
 }

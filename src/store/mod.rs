@@ -37,8 +37,7 @@ pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, clai
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use finalize::{
-    Bury, Reschedule, Rescheduled, absent, delete_done, extend_leases, mark_dead, mark_done, reschedule,
-    settled_at_version,
+    Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,
 };
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 

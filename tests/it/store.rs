@@ -511,9 +511,9 @@ async fn claim_and_finalize_stay_prepared_and_never_run_on_a_generic_plan() {
 
         assert_eq!(actix_outbox::testing::extend_leases(&mut pooled, done, LONG).await.unwrap().len(), size);
         assert_eq!(actix_outbox::testing::mark_done(&mut pooled, done).await.unwrap().len(), size);
-        let settled = actix_outbox::testing::settled_at_version(&mut pooled, done).await.unwrap();
+        let settled = actix_outbox::testing::settled(&mut pooled, done).await.unwrap();
         assert_eq!(settled.len(), size);
-        assert!(settled.iter().all(|(_, status)| *status == Status::Done));
+        assert!(settled.iter().all(|(_, status)| *status == Some(Status::Done)));
 
         let buried: Vec<actix_outbox::testing::Bury> = dead
             .iter()
@@ -560,7 +560,7 @@ async fn claim_and_finalize_stay_prepared_and_never_run_on_a_generic_plan() {
         ("mark_dead", |s| s.starts_with(r#"UPDATE "outbox" SET "status" = $1, "last_error""#)),
         ("reschedule", |s| s.starts_with(r#"UPDATE "outbox" SET "status" = CASE"#)),
         ("extend_leases", |s| s.starts_with(r#"UPDATE "outbox" SET "lease_until""#)),
-        ("settled_at_version", |s| s.starts_with(r#"SELECT "outbox"."id", "outbox"."status" FROM "outbox""#)),
+        ("settled", |s| s.starts_with(r#"SELECT "outbox"."id", "outbox"."status", "outbox"."lease_version" FROM"#)),
     ];
     for (name, matches) in statements {
         let found: Vec<&Cached> = cached.iter().filter(|c| matches(&c.statement)).collect();
@@ -837,7 +837,7 @@ async fn a_claim_takes_rows_while_their_payloads_fit_the_byte_budget() {
 
 /// The delete of `Retention::Delete` is fenced like every finalize: after a takeover the old
 /// claim deletes nothing, the new one deletes the row; a row that is not `processing` (here
-/// `done` already, or pending) is never deleted; and `absent` reports exactly the ids gone.
+/// `done` already, or pending) is never deleted; and the read-back (`settled`) reports the deleted row as gone.
 #[tokio::test]
 async fn the_delete_of_a_confirmed_row_is_fenced_and_read_back_by_absence() {
     let db = TestDb::new().await;
@@ -858,6 +858,11 @@ async fn the_delete_of_a_confirmed_row_is_fenced_and_read_back_by_absence() {
 
     let rows: Vec<(i64, Status)> = db.rows().await.iter().map(|r| (r.id, r.status)).collect();
     assert_eq!(rows, vec![(done, Status::Done), (pending, Status::Pending)]);
-    let asked = [pending, taken, done, i64::MAX];
-    assert_eq!(actix_outbox::testing::absent(&mut ca, &asked).await.unwrap(), vec![taken, i64::MAX]);
+    // The read-back after a retried write: B's deleted row is gone, A's done row settled at
+    // A's version, the never-claimed row is pending at version 0; a fence of another version
+    // is left out.
+    let fence = |id, lease_version| actix_outbox::Fence { id, lease_version };
+    let asked = [b[0].fence(), a[1].fence(), fence(done, 7), fence(pending, 0)];
+    let settled = actix_outbox::testing::settled(&mut ca, &asked).await.unwrap();
+    assert_eq!(settled, vec![(taken, None), (done, Some(Status::Done)), (pending, Some(Status::Pending))]);
 }
