@@ -119,10 +119,10 @@ struct Opts {
     /// over 1,000 aggregates.
     #[arg(long)]
     fifo: bool,
-    /// Delete each row once its message is confirmed (`Retention::Delete`) instead of keeping
-    /// it `done`.
-    #[arg(long)]
-    delete_done: bool,
+    /// What becomes of a confirmed row, as `actix-outbox run --retention`: kept `done`, or
+    /// deleted (`Retention::Delete`).
+    #[arg(long, value_enum, default_value = "keep")]
+    retention: RetentionArg,
     /// Confirm channels of each raw publisher (broker ceiling); the sink uses one.
     #[arg(long, default_value_t = 1)]
     raw_channels: usize,
@@ -162,6 +162,16 @@ struct Opts {
     amqp_url: String,
 }
 
+/// `--retention`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum RetentionArg {
+    /// Confirmed rows stay `done` (the dispatcher's default).
+    Keep,
+    /// Confirmed rows are deleted.
+    Delete,
+}
+
 /// One measurement of a run.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -190,7 +200,7 @@ impl Opts {
         if let Some(n) = self.max_in_flight {
             config = config.max_in_flight(n);
         }
-        if self.delete_done {
+        if self.retention == RetentionArg::Delete {
             config = config.retention(actix_outbox::Retention::Delete);
         }
         config
@@ -933,8 +943,8 @@ mod parent {
         if opts.fifo {
             args.push("--fifo".to_owned());
         }
-        if opts.delete_done {
-            args.push("--delete-done".to_owned());
+        if opts.retention == RetentionArg::Delete {
+            args.extend(["--retention".to_owned(), "delete".to_owned()]);
         }
         args
     }
@@ -984,7 +994,7 @@ mod parent {
         if phase(Phase::Database) {
             let (first, _) = seed(db, n, opts).await?;
             let spent = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
-            verify_done(db, n, opts.delete_done).await?;
+            verify_done(db, n, opts.retention == RetentionArg::Delete).await?;
             result.database_ceiling_msg_s = Some(spent.rate(n));
             result.database_cpu_us_per_msg = spent.cpu_us_per_message(n);
             result.database_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
@@ -994,7 +1004,7 @@ mod parent {
         if phase(Phase::E2e) {
             let (first, _) = seed(db, n, opts).await?;
             let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
-            verify_done(db, n, opts.delete_done).await?;
+            verify_done(db, n, opts.retention == RetentionArg::Delete).await?;
             result.end_to_end_msg_s = Some(spent.rate(n));
             result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
             result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
@@ -1097,7 +1107,7 @@ mod parent {
         Ok((range.first, n))
     }
 
-    /// Fails unless exactly `n` rows exist and all are `done` (none at all with `--delete-done`).
+    /// Fails unless exactly `n` rows exist and all are `done` (none at all with `--retention delete`).
     async fn verify_done(db: &mut AsyncPgConnection, n: usize, deleted: bool) -> Result<(), BoxError> {
         #[derive(diesel::QueryableByName)]
         struct Count {
@@ -1303,7 +1313,7 @@ mod parent {
             report.in_flight_per_process,
             o.processes,
             if o.fifo { "on (1,000 aggregates)" } else { "off" },
-            if o.delete_done { "delete" } else { "keep" },
+            if o.retention == RetentionArg::Delete { "delete" } else { "keep" },
             o.runs
         );
         let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
