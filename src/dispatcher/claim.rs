@@ -24,6 +24,7 @@
 //! `Fifo::All`, the worker keeps where its last scan of aggregates for free heads stopped
 //! ([`ClaimParams::heads_after`]), so that its scans take turns over all the aggregates.
 
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -241,6 +242,8 @@ impl ClaimActor {
                     let bytes: usize = claim.messages.iter().map(OutboxMessage::payload_bytes).sum();
                     act.in_flight_bytes += bytes;
                     Metrics::add(&metrics.in_flight_bytes, bytes);
+                    // One address of this actor for the whole batch, shared by its publishes.
+                    let owner = Rc::new(ctx.address().recipient());
                     for message in claim.messages {
                         debug!(
                             outbox_id = message.id,
@@ -253,7 +256,7 @@ impl ClaimActor {
                             message,
                             act.shared.clone(),
                             act.finalizer.clone(),
-                            ctx.address().recipient(),
+                            owner.clone(),
                             lease_deadline,
                         )
                         .start();

@@ -43,15 +43,22 @@ pub(crate) enum Fenced {
     Failed,
 }
 
-/// Apply one fenced write. Answers `None` if the actor died before it could (send it again to
-/// its replacement).
+/// Apply one fenced write and answer on `reply`. A reply dropped unanswered means the actor died
+/// holding it (send it again to its replacement).
+///
+/// The answer travels on a channel of the request's own rather than as the handler's result:
+/// one channel per row instead of actix's request channel plus a boxed response future.
 #[derive(Debug, Message)]
-#[rtype(result = "Option<Fenced>")]
+#[rtype(result = "()")]
 pub(crate) struct Finalize {
     pub(crate) step: Step,
     /// Retry a failing database until then (the claim's lease, local clock).
     pub(crate) lease_deadline: Instant,
+    pub(crate) reply: Reply,
 }
+
+/// Where a [`Finalize`] is answered.
+pub(crate) type Reply = oneshot::Sender<Fenced>;
 
 /// Extend one claim's lease (a publish running long).
 #[derive(Debug, Message)]
@@ -96,6 +103,17 @@ impl FinalizerSlot {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Sends `message` to the current finalizer without waiting for an answer. The send happens
+    /// under the slot's lock: no copy of the address (two allocations each) per message.
+    pub(crate) fn do_send<M>(&self, message: M)
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        FinalizeActor: Handler<M>,
+    {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).do_send(message);
+    }
+
     /// Puts a new finalizer in place of a dead one.
     pub(crate) fn set(&self, addr: Addr<FinalizeActor>) {
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = addr;
@@ -104,23 +122,23 @@ impl FinalizerSlot {
     /// Applies `step`, sending it again to the replacement when the finalizer died holding it.
     pub(crate) async fn finalize(&self, step: Step, lease_deadline: Instant) -> Fenced {
         loop {
-            match self.get().send(Finalize { step: step.clone(), lease_deadline }).await {
-                Ok(Some(fenced)) => return fenced,
-                Ok(None) | Err(_) if Instant::now() < lease_deadline => {
+            let (reply, answer) = oneshot::channel();
+            self.do_send(Finalize { step: step.clone(), lease_deadline, reply });
+            match answer.await {
+                Ok(fenced) => return fenced,
+                Err(_) if Instant::now() < lease_deadline => {
                     debug!("the finalizer died holding this write; sending it to its replacement");
                     tokio::time::sleep(RESEND_PAUSE).await;
                 }
-                Ok(None) | Err(_) => return Fenced::Failed,
+                Err(_) => return Fenced::Failed,
             }
         }
     }
 }
 
-type Reply = oneshot::Sender<Fenced>;
-
 pub(crate) struct FinalizeActor {
     shared: Arc<Shared>,
-    queue: Vec<(Finalize, Reply)>,
+    queue: Vec<Finalize>,
     heartbeats: Vec<Fence>,
     flushing: bool,
     idle_waiters: Vec<oneshot::Sender<()>>,
@@ -164,14 +182,12 @@ impl Actor for FinalizeActor {
 }
 
 impl Handler<Finalize> for FinalizeActor {
-    type Result = ResponseFuture<Option<Fenced>>;
+    type Result = ();
 
-    fn handle(&mut self, msg: Finalize, ctx: &mut Context<Self>) -> Self::Result {
-        let (tx, rx) = oneshot::channel();
-        self.queue.push((msg, tx));
-        self.flush(ctx);
+    fn handle(&mut self, msg: Finalize, ctx: &mut Context<Self>) {
         // The reply is dropped unanswered only if the actor dies first.
-        Box::pin(async move { rx.await.ok() })
+        self.queue.push(msg);
+        self.flush(ctx);
     }
 }
 
@@ -284,14 +300,14 @@ async fn add_settled(
     }
 }
 
-async fn apply(shared: &Shared, batch: Vec<(Finalize, Reply)>, mut heartbeats: Vec<Fence>) {
+async fn apply(shared: &Shared, batch: Vec<Finalize>, mut heartbeats: Vec<Fence>) {
     let metrics = &shared.metrics;
     let mut done = Vec::new();
     let mut resched = Vec::new();
     let mut dead = Vec::new();
     let mut replies = std::collections::HashMap::with_capacity(batch.len());
-    let deadline = batch.iter().map(|(f, _)| f.lease_deadline).min().unwrap_or_else(Instant::now);
-    for (Finalize { step: op, .. }, reply) in batch {
+    let deadline = batch.iter().map(|f| f.lease_deadline).min().unwrap_or_else(Instant::now);
+    for Finalize { step: op, reply, .. } in batch {
         let fence = op.fence();
         replies.insert(fence, reply);
         match op {

@@ -41,13 +41,21 @@ pub(crate) struct PublishActor {
     message: Arc<OutboxMessage>,
     shared: Arc<Shared>,
     finalizer: Arc<FinalizerSlot>,
-    owner: Recipient<PublishFinished>,
+    /// The claim actor, shared by every message of one claimed batch (an address per message
+    /// would cost three allocations each).
+    owner: Rc<Recipient<PublishFinished>>,
+    /// Shared by the publish and its heartbeat timer.
+    lease: Rc<LeaseState>,
+}
+
+/// What the publish and its heartbeat timer both know of the claim's lease.
+struct LeaseState {
     /// Until when the claim's lease surely runs (local clock, a lower bound; a heartbeat moves
     /// it on): the finalizer retries a failing database until then.
-    lease_deadline: Rc<Cell<Instant>>,
+    deadline: Cell<Instant>,
     /// The outcome is decided: no heartbeat may follow it (applied after the outcome, it would
     /// find the row finalized and report a lost lease).
-    decided: Rc<Cell<bool>>,
+    decided: Cell<bool>,
 }
 
 impl std::fmt::Debug for PublishActor {
@@ -61,7 +69,7 @@ impl PublishActor {
         message: OutboxMessage,
         shared: Arc<Shared>,
         finalizer: Arc<FinalizerSlot>,
-        owner: Recipient<PublishFinished>,
+        owner: Rc<Recipient<PublishFinished>>,
         lease_deadline: Instant,
     ) -> Self {
         Self {
@@ -69,8 +77,7 @@ impl PublishActor {
             shared,
             finalizer,
             owner,
-            lease_deadline: Rc::new(Cell::new(lease_deadline)),
-            decided: Rc::new(Cell::new(false)),
+            lease: Rc::new(LeaseState { deadline: Cell::new(lease_deadline), decided: Cell::new(false) }),
         }
     }
 }
@@ -101,23 +108,22 @@ impl Actor for PublishActor {
         if self.shared.config.publish_timeout >= heartbeat_every {
             let fence = message.fence();
             ctx.run_interval(heartbeat_every, move |act, _| {
-                if act.decided.get() {
+                if act.lease.decided.get() {
                     return;
                 }
-                act.lease_deadline.set(Instant::now() + act.shared.config.lease);
-                act.finalizer.get().do_send(Heartbeat(fence));
+                act.lease.deadline.set(Instant::now() + act.shared.config.lease);
+                act.finalizer.do_send(Heartbeat(fence));
             });
         }
 
         let shared = self.shared.clone();
         let finalizer = self.finalizer.clone();
         let owner = self.owner.clone();
-        let lease_deadline = self.lease_deadline.clone();
-        let decided = self.decided.clone();
+        let lease = self.lease.clone();
         let bytes = message.payload_bytes();
         let work = async move {
             let step = if shared.gate.may_publish() {
-                match call_sink(&shared, &message, &finalizer, &lease_deadline).await {
+                match call_sink(&shared, &message, &finalizer, &lease.deadline).await {
                     Attempt::Crashed(why) => {
                         Metrics::add(&shared.metrics.publish_crashes, 1);
                         error!(panic = %why, "sink panicked; the row stays processing until its lease expires");
@@ -145,9 +151,9 @@ impl Actor for PublishActor {
                 debug!("the sink is unavailable: handing the row back unsent");
                 Some(release(message.fence(), "released unsent: the sink was unavailable".into()))
             };
-            decided.set(true);
+            lease.decided.set(true);
             if let Some(step) = step {
-                match finalizer.finalize(step, lease_deadline.get()).await {
+                match finalizer.finalize(step, lease.deadline.get()).await {
                     Fenced::Won | Fenced::Lost => {}
                     Fenced::Failed => error!("finalize failed; the row waits for lease expiry"),
                 }
@@ -194,7 +200,7 @@ async fn call_sink(
                     // (the heartbeat is fenced, so a lost lease is reported, never overwritten).
                     held += timeout;
                     debug!(blocked = %why, held = ?held, "publish held by a blocked sink; still waiting");
-                    finalizer.get().do_send(Heartbeat(message.fence()));
+                    finalizer.do_send(Heartbeat(message.fence()));
                     lease_deadline.set(Instant::now() + shared.config.lease);
                     deadline += timeout;
                 }

@@ -389,7 +389,7 @@ impl Handler<CrashFinalizer> for OutboxSupervisor {
 
     fn handle(&mut self, _: CrashFinalizer, _: &mut Context<Self>) {
         if let Some(slot) = &self.finalizer {
-            slot.get().do_send(super::finalize::Crash);
+            slot.do_send(super::finalize::Crash);
         }
     }
 }
