@@ -132,6 +132,55 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     dispatcher.send(Shutdown).await.unwrap();
 }
 
+/// Logs at `info`, the command line's default, as text: no per-message span is rendered (it is
+/// at `debug`, so that the formatter does not pay for one per message), and the error about a
+/// row still names it. Without the `opentelemetry` feature, under which the span is `info`.
+#[cfg(not(feature = "opentelemetry"))]
+#[actix_rt::test]
+async fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
+    #[derive(Clone, Default)]
+    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let captured = Captured::default();
+    let writer = captured.clone();
+    // The dispatcher's actors run on this test's arbiter, so a thread-local subscriber sees them.
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let db = TestDb::new().await;
+    let ids = db.seed(5, "a").await;
+    let victim = ids[2];
+    let (sink, mut rx) = ChannelSink::new();
+    let sink = sink.with_script(move |m| if m.id == victim { SinkAction::Panic } else { SinkAction::Deliver });
+    let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
+    all_done(&db, 4).await;
+    eventually(WITHIN, "the panic logged", || async {
+        String::from_utf8_lossy(&captured.0.lock().unwrap()).contains("sink panicked")
+    })
+    .await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!(drain(&mut rx).len(), 4);
+
+    let logs = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    let panics: Vec<&str> = logs.lines().filter(|l| l.contains("sink panicked")).collect();
+    assert_eq!(panics.len(), 1, "{logs}");
+    assert!(panics[0].contains(&format!("outbox_id={victim} lease_version=1")), "the row is named: {}", panics[0]);
+    assert!(!logs.contains("publish{"), "no per-message span at info:\n{logs}");
+    assert!(logs.contains("claimed batch"), "the batch lines are there: {logs}");
+}
+
 /// A claim actor that panics is replaced by the supervisor, and the replacement serves.
 #[actix_rt::test]
 async fn supervisor_restarts_a_crashed_claim_actor() {
