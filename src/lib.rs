@@ -116,7 +116,7 @@ pub mod testing {
     pub use crate::step::{Step, decide};
     pub use crate::store::{
         AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, claim, delete_done,
-        explain_claim, extend_leases, mark_dead, mark_done, reschedule, settled,
+        explain_claim, extend_leases, mark_dead, mark_done, release_unanswered, reschedule, settled,
     };
 }
 

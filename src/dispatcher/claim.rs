@@ -38,6 +38,7 @@ use super::publish::{PublishActor, PublishFinished};
 use super::shared::Shared;
 use crate::backoff::jittered;
 use crate::config::Fifo;
+use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
 use crate::store::{self, AggregateKey, ClaimParams, HeadsScan, ReadyPosition};
@@ -99,6 +100,9 @@ pub(crate) struct ClaimActor {
     probe: bool,
     /// Claims that failed on the database in a row (paces the retries).
     failures: u32,
+    /// A claim failed on a broken connection: it may have committed, leasing rows whose answer
+    /// never came. The next claim first hands them back.
+    unanswered: bool,
     /// Stop claiming; answer `drain_waiters` when `in_flight` reaches 0.
     draining: bool,
     drain_waiters: Vec<oneshot::Sender<()>>,
@@ -128,6 +132,7 @@ impl ClaimActor {
             heads_after: None,
             probe: false,
             failures: 0,
+            unanswered: false,
             draining: false,
             drain_waiters: Vec::new(),
         }
@@ -199,8 +204,14 @@ impl ClaimActor {
         // A lower bound of the database's `now()` at the claim: the leases run at least until
         // this plus the lease.
         let lease_deadline = Instant::now() + config.lease;
+        let unanswered =
+            self.unanswered.then(|| self.shared.publishing(self.worker).iter().copied().collect::<Vec<_>>());
         let query = async move {
             let mut conn = shared.pool.get().await?;
+            let released = match unanswered {
+                Some(publishing) => Some(store::release_unanswered(&mut conn, &owner, &publishing).await?),
+                None => None,
+            };
             let params = ClaimParams {
                 owner: &owner,
                 batch,
@@ -211,13 +222,21 @@ impl ClaimActor {
                 resume,
                 heads_after: heads_after.as_ref(),
             };
-            store::claim(&mut conn, &params).await
+            Ok::<_, StoreError>((released, store::claim(&mut conn, &params).await?))
         };
         ctx.spawn(query.into_actor(self).map(move |result, act, ctx| {
             act.claiming = false;
             match result {
-                Ok(claim) => {
+                Ok((released, claim)) => {
                     act.failures = 0;
+                    if let Some(released) = released {
+                        act.unanswered = false;
+                        if !released.is_empty() {
+                            Metrics::add(&act.shared.metrics.released, released.len());
+                            warn!(worker = %act.owner, rows = released.len(), first_id = released.iter().min(),
+                                "a claim's answer was lost with its connection: the rows it leased are pending again");
+                        }
+                    }
                     act.shared.db.answered();
                     if probe && claim.messages.is_empty() {
                         // Nothing to try the sink with: nothing is lost by opening the gate, and
@@ -244,6 +263,7 @@ impl ClaimActor {
                     Metrics::add(&metrics.in_flight_bytes, bytes);
                     // One address of this actor for the whole batch, shared by its publishes.
                     let owner = Rc::new(ctx.address().recipient());
+                    act.shared.publishing(act.worker).extend(claim.messages.iter().map(|m| m.id));
                     for message in claim.messages {
                         debug!(
                             outbox_id = message.id,
@@ -254,6 +274,7 @@ impl ClaimActor {
                         act.in_flight += 1;
                         PublishActor::new(
                             message,
+                            act.worker,
                             act.shared.clone(),
                             act.finalizer.clone(),
                             owner.clone(),
@@ -282,6 +303,8 @@ impl ClaimActor {
                     }
                     act.backlog = false;
                     if e.is_transient() {
+                        // The statement may have committed before the connection broke.
+                        act.unanswered = true;
                         act.shared.db.failed("claim", &e);
                         act.failures += 1;
                         let ceiling = CLAIM_RETRY_MIN.saturating_mul(1 << act.failures.min(10)).min(CLAIM_RETRY_MAX);

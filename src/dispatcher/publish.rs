@@ -49,6 +49,8 @@ pub(crate) struct PublishFinished {
 
 pub(crate) struct PublishActor {
     message: Arc<OutboxMessage>,
+    /// The index of the worker that claimed it.
+    worker: usize,
     shared: Arc<Shared>,
     finalizer: Arc<FinalizerSlot>,
     /// The claim actor, shared by every message of one claimed batch (an address per message
@@ -77,6 +79,7 @@ impl std::fmt::Debug for PublishActor {
 impl PublishActor {
     pub(crate) fn new(
         message: OutboxMessage,
+        worker: usize,
         shared: Arc<Shared>,
         finalizer: Arc<FinalizerSlot>,
         owner: Rc<Recipient<PublishFinished>>,
@@ -84,6 +87,7 @@ impl PublishActor {
     ) -> Self {
         Self {
             message: Arc::new(message),
+            worker,
             shared,
             finalizer,
             owner,
@@ -130,6 +134,7 @@ impl Actor for PublishActor {
         let finalizer = self.finalizer.clone();
         let owner = self.owner.clone();
         let lease = self.lease.clone();
+        let worker = self.worker;
         let bytes = message.payload_bytes();
         let work = async move {
             let step = if shared.gate.may_publish() {
@@ -175,6 +180,7 @@ impl Actor for PublishActor {
             }
             // The message is dropped with this future: its bytes are free. The gauges go down
             // here rather than in the claim actor, which may have died (and been replaced) since.
+            shared.publishing(worker).remove(&message.id);
             drop(message);
             Metrics::sub(&shared.metrics.in_flight, 1);
             Metrics::sub(&shared.metrics.in_flight_bytes, bytes);

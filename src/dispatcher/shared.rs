@@ -1,6 +1,7 @@
 //! What every actor of one dispatcher shares: set up once by the supervisor, read by all.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
@@ -24,12 +25,22 @@ pub(crate) struct Shared {
     pub(crate) gate: SinkGate,
     /// Whether the database answers, so that an outage is logged once, not once per statement.
     pub(crate) db: DbHealth,
+    /// Per worker, the ids of the rows its publishes hold, kept here rather than in the claim
+    /// actor because publishes outlive a claim actor that dies. A claim whose answer was lost
+    /// hands back that worker's other `processing` rows (see `store::release_unanswered`).
+    publishing: Vec<Mutex<HashSet<i64>>>,
 }
 
 impl Shared {
     pub(crate) fn new(config: DispatcherConfig, pool: PgPool, publisher: Arc<dyn Publisher>) -> Self {
         let gate = SinkGate::new(config.sink_probe_interval, config.publish_timeout);
-        Self { config, pool, publisher, metrics: Metrics::default(), gate, db: DbHealth::default() }
+        let publishing = (0..config.workers).map(|_| Mutex::default()).collect();
+        Self { config, pool, publisher, metrics: Metrics::default(), gate, db: DbHealth::default(), publishing }
+    }
+
+    /// The ids of the rows worker `n`'s publishes hold.
+    pub(crate) fn publishing(&self, n: usize) -> MutexGuard<'_, HashSet<i64>> {
+        self.publishing[n].lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

@@ -3,16 +3,18 @@
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use diesel::QueryableByName;
 use diesel::pg::data_types::PgInterval;
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Nullable, Text, Timestamptz};
+use diesel::{ExpressionMethods, QueryableByName};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
+use super::fence::processing;
 use super::prepared::{Prepared, prepared};
 use super::sql::{CLAIM_FIFO_SQL, CLAIM_FIFO_TYPES_SQL, CLAIM_SQL, EXPLAIN, EXPLAIN_ANALYZE};
 use crate::config::Fifo;
 use crate::error::StoreError;
-use crate::model::{Fence, OutboxMessage};
+use crate::model::{Fence, OutboxMessage, Status};
+use crate::schema::outbox;
 
 /// What one claim asks for.
 #[derive(Debug, Clone)]
@@ -149,6 +151,39 @@ pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Re
     claim.messages.sort_by_key(|m| m.id);
     claim.reaped.sort_by_key(|f| f.id);
     Ok(claim)
+}
+
+/// Hands back to `pending` the rows a claim of `owner` leased but whose answer never reached
+/// it, and returns their ids: every row still `processing` under `owner` whose id is not in
+/// `in_flight` (the rows that worker is publishing). Their claim's attempt is refunded and
+/// their `lease_version` moves on, so no write of that lost claim can land; their
+/// `available_at` is untouched, so they keep their place in the claim order.
+///
+/// A claim statement whose connection breaks after it was sent may have committed: its rows
+/// are leased, and nobody will publish them until the lease expires. The claim actor runs this
+/// before its next claim after such a failure. `owner` names one worker of one process (see
+/// [`DispatcherConfig::worker_owner`](crate::DispatcherConfig::worker_owner)), so only that
+/// worker's rows match, and a row another worker reclaimed after its lease expired, or the
+/// reaper sent dead, no longer does.
+pub async fn release_unanswered(
+    conn: &mut AsyncPgConnection,
+    owner: &str,
+    in_flight: &[i64],
+) -> Result<Vec<i64>, StoreError> {
+    Ok(diesel::update(outbox::table)
+        .filter(processing())
+        .filter(outbox::lease_owner.eq(owner))
+        .filter(outbox::id.ne_all(in_flight))
+        .set((
+            outbox::status.eq(Status::Pending),
+            outbox::lease_version.eq(outbox::lease_version + 1),
+            outbox::attempts.eq(outbox::attempts - 1),
+            outbox::lease_owner.eq(None::<String>),
+            outbox::lease_until.eq(None::<DateTime<Utc>>),
+        ))
+        .returning(outbox::id)
+        .get_results(conn)
+        .await?)
 }
 
 /// The plan PostgreSQL picks for [`claim`] with `params`, one line per row of `EXPLAIN`

@@ -164,6 +164,10 @@ async fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
     let victim = ids[2];
     let (sink, mut rx) = ChannelSink::new();
     let sink = sink.with_script(move |m| if m.id == victim { SinkAction::Panic } else { SinkAction::Deliver });
+    // Tests on other threads hit the dispatcher's callsites meanwhile, and a callsite first
+    // registered while this subscriber was being added can keep the interest computed without
+    // it: compute every callsite's interest again now that it is in place.
+    tracing::callsite::rebuild_interest_cache();
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     all_done(&db, 4).await;
     eventually(WITHIN, "the panic logged", || async {

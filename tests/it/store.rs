@@ -866,3 +866,43 @@ async fn the_delete_of_a_confirmed_row_is_fenced_and_read_back_by_absence() {
     let settled = actix_outbox::testing::settled(&mut ca, &asked).await.unwrap();
     assert_eq!(settled, vec![(taken, None), (done, Some(Status::Done)), (pending, Some(Status::Pending))]);
 }
+
+/// A claim whose answer was lost: its worker's other `processing` rows go back to `pending`,
+/// attempt refunded and version moved on; the rows it is publishing, and another worker's,
+/// stay; a late write under the lost claim's fence wins nothing.
+#[actix_rt::test]
+async fn release_unanswered_hands_back_only_the_workers_rows_it_is_not_publishing() {
+    let db = TestDb::new().await;
+    let ids = db.seed(8, "lost").await;
+    let mut conn = db.conn().await;
+    let mine = claim(&mut conn, "host:1:worker-0", 6, LONG, 12).await.messages;
+    let theirs = claim(&mut conn, "host:1:worker-1", 2, LONG, 12).await.messages;
+    assert_eq!(mine.iter().map(|m| m.id).collect::<Vec<_>>(), ids[..6]);
+    assert_eq!(theirs.iter().map(|m| m.id).collect::<Vec<_>>(), ids[6..]);
+
+    let publishing = [ids[0], ids[1]];
+    let mut released =
+        actix_outbox::testing::release_unanswered(&mut conn, "host:1:worker-0", &publishing).await.unwrap();
+    released.sort_unstable();
+    assert_eq!(released, ids[2..6]);
+
+    for id in &ids[2..6] {
+        let row = db.row(*id).await;
+        assert_eq!((row.status, row.attempts, row.lease_version), (Status::Pending, 0, 2), "row {id}");
+    }
+    for id in publishing.iter().chain(&ids[6..]) {
+        let row = db.row(*id).await;
+        assert_eq!((row.status, row.attempts, row.lease_version), (Status::Processing, 1, 1), "row {id}");
+    }
+    let late = actix_outbox::Fence { id: ids[2], lease_version: 1 };
+    assert!(actix_outbox::testing::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "the lost claim is fenced");
+    // Nothing is left to hand back, and the released rows are claimable again.
+    assert!(
+        actix_outbox::testing::release_unanswered(&mut conn, "host:1:worker-0", &publishing).await.unwrap().is_empty()
+    );
+    let again = claim(&mut conn, "host:1:worker-0", 10, LONG, 12).await.messages;
+    assert_eq!(
+        again.iter().map(|m| (m.id, m.attempts, m.lease_version)).collect::<Vec<_>>(),
+        ids[2..6].iter().map(|id| (*id, 1, 3)).collect::<Vec<_>>()
+    );
+}
