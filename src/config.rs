@@ -85,8 +85,13 @@ pub struct DispatcherConfig {
     /// A deferral of a row older than this (since `created_at`) sends it dead instead, so that a
     /// deferral that never ends does end. Default 7 days.
     pub max_defer_age: Duration,
-    /// Prefix of every worker's owner id (written to `lease_owner` for humans). Default
+    /// Prefix of every worker's owner id, written to `lease_owner`. Default
     /// `<hostname>:<pid>`.
+    ///
+    /// Keep it unique among the dispatchers running on one table: after a claim whose answer was
+    /// lost with its connection, a worker hands back every row still leased under its owner id
+    /// that it is not publishing. Fencing still holds if two processes share an id, but a row one
+    /// of them is publishing could then be handed back and published a second time.
     pub owner: String,
     /// Largest number of fenced writes one finalize statement carries. Default 1000.
     pub finalize_batch: usize,

@@ -101,7 +101,7 @@ pub struct RunArgs {
     /// Pause after a claim that found fewer rows than a batch
     #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_POLL_INTERVAL.into())]
     pub poll_interval: humantime::Duration,
-    /// Prefix of the lease_owner written on claimed rows (default: HOSTNAME:PID)
+    /// Prefix of the lease_owner written on claimed rows (default: HOSTNAME:PID); keep it unique per running dispatcher
     #[arg(long, value_name = "ID")]
     pub owner: Option<String>,
     /// The per-aggregate FIFO gate this dispatcher applies (off without the flag).
