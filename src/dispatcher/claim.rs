@@ -138,6 +138,14 @@ impl ClaimActor {
         }
     }
 
+    /// For the replacement of a claim actor that died: the claim it may have had running could
+    /// have committed without its answer reaching anyone, so the first claim hands back the
+    /// worker's rows that no publish holds (see `store::release_unanswered`).
+    pub(crate) fn replacing_a_dead_one(mut self) -> Self {
+        self.unanswered = true;
+        self
+    }
+
     fn schedule_poll(&mut self, ctx: &mut Context<Self>) {
         self.schedule_claim(ctx, jittered(self.shared.config.poll_interval));
     }

@@ -130,9 +130,9 @@ impl OutboxSupervisor {
         for n in 0..self.workers.len() {
             if !self.workers[n].connected() {
                 error!(worker = %self.shared.config.worker_owner(n),
-                    "claim actor died; restarting it (its rows are reclaimed when their lease expires)");
+                    "claim actor died; restarting it (its publishes finish; rows a claim of it leased and nothing publishes are handed back)");
                 Metrics::add(&self.shared.metrics.restarts, 1);
-                self.workers[n] = self.start_worker(n, slot.clone());
+                self.workers[n] = ClaimActor::new(n, self.shared.clone(), slot.clone()).replacing_a_dead_one().start();
             }
         }
     }

@@ -203,6 +203,46 @@ async fn supervisor_restarts_a_crashed_claim_actor() {
     dispatcher.send(Shutdown).await.unwrap();
 }
 
+/// A claim actor dies while its claim's answer is held back: the claim committed (its rows are
+/// leased), but nothing will publish them. The replacement hands them back before its first
+/// claim, so they go out long before their 60 s lease expires, once each.
+#[actix_rt::test]
+async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_lease() {
+    let db = TestDb::new().await;
+    let first = db.seed(1, "warm").await;
+    let proxy = crate::proxy::Proxy::start("127.0.0.1:5432".into()).await;
+    // One connection, on which the first row's claim leaves the claim statement prepared (one
+    // not yet prepared would wait for the silent database before it ran at all).
+    let pool = actix_outbox::connect_pool(&proxy.route(&db.url), 1).await.unwrap();
+    let (sink, mut rx) = ChannelSink::new();
+    let config = config().workers(1).batch(10).lease(Duration::from_secs(60));
+    let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
+    all_done(&db, 1).await;
+
+    proxy.stall_downstream();
+    let ids = db.seed(10, "held").await;
+    eventually(WITHIN, "the claim committed, its answer held back", || async {
+        db.count_status("processing").await == 10
+    })
+    .await;
+    dispatcher.send(CrashWorker(0)).await.unwrap();
+    eventually(WITHIN, "the worker replaced", || async { dispatcher.send(GetMetrics).await.unwrap().restarts == 1 })
+        .await;
+    proxy.resume();
+
+    all_done(&db, 11).await;
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    dispatcher.send(Shutdown).await.unwrap();
+    let mut got: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
+    got.sort();
+    assert_eq!(got, [first, ids.clone()].concat(), "each row published once");
+    for id in &ids {
+        let row = db.row(*id).await;
+        assert_eq!((row.lease_version, row.attempts), (3, 1), "row {id}: handed back (2), claimed again (3)");
+    }
+    assert_eq!(metrics.released, 10, "{metrics:?}");
+}
+
 /// Scenario 6 through the actors: a sink that always fails retryably, max attempts 3: three
 /// publishes (attempts 1, 2, 3), then dead with attempts 3.
 #[actix_rt::test]
