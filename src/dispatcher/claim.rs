@@ -214,10 +214,17 @@ impl ClaimActor {
         let lease_deadline = Instant::now() + config.lease;
         let unanswered =
             self.unanswered.then(|| self.shared.publishing(self.worker).iter().copied().collect::<Vec<_>>());
+        // What was handed back is reported even when the claim after it fails.
         let query = async move {
-            let mut conn = shared.pool.get().await?;
+            let mut conn = match shared.pool.get().await {
+                Ok(conn) => conn,
+                Err(e) => return (None, Err(e.into())),
+            };
             let released = match unanswered {
-                Some(publishing) => Some(store::release_unanswered(&mut conn, &owner, &publishing).await?),
+                Some(publishing) => match store::release_unanswered(&mut conn, &owner, &publishing).await {
+                    Ok(ids) => Some(ids),
+                    Err(e) => return (None, Err(e)),
+                },
                 None => None,
             };
             let params = ClaimParams {
@@ -230,21 +237,21 @@ impl ClaimActor {
                 resume,
                 heads_after: heads_after.as_ref(),
             };
-            Ok::<_, StoreError>((released, store::claim(&mut conn, &params).await?))
+            (released, store::claim(&mut conn, &params).await)
         };
-        ctx.spawn(query.into_actor(self).map(move |result, act, ctx| {
+        ctx.spawn(query.into_actor(self).map(move |(released, result): (_, Result<_, StoreError>), act, ctx| {
             act.claiming = false;
+            if let Some(released) = released {
+                act.unanswered = false;
+                if !released.is_empty() {
+                    Metrics::add(&act.shared.metrics.released, released.len());
+                    warn!(worker = %act.owner, rows = released.len(), first_id = released.iter().min(),
+                        "a claim's answer was lost with its connection: the rows it leased are pending again");
+                }
+            }
             match result {
-                Ok((released, claim)) => {
+                Ok(claim) => {
                     act.failures = 0;
-                    if let Some(released) = released {
-                        act.unanswered = false;
-                        if !released.is_empty() {
-                            Metrics::add(&act.shared.metrics.released, released.len());
-                            warn!(worker = %act.owner, rows = released.len(), first_id = released.iter().min(),
-                                "a claim's answer was lost with its connection: the rows it leased are pending again");
-                        }
-                    }
                     act.shared.db.answered();
                     if probe && claim.messages.is_empty() {
                         // Nothing to try the sink with: nothing is lost by opening the gate, and

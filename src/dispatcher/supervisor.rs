@@ -107,10 +107,6 @@ impl OutboxSupervisor {
         Ok(Self::new(config, pool, publisher)?.start())
     }
 
-    fn start_worker(&self, n: usize, finalizer: Arc<FinalizerSlot>) -> Addr<ClaimActor> {
-        ClaimActor::new(n, self.shared.clone(), finalizer).start()
-    }
-
     /// Replaces any actor that died. The finalizer is replaced while draining too: the drain
     /// waits for every publish to be finalized, and a publish whose write died with the old
     /// finalizer sends it again to the new one.
@@ -195,7 +191,8 @@ impl Actor for OutboxSupervisor {
             fifo = %config.fifo, "outbox dispatcher starting");
         crate::metrics::describe();
         let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
-        self.workers = (0..config.workers).map(|n| self.start_worker(n, finalizer.clone())).collect();
+        self.workers =
+            (0..config.workers).map(|n| ClaimActor::new(n, self.shared.clone(), finalizer.clone()).start()).collect();
         self.finalizer = Some(finalizer);
         // Before the workers' first claim (they start on the next turn of the arbiter): a sink
         // that is down at start pauses claiming from the outset.
