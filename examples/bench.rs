@@ -126,6 +126,10 @@ struct Opts {
     /// Confirm channels of each raw publisher (broker ceiling); the sink uses one.
     #[arg(long, default_value_t = 1)]
     raw_channels: usize,
+    /// Send no header table, as `actix-outbox run --no-outbox-headers`: the sink without its
+    /// own headers, and the raw publisher likewise (the other properties stay).
+    #[arg(long)]
+    no_outbox_headers: bool,
     /// Dispatcher processes against the same table.
     #[arg(long, default_value_t = 1)]
     processes: usize,
@@ -331,23 +335,27 @@ fn body(n: i64, pad: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "n": n, "pad": pad })).expect("a JSON value serialises")
 }
 
-/// The properties and headers the RabbitMQ sink sets (see `RabbitSink`), for the raw publisher.
-fn properties(id: i64, aggregate_id: &str) -> BasicProperties {
+/// The properties and headers the RabbitMQ sink sets (see `RabbitSink`), for the raw publisher;
+/// without the header table when `outbox_headers` is false (`--no-outbox-headers`).
+fn properties(id: i64, aggregate_id: &str, outbox_headers: bool) -> BasicProperties {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(id.to_string().into())
+        .with_type(EVENT_TYPE.into())
+        .with_timestamp(now)
+        .with_app_id(actix_outbox::sink::DEFAULT_APP_ID.into());
+    if !outbox_headers {
+        return properties;
+    }
     let mut headers = FieldTable::default();
     headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(id));
     headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.to_string().as_str().into()));
     headers.insert("x-aggregate-type".into(), AMQPValue::LongString("bench".into()));
     headers.insert("x-aggregate-id".into(), AMQPValue::LongString(aggregate_id.into()));
     headers.insert("x-attempt".into(), AMQPValue::LongInt(1));
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_content_type("application/json".into())
-        .with_message_id(id.to_string().into())
-        .with_type(EVENT_TYPE.into())
-        .with_timestamp(now)
-        .with_app_id(actix_outbox::sink::DEFAULT_APP_ID.into())
-        .with_headers(headers)
+    properties.with_headers(headers)
 }
 
 /// Names of everything the benchmark creates, derived from its pid.
@@ -490,7 +498,10 @@ mod child {
             "null" => None,
             "rabbit" => Some(
                 RabbitSink::connect(
-                    RabbitConfig::new(&opts.amqp_url).exchange(&role.exchange).connection_name("actix-outbox bench"),
+                    RabbitConfig::new(&opts.amqp_url)
+                        .exchange(&role.exchange)
+                        .connection_name("actix-outbox bench")
+                        .outbox_headers(!opts.no_outbox_headers),
                 )
                 .await?,
             ),
@@ -569,10 +580,17 @@ mod child {
                 let channel = channels[n % channels.len()].clone();
                 let (exchange, payload) = (exchange.clone(), body(id, &pad));
                 let aggregate = (id % 1000).to_string();
+                let outbox_headers = !opts.no_outbox_headers;
                 in_flight.push(async move {
                     let options = BasicPublishOptions { mandatory: true, immediate: false };
                     let confirm = channel
-                        .basic_publish(exchange, EVENT_TYPE.into(), options, &payload, properties(id, &aggregate))
+                        .basic_publish(
+                            exchange,
+                            EVENT_TYPE.into(),
+                            options,
+                            &payload,
+                            properties(id, &aggregate, outbox_headers),
+                        )
                         .await?;
                     confirm.await
                 });
@@ -946,6 +964,9 @@ mod parent {
         if opts.retention == RetentionArg::Delete {
             args.extend(["--retention".to_owned(), "delete".to_owned()]);
         }
+        if opts.no_outbox_headers {
+            args.push("--no-outbox-headers".to_owned());
+        }
         args
     }
 
@@ -1305,7 +1326,7 @@ mod parent {
             report.date, report.machine.cores, report.machine.postgres
         );
         println!(
-            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  retention {}  runs {}",
+            "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  retention {}  headers {}  runs {}",
             o.messages,
             o.payload_bytes,
             o.workers,
@@ -1314,6 +1335,7 @@ mod parent {
             o.processes,
             if o.fifo { "on (1,000 aggregates)" } else { "off" },
             if o.retention == RetentionArg::Delete { "delete" } else { "keep" },
+            if o.no_outbox_headers { "none" } else { "outbox" },
             o.runs
         );
         let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
