@@ -37,9 +37,11 @@
 //!
 //! Beside the rates it prints where the CPU went: the busy time of the whole machine per
 //! message in each throughput phase (`/proc/stat`: PostgreSQL, RabbitMQ, the dispatcher, the
-//! consumer and anything else running), and the dispatcher processes' own CPU per message. On
-//! a machine where everything shares a few cores, end to end costs about the sum of the two
-//! ceilings' CPU per message, and these columns show it.
+//! consumer and anything else running), the dispatcher processes' own CPU per message, and,
+//! end to end, the share of the machine's PostgreSQL and RabbitMQ server processes
+//! (`/proc/<pid>/stat` of every `postgres` and `beam.smp` process). On a machine where
+//! everything shares a few cores, end to end costs about the sum of the two ceilings' CPU per
+//! message, and these columns show it.
 //!
 //! `--phases` picks phases (`broker,database,e2e,latency`); `--json` prints one JSON document.
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
@@ -295,6 +297,53 @@ fn machine_busy_seconds() -> Option<f64> {
     Some((ticks.iter().sum::<u64>() - idle - iowait) as f64 / 100.0)
 }
 
+/// The database and broker servers whose CPU the report shows on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Server {
+    Postgres,
+    Rabbitmq,
+}
+
+/// CPU ticks so far of every PostgreSQL (`postgres`) and RabbitMQ (`beam.smp`) process on the
+/// machine, by pid; empty off Linux.
+struct ServerTicks(HashMap<u32, (Server, u64)>);
+
+impl ServerTicks {
+    fn read() -> Self {
+        let mut ticks = HashMap::new();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+            // `pid (name) state ...`: a name may hold spaces, so it ends at the last parenthesis.
+            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+            let server = match &stat[open + 1..close] {
+                "postgres" => Server::Postgres,
+                "beam.smp" => Server::Rabbitmq,
+                _ => continue,
+            };
+            // utime and stime are the 14th and 15th fields, the 12th and 13th after the name.
+            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+            let field = |i: usize| fields.get(i).and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
+            ticks.insert(pid, (server, field(11) + field(12)));
+        }
+        Self(ticks)
+    }
+
+    /// CPU seconds `server` spent since `self` was read: of the processes alive now, what each
+    /// spent since then (all of it for one started since). A process that exited in between
+    /// is missed; the dispatchers' connections are all open before a phase's clock starts.
+    fn spent_since(&self, now: &Self, server: Server) -> f64 {
+        let ticks: u64 = now
+            .0
+            .iter()
+            .filter(|(_, (s, _))| *s == server)
+            .map(|(pid, (_, t))| t.saturating_sub(self.0.get(pid).map_or(0, |(_, before)| *before)))
+            .sum();
+        // USER_HZ is 100 on every Linux that matters.
+        ticks as f64 / 100.0
+    }
+}
+
 /// A phase's wall time and the machine's busy CPU time over it.
 #[derive(Debug, Clone, Copy)]
 struct Spent {
@@ -304,13 +353,32 @@ struct Spent {
     dispatcher_cpu_seconds: Option<f64>,
     /// Most rows done but not yet seen by the consumer at once (end to end only).
     consumer_lag: Option<u64>,
+    /// CPU seconds of the PostgreSQL and of the RabbitMQ processes over the phase.
+    postgres_cpu_seconds: f64,
+    rabbitmq_cpu_seconds: f64,
 }
 
 impl Spent {
-    fn since(started: Instant, busy_before: Option<f64>) -> Self {
+    fn since(started: Instant, busy_before: Option<f64>, servers_before: &ServerTicks) -> Self {
         let wall = started.elapsed();
         let cpu_seconds = busy_before.zip(machine_busy_seconds()).map(|(before, after)| after - before);
-        Self { wall, cpu_seconds, dispatcher_cpu_seconds: None, consumer_lag: None }
+        let servers = ServerTicks::read();
+        Self {
+            wall,
+            cpu_seconds,
+            dispatcher_cpu_seconds: None,
+            consumer_lag: None,
+            postgres_cpu_seconds: servers_before.spent_since(&servers, Server::Postgres),
+            rabbitmq_cpu_seconds: servers_before.spent_since(&servers, Server::Rabbitmq),
+        }
+    }
+
+    fn server_us_per_message(&self, server: Server, n: usize) -> Option<f64> {
+        let seconds = match server {
+            Server::Postgres => self.postgres_cpu_seconds,
+            Server::Rabbitmq => self.rabbitmq_cpu_seconds,
+        };
+        (seconds > 0.0).then(|| seconds * 1e6 / n as f64)
     }
 
     fn rate(&self, n: usize) -> f64 {
@@ -797,6 +865,10 @@ mod parent {
         /// database-ceiling and end-to-end phases.
         database_dispatcher_us_per_msg: Option<f64>,
         end_to_end_dispatcher_us_per_msg: Option<f64>,
+        /// CPU time of the PostgreSQL and of the RabbitMQ processes per message end to end, in
+        /// microseconds (parts of `end_to_end_cpu_us_per_msg`).
+        end_to_end_postgres_us_per_msg: Option<f64>,
+        end_to_end_rabbitmq_us_per_msg: Option<f64>,
         latency_confirm_p50_ms: Option<f64>,
         latency_confirm_p99_ms: Option<f64>,
         latency_delivery_p50_ms: Option<f64>,
@@ -1029,6 +1101,8 @@ mod parent {
             result.end_to_end_msg_s = Some(spent.rate(n));
             result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
             result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
+            result.end_to_end_postgres_us_per_msg = spent.server_us_per_message(Server::Postgres, n);
+            result.end_to_end_rabbitmq_us_per_msg = spent.server_us_per_message(Server::Rabbitmq, n);
             result.end_to_end_consumer_lag = spent.consumer_lag;
             result.end_to_end_duplicates = tally_of(tally).duplicates;
         }
@@ -1068,6 +1142,7 @@ mod parent {
         tally_of(tally).expect(first_raw, n, false);
         let mut kids = Kids::spawn(&args)?;
         kids.ready(Duration::from_secs(30)).await?;
+        let servers = ServerTicks::read();
         let busy = machine_busy_seconds();
         let started = Instant::now();
         kids.go();
@@ -1086,7 +1161,7 @@ mod parent {
                 () = tokio::time::sleep_until(deadline) => return Err("broker ceiling phase timed out".into()),
             }
             if kids.kids.iter().all(|k| k.last.is_some()) && tally_of(tally).distinct == n {
-                ended = Some(Spent::since(started, busy));
+                ended = Some(Spent::since(started, busy, &servers));
             }
         }
         let failed: u64 = kids.kids.iter().filter_map(|k| k.last.as_ref()?.get("failed")?.as_u64()).sum();
@@ -1168,6 +1243,7 @@ mod parent {
         let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, sink, false)).collect();
         let mut kids = Kids::spawn(&args)?;
         kids.ready(Duration::from_secs(30)).await?;
+        let servers = ServerTicks::read();
         let busy = machine_busy_seconds();
         let started = Instant::now();
         kids.go();
@@ -1190,7 +1266,7 @@ mod parent {
                 max_lag = max_lag.max(kids.done().saturating_sub(consumed as u64));
             }
             if kids.done() >= n as u64 && (!rabbit || consumed == n) {
-                break Spent::since(started, busy);
+                break Spent::since(started, busy, &servers);
             }
         };
         let mut dispatcher_cpu = 0.0;
@@ -1309,6 +1385,8 @@ mod parent {
             end_to_end_cpu_us_per_msg: m(|r| r.end_to_end_cpu_us_per_msg),
             database_dispatcher_us_per_msg: m(|r| r.database_dispatcher_us_per_msg),
             end_to_end_dispatcher_us_per_msg: m(|r| r.end_to_end_dispatcher_us_per_msg),
+            end_to_end_postgres_us_per_msg: m(|r| r.end_to_end_postgres_us_per_msg),
+            end_to_end_rabbitmq_us_per_msg: m(|r| r.end_to_end_rabbitmq_us_per_msg),
             latency_confirm_p50_ms: m(|r| r.latency_confirm_p50_ms),
             latency_confirm_p99_ms: m(|r| r.latency_confirm_p99_ms),
             latency_delivery_p50_ms: m(|r| r.latency_delivery_p50_ms),
@@ -1353,6 +1431,8 @@ mod parent {
             ("cpu:e2e", 8),
             ("disp:db", 8),
             ("disp:e2e", 8),
+            ("pg:e2e", 7),
+            ("mq:e2e", 7),
             ("conf p50", 9),
             ("conf p99", 9),
             ("dlv p50", 8),
@@ -1382,6 +1462,8 @@ mod parent {
                 us(r.end_to_end_cpu_us_per_msg),
                 us(r.database_dispatcher_us_per_msg),
                 us(r.end_to_end_dispatcher_us_per_msg),
+                us(r.end_to_end_postgres_us_per_msg),
+                us(r.end_to_end_rabbitmq_us_per_msg),
                 ms(r.latency_confirm_p50_ms),
                 ms(r.latency_confirm_p99_ms),
                 ms(r.latency_delivery_p50_ms),
@@ -1402,6 +1484,7 @@ mod parent {
         );
         println!("cpu:* = busy CPU time of the whole machine per message in that phase (us, all processes);");
         println!("disp:* = CPU time of the dispatcher processes alone per message (us);");
+        println!("pg:e2e, mq:e2e = CPU time of the PostgreSQL, of the RabbitMQ processes per message end to end (us);");
         println!(
             "conf/dlv = idle latency (ms, {} rows {} apart) from the producer's commit to the sink's publisher confirm / to",
             o.latency_samples,
