@@ -20,7 +20,7 @@ use diesel::{ExpressionMethods, IntoSql, NullableExpressionMethods, QueryDsl, Te
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::claim::interval;
-use super::fence::{Batch, processing};
+use super::fence::{Batch, held};
 use super::prepared::keep_prepared;
 use crate::error::StoreError;
 use crate::model::{Fence, Status};
@@ -44,7 +44,7 @@ pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result
     let batch = Batch::new(fences, |f| *f);
     Ok(keep_prepared(
         diesel::update(outbox::table)
-            .filter(processing())
+            .filter(held())
             .filter(batch.fenced())
             .set((
                 outbox::status.eq(Status::Done),
@@ -66,7 +66,7 @@ pub async fn delete_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Resu
         return Ok(Vec::new());
     }
     let batch = Batch::new(fences, |f| *f);
-    Ok(keep_prepared(diesel::delete(outbox::table).filter(processing()).filter(batch.fenced()).returning(outbox::id))
+    Ok(keep_prepared(diesel::delete(outbox::table).filter(held()).filter(batch.fenced()).returning(outbox::id))
         .get_results(conn)
         .await?)
 }
@@ -89,7 +89,7 @@ pub async fn mark_dead(conn: &mut AsyncPgConnection, rows: &[Bury]) -> Result<Ve
     let errors: Vec<String> = batch.rows().map(|r| clip(&r.error)).collect();
     Ok(keep_prepared(
         diesel::update(outbox::table)
-            .filter(processing())
+            .filter(held())
             .filter(batch.fenced())
             .set((
                 outbox::status.eq(Status::Dead),
@@ -146,7 +146,7 @@ pub async fn reschedule(conn: &mut AsyncPgConnection, rows: &[Reschedule]) -> Re
         .lt(now.into_sql::<Nullable<Timestamptz>>() - batch.per_row::<Nullable<Interval>, _>(&max_ages));
     let won: Vec<(i64, Status)> = keep_prepared(
         diesel::update(outbox::table)
-            .filter(processing())
+            .filter(held())
             .filter(batch.fenced())
             .set((
                 outbox::status.eq(case_when::<_, _, Text>(too_old, Status::Dead).otherwise(Status::Pending)),
@@ -179,7 +179,7 @@ pub async fn extend_leases(
     let batch = Batch::new(fences, |f| *f);
     Ok(keep_prepared(
         diesel::update(outbox::table)
-            .filter(processing())
+            .filter(held())
             .filter(batch.fenced())
             .set(outbox::lease_until.eq((now.into_sql::<Timestamptz>() + interval(lease)).nullable()))
             .returning(outbox::id),
