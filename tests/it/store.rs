@@ -483,6 +483,56 @@ async fn batch_writes_give_each_row_its_own_values() {
 /// The claim and every fenced write stay prepared on the pool's connections (one round trip per
 /// run instead of two), one statement each whatever the batch size (a batch is one array bind
 /// per column, never one placeholder per row), and never run on a generic plan there: once
+/// A fenced batch write finds its rows by primary key, not by reading every row in flight, also
+/// with statistics taken while every row was pending (as right after a bulk load): the planner
+/// then believes no row is `processing`, and answered `status = 'processing'` from the partial
+/// index `outbox_leased`, reading all 1,600 rows in flight (and the dead entries of finalized
+/// ones) to write 1,000. Counted by `pg_stat_user_indexes`, flushed on demand. The table is
+/// large enough (10,000 rows) that reading it whole is not the cheapest plan either.
+#[tokio::test]
+async fn a_fenced_write_probes_the_primary_key_whatever_the_statistics() {
+    let db = TestDb::new().await;
+    db.seed(10_000, "a").await;
+    let mut pooled = db.pool.get().await.unwrap();
+    pooled.batch_execute("ANALYZE outbox").await.unwrap();
+    let mut claimed = Vec::new();
+    for _ in 0..8 {
+        claimed.extend(claim(&mut pooled, "A", 200, LONG, 12).await.messages);
+    }
+    assert_eq!(claimed.len(), 1_600);
+
+    #[derive(QueryableByName, Debug, Clone, Copy, PartialEq)]
+    struct Scans {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        leased: i64,
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        pkey: i64,
+    }
+    async fn scans(conn: &mut AsyncPgConnection) -> Scans {
+        // This session's counters reach the shared statistics when it next goes idle.
+        conn.batch_execute("SELECT pg_stat_force_next_flush()").await.unwrap();
+        diesel::sql_query(
+            "SELECT coalesce(sum(idx_scan) FILTER (WHERE indexrelname = 'outbox_leased'), 0)::int8 AS leased,
+                    coalesce(sum(idx_scan) FILTER (WHERE indexrelname = 'outbox_pkey'), 0)::int8 AS pkey
+             FROM pg_stat_user_indexes WHERE relname = 'outbox'",
+        )
+        .get_result(conn)
+        .await
+        .unwrap()
+    }
+
+    let fences: Vec<_> = claimed[..1_000].iter().map(|m| m.fence()).collect();
+    let before = scans(&mut pooled).await;
+    let won = actix_outbox::testing::mark_done(&mut pooled, &fences).await.unwrap();
+    let after = scans(&mut pooled).await;
+    assert_eq!(won.len(), 1_000);
+    assert_eq!(after.leased, before.leased, "the write read outbox_leased: {before:?} -> {after:?}");
+    assert!(after.pkey > before.pkey, "the write did not probe the primary key: {before:?} -> {after:?}");
+    assert_eq!(db.count_status("done").await, 1_000);
+    assert_eq!(db.count_status("processing").await, 600);
+    assert_eq!(db.count_status("pending").await, 8_400);
+}
+
 /// PostgreSQL caches a generic plan for a batched write, it may assume a ten-element array and
 /// loop over every processing row for each element (measured: 755 ms instead of 6 ms for 500
 /// rows among 17,000 processing ones); the pool sets `plan_cache_mode = force_custom_plan`.
