@@ -293,8 +293,21 @@ fn machine_busy_seconds() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let ticks: Vec<u64> = stat.lines().next()?.split_whitespace().skip(1).filter_map(|t| t.parse().ok()).collect();
     let (idle, iowait) = (*ticks.get(3)?, *ticks.get(4)?);
-    // USER_HZ is 100 on every Linux that matters.
-    Some((ticks.iter().sum::<u64>() - idle - iowait) as f64 / 100.0)
+    Some((ticks.iter().sum::<u64>() - idle - iowait) as f64 / USER_HZ)
+}
+
+/// The unit of the CPU times in `/proc`: 100 ticks a second on every Linux that matters.
+const USER_HZ: f64 = 100.0;
+
+/// The name and the CPU time so far (user + system, in ticks) of the process whose
+/// `/proc/<pid>/stat` line is `stat`.
+fn process_cpu_ticks(stat: &str) -> Option<(&str, u64)> {
+    // `pid (name) state ...`: a name may hold spaces, so it ends at the last parenthesis.
+    let (head, rest) = stat.rsplit_once(')')?;
+    let name = head.split_once('(')?.1;
+    // utime and stime are the 14th and 15th fields, the 12th and 13th after the name.
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some((name, fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?))
 }
 
 /// The database and broker servers whose CPU the report shows on its own.
@@ -314,17 +327,13 @@ impl ServerTicks {
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
             let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-            // `pid (name) state ...`: a name may hold spaces, so it ends at the last parenthesis.
-            let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
-            let server = match &stat[open + 1..close] {
+            let Some((name, cpu)) = process_cpu_ticks(&stat) else { continue };
+            let server = match name {
                 "postgres" => Server::Postgres,
                 "beam.smp" => Server::Rabbitmq,
                 _ => continue,
             };
-            // utime and stime are the 14th and 15th fields, the 12th and 13th after the name.
-            let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-            let field = |i: usize| fields.get(i).and_then(|t| t.parse::<u64>().ok()).unwrap_or(0);
-            ticks.insert(pid, (server, field(11) + field(12)));
+            ticks.insert(pid, (server, cpu));
         }
         Self(ticks)
     }
@@ -339,8 +348,7 @@ impl ServerTicks {
             .filter(|(_, (s, _))| *s == server)
             .map(|(pid, (_, t))| t.saturating_sub(self.0.get(pid).map_or(0, |(_, before)| *before)))
             .sum();
-        // USER_HZ is 100 on every Linux that matters.
-        ticks as f64 / 100.0
+        ticks as f64 / USER_HZ
     }
 }
 
@@ -373,11 +381,8 @@ impl Spent {
         }
     }
 
-    fn server_us_per_message(&self, server: Server, n: usize) -> Option<f64> {
-        let seconds = match server {
-            Server::Postgres => self.postgres_cpu_seconds,
-            Server::Rabbitmq => self.rabbitmq_cpu_seconds,
-        };
+    /// A server's CPU per message, when any was seen (none off Linux).
+    fn server_us_per_message(seconds: f64, n: usize) -> Option<f64> {
         (seconds > 0.0).then(|| seconds * 1e6 / n as f64)
     }
 
@@ -547,9 +552,7 @@ mod child {
     /// CPU time (user + system) this process has used so far, in seconds.
     fn own_cpu_seconds() -> Option<f64> {
         let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-        let (user, system): (u64, u64) = (fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?);
-        Some((user + system) as f64 / 100.0)
+        Some(process_cpu_ticks(&stat)?.1 as f64 / USER_HZ)
     }
 
     pub(super) async fn dispatcher(role: DispatcherChild, opts: Opts) -> Result<(), BoxError> {
@@ -1101,8 +1104,8 @@ mod parent {
             result.end_to_end_msg_s = Some(spent.rate(n));
             result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
             result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
-            result.end_to_end_postgres_us_per_msg = spent.server_us_per_message(Server::Postgres, n);
-            result.end_to_end_rabbitmq_us_per_msg = spent.server_us_per_message(Server::Rabbitmq, n);
+            result.end_to_end_postgres_us_per_msg = Spent::server_us_per_message(spent.postgres_cpu_seconds, n);
+            result.end_to_end_rabbitmq_us_per_msg = Spent::server_us_per_message(spent.rabbitmq_cpu_seconds, n);
             result.end_to_end_consumer_lag = spent.consumer_lag;
             result.end_to_end_duplicates = tally_of(tally).duplicates;
         }
