@@ -9,12 +9,17 @@
 //!   is migrated there, and the example adds a table of its own, `received_events`.
 //! - `--amqp-url` (or `AMQP_URL`; default `amqp://guest:guest@127.0.0.1:5672/%2f`).
 //! - `--queue` (default `actix-outbox.inbox-example`): declared durable and bound to the
-//!   `outbox` topic exchange (the one the dispatcher's RabbitMQ sink publishes to) with `#`;
-//!   `--exchange`, `--binding-key` and `--no-bind` change that.
+//!   `outbox` topic exchange (the one the dispatcher's RabbitMQ sink publishes to) for the
+//!   events it applies, `order.*` (the events of the other examples); `--exchange`,
+//!   `--binding-key` and `--no-bind` change that. The queue outlives the example and keeps
+//!   collecting those events while it is stopped: `--delete-queue` removes it (and its
+//!   dead-letter queue) and exits.
 //!
-//! For each new message, the handler inserts a `received_events` row in the same transaction as
-//! the inbox row, and prints the message; a copy of a message already applied is acknowledged
-//! without a second row. Failures go to `<queue>.dlq`. SIGINT or SIGTERM stops consuming, lets
+//! For each new message, the handler inserts a `received_events` row (keyed by the producing
+//! outbox, `x-outbox-source`, and the message id, unique together across producer databases)
+//! in the same transaction as the inbox row, and prints the message; a copy of a message
+//! already applied is acknowledged without a second row. A message that says it is JSON and is
+//! not is dead-lettered with the reason, never recorded with an invented payload. Failures go to `<queue>.dlq`. SIGINT or SIGTERM stops consuming, lets
 //! the deliveries in hand commit and be acknowledged, and exits 0. A service that cannot be
 //! reached at start makes it print one line and exit 1. Logs go to stderr (`RUST_LOG`).
 //!
@@ -35,7 +40,7 @@ use clap::Parser;
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;
-use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
@@ -65,25 +70,50 @@ struct Args {
     /// The topic exchange the queue is bound to (declared durable, as the outbox's sink does)
     #[arg(long, value_name = "NAME", default_value = "outbox")]
     exchange: String,
-    /// The binding's routing key
-    #[arg(long, value_name = "KEY", default_value = "#")]
+    /// The binding's routing key: the events this consumer applies
+    #[arg(long, value_name = "KEY", default_value = "order.*")]
     binding_key: String,
     /// Declare the queue only; leave exchanges and bindings alone
     #[arg(long)]
     no_bind: bool,
+    /// Delete the queue and its dead-letter queue (with the messages they hold), then exit
+    #[arg(long)]
+    delete_queue: bool,
     /// Deliveries the broker sends ahead of their acknowledgements
     #[arg(long, value_name = "N", default_value_t = inbox::DEFAULT_PREFETCH)]
     prefetch: u16,
 }
 
 diesel::table! {
-    received_events (message_id) {
+    received_events (source, message_id) {
+        source -> Text,
         message_id -> Int8,
         event_type -> Text,
-        payload -> Jsonb,
+        payload -> Nullable<Jsonb>,
         received_at -> Timestamptz,
     }
 }
+
+/// The example's own table: one row per event applied, keyed like the inbox. Upgrades the
+/// table an earlier version of the example made (keyed by message id alone).
+const RECEIVED_EVENTS_DDL: &str = "
+CREATE TABLE IF NOT EXISTS received_events (
+    source      text        NOT NULL DEFAULT '',
+    message_id  bigint      NOT NULL,
+    event_type  text        NOT NULL,
+    payload     jsonb,
+    received_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (source, message_id)
+);
+ALTER TABLE received_events ADD COLUMN IF NOT EXISTS source text NOT NULL DEFAULT '';
+ALTER TABLE received_events ALTER COLUMN payload DROP NOT NULL;
+DO $$ BEGIN
+    IF (SELECT count(*) FROM pg_index i JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+        WHERE i.indrelid = 'received_events'::regclass AND i.indisprimary) = 1 THEN
+        ALTER TABLE received_events DROP CONSTRAINT received_events_pkey;
+        ALTER TABLE received_events ADD PRIMARY KEY (source, message_id);
+    END IF;
+END $$;";
 
 /// Inserts one `received_events` row per new message, in the inbox's transaction.
 struct RecordEvent;
@@ -97,6 +127,7 @@ impl InboxHandler for RecordEvent {
         Box::pin(async move {
             diesel::insert_into(received_events::table)
                 .values((
+                    received_events::source.eq(&message.source),
                     received_events::message_id.eq(message.message_id),
                     received_events::event_type.eq(&message.event_type),
                     received_events::payload.eq(&message.payload),
@@ -104,7 +135,8 @@ impl InboxHandler for RecordEvent {
                 .execute(conn)
                 .await?;
             println!(
-                "received {} {} ({}/{}, attempt {}{})",
+                "received {}#{} {} ({}/{}, attempt {}{})",
+                if message.source.is_empty() { "(no source)" } else { &message.source },
                 message.message_id,
                 message.event_type,
                 message.aggregate_type,
@@ -143,6 +175,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let amqp_url =
         args.amqp_url.clone().or_else(|| std::env::var("AMQP_URL").ok()).unwrap_or_else(|| DEFAULT_AMQP_URL.into());
     let masked = actix_outbox::mask_url(&database_url);
+    if args.delete_queue {
+        return delete_queues(&args.queue, &amqp_url).await;
+    }
 
     // The database: created if missing, the inbox migrated, the example's own table.
     actix_outbox::ensure_database(&database_url)
@@ -152,18 +187,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         eprintln!("applied inbox migration {version}");
     }
     let pool = actix_outbox::connect_pool(&database_url, 8).await?;
-    pool.get()
-        .await
-        .map_err(|e| format!("PostgreSQL at {masked}: {e}"))?
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS received_events (
-                message_id  bigint      PRIMARY KEY,
-                event_type  text        NOT NULL,
-                payload     jsonb       NOT NULL,
-                received_at timestamptz NOT NULL DEFAULT now()
-            )",
-        )
-        .await?;
+    pool.get().await.map_err(|e| format!("PostgreSQL at {masked}: {e}"))?.batch_execute(RECEIVED_EVENTS_DDL).await?;
 
     // The queue and its binding, on a short-lived connection of the example's own (this is the
     // System's arbiter, which lives as long as the program).
@@ -177,6 +201,13 @@ async fn run(args: Args) -> Result<(), BoxError> {
         "consuming {:?} as {:?} into {masked}; SIGINT or SIGTERM stops after the deliveries in hand",
         args.queue, args.consumer
     );
+    if !args.no_bind {
+        eprintln!(
+            "the queue is bound to {:?} for {:?} and keeps collecting those events while this example is stopped; \
+             `--delete-queue` removes it",
+            args.exchange, args.binding_key
+        );
+    }
 
     wait_for_signal().await?;
     eprintln!("stopping: finishing the deliveries in hand");
@@ -211,6 +242,19 @@ async fn declare_topology(args: &Args, amqp_url: &str) -> Result<(), lapin::Erro
             .await?;
     }
     conn.close(200, "set up".into()).await
+}
+
+/// `--delete-queue`: the queue and its dead-letter queue, gone.
+async fn delete_queues(queue: &str, amqp_url: &str) -> Result<(), BoxError> {
+    let properties = ConnectionProperties::default().with_connection_name("actix-outbox inbox example cleanup".into());
+    let conn = Connection::connect(amqp_url, properties).await?;
+    let channel = conn.create_channel().await?;
+    for name in [queue.to_owned(), format!("{queue}.dlq")] {
+        let dropped = channel.queue_delete(name.as_str().into(), QueueDeleteOptions::default()).await?;
+        eprintln!("deleted queue {name:?} ({dropped} messages dropped)");
+    }
+    conn.close(200, "cleaned up".into()).await?;
+    Ok(())
 }
 
 /// Resolves on the first SIGINT or SIGTERM.

@@ -115,6 +115,15 @@ pub struct DispatcherConfig {
     /// What becomes of a row once its message is confirmed: kept as `done` (the default) or
     /// deleted by the same fenced statement. See [`Retention`] for the trade-off.
     pub retention: Retention,
+    /// The outbox's name in every message ([`OutboxMessage::source`](crate::OutboxMessage::source),
+    /// the RabbitMQ sink's `x-outbox-source` header), so that consumers of many outboxes tell
+    /// apart rows that share an id. `None` (the default): derived from the database when the
+    /// first claim runs, as `<system identifier>/<database>/<schema>.outbox` (see
+    /// [`admin::outbox_source`](crate::admin::outbox_source)), unique without configuration.
+    /// Set it where that cannot be read (a role denied `pg_control_system()`), or to keep a name
+    /// across a move of the database to another cluster; every dispatcher of one table must use
+    /// the same.
+    pub source: Option<String>,
 }
 
 impl Default for DispatcherConfig {
@@ -138,6 +147,7 @@ impl Default for DispatcherConfig {
             sink_probe_interval: DEFAULT_SINK_PROBE_INTERVAL,
             table_metrics_interval: Some(DEFAULT_TABLE_METRICS_INTERVAL),
             retention: Retention::Keep,
+            source: None,
         }
     }
 }
@@ -202,6 +212,13 @@ impl DispatcherConfig {
         table_metrics_interval: Option<Duration>,
         /// Sets [`DispatcherConfig::retention`].
         retention: Retention,
+    }
+
+    /// Sets [`DispatcherConfig::source`].
+    #[must_use]
+    pub fn source(mut self, name: impl Into<String>) -> Self {
+        self.source = Some(name.into());
+        self
     }
 
     /// Sets [`DispatcherConfig::max_in_flight`].
@@ -269,6 +286,9 @@ impl DispatcherConfig {
         if self.finalize_batch == 0 {
             return Err(ZeroFinalizeBatch);
         }
+        if self.source.as_ref().is_some_and(|s| s.trim().is_empty()) {
+            return Err(EmptySource);
+        }
         if let Fifo::EventTypes(types) = &self.fifo
             && types.is_empty()
         {
@@ -296,6 +316,9 @@ pub enum ConfigError {
         /// The batch size.
         batch: usize,
     },
+    /// `source` is set but empty: its messages would look like another producer's.
+    #[error("source must not be empty (leave it unset to derive it from the database)")]
+    EmptySource,
     /// `max_in_flight_bytes` is 0: nothing could ever be claimed.
     #[error("max in flight bytes must be above zero")]
     ZeroInFlightBytes,

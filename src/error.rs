@@ -39,6 +39,25 @@ pub enum StoreError {
     /// name says which); nothing was written.
     #[error("{0} must be called inside a transaction: its lock would be released before the insert commits")]
     OutsideTransaction(&'static str),
+    /// The database has no `outbox` table: it was never migrated (or the connection's
+    /// `search_path` does not reach the table).
+    #[error(
+        "database {database:?} has no outbox table: run `actix-outbox migrate` (or `actix_outbox::migrate`) against it first"
+    )]
+    NoOutboxTable {
+        /// The database that was connected to.
+        database: String,
+    },
+    /// The outbox's source name cannot be derived: the role may not call
+    /// `pg_control_system()`, which gives the cluster's system identifier.
+    #[error(
+        "cannot derive the outbox's source name on database {database:?}: this role may not call pg_control_system(); \
+         set the source by hand (DispatcherConfig::source, `run --source`)"
+    )]
+    NoSystemIdentifier {
+        /// The database that was connected to.
+        database: String,
+    },
 }
 
 fn pool_reason(e: &RunError) -> String {
@@ -65,7 +84,11 @@ impl StoreError {
                 E::BrokenTransactionManager => true,
                 _ => false,
             },
-            StoreError::Migration(_) | StoreError::BadUrl(_) | StoreError::OutsideTransaction(_) => false,
+            StoreError::Migration(_)
+            | StoreError::BadUrl(_)
+            | StoreError::OutsideTransaction(_)
+            | StoreError::NoOutboxTable { .. }
+            | StoreError::NoSystemIdentifier { .. } => false,
         }
     }
 }

@@ -82,6 +82,7 @@ mod store;
 #[cfg(feature = "opentelemetry")]
 mod trace;
 mod url;
+pub mod wire;
 
 pub use config::{ConfigError, DispatcherConfig, Fifo, Retention};
 pub use dispatcher::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
@@ -103,7 +104,7 @@ pub use url::{ConnectionString, InvalidConnectionString, mask_url};
 pub mod admin {
     pub use crate::store::{
         BlockedAggregate, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count, dead_list, dead_retry,
-        dead_retry_all, dead_skip, purge_done, stats,
+        dead_retry_all, dead_skip, outbox_source, purge_done, stats,
     };
 }
 

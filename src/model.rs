@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
 use diesel::deserialize::{self, FromSql, FromSqlRow};
@@ -95,8 +96,15 @@ impl FromSql<Text, Pg> for Status {
 #[derive(Debug, Clone, Serialize)]
 #[non_exhaustive]
 pub struct OutboxMessage {
-    /// The outbox id: the stable message id consumers deduplicate on.
+    /// The outbox id: the stable message id consumers deduplicate on, together with
+    /// [`OutboxMessage::source`].
     pub id: i64,
+    /// The outbox this row belongs to: the dispatcher's
+    /// [`DispatcherConfig::source`](crate::DispatcherConfig::source), or the identity it derived
+    /// from the database (see [`wire`](crate::wire#message-identity)). `(source, id)` is unique
+    /// across every outbox; the id alone only within one table. Shared by every message of a
+    /// dispatcher.
+    pub source: Arc<str>,
     /// Kind of aggregate the event belongs to (`order`, `customer`...).
     pub aggregate_type: String,
     /// The aggregate instance the event belongs to.
@@ -124,7 +132,7 @@ pub struct OutboxMessage {
 
 impl OutboxMessage {
     /// A message as a first claim would hand it to a sink (attempt 1, lease version 1, created
-    /// now, no headers): for testing a sink without a database.
+    /// now, no headers, an empty source): for testing a sink without a database.
     ///
     /// ```
     /// let payload = serde_json::value::to_raw_value(&serde_json::json!({"total": 10})).unwrap();
@@ -149,6 +157,7 @@ impl OutboxMessage {
             lease_version: 1,
             lease_until: None,
             headers: Default::default(),
+            source: no_source(),
         }
     }
 
@@ -168,9 +177,16 @@ impl OutboxMessage {
     }
 }
 
+/// The source of a message not (yet) stamped by a dispatcher: empty, shared.
+pub(crate) fn no_source() -> Arc<str> {
+    static EMPTY: std::sync::LazyLock<Arc<str>> = std::sync::LazyLock::new(|| Arc::from(""));
+    EMPTY.clone()
+}
+
 impl PartialEq for OutboxMessage {
     fn eq(&self, other: &Self) -> bool {
         self.id == other.id
+            && self.source == other.source
             && self.aggregate_type == other.aggregate_type
             && self.aggregate_id == other.aggregate_id
             && self.event_type == other.event_type
@@ -243,7 +259,7 @@ impl NewEvent {
     /// whose name starts with `x-outbox-` or `x-aggregate-`, is stored but not published (the
     /// message carries the sink's value of that name instead). A name longer than 255 bytes
     /// cannot be sent over AMQP, nor headers that take more than
-    /// [`MAX_PRODUCER_HEADER_BYTES`](crate::sink::MAX_PRODUCER_HEADER_BYTES) encoded (about the
+    /// [`MAX_PRODUCER_HEADER_BYTES`](crate::wire::MAX_PRODUCER_HEADER_BYTES) encoded (about the
     /// sum of names and values): the message then fails permanently (the row goes dead with a
     /// `last_error` saying why).
     ///

@@ -75,11 +75,20 @@ pub struct RunArgs {
     /// Do not declare the exchange (durable topic) at connect; it must exist already
     #[arg(long)]
     pub no_declare: bool,
-    /// Send no x-outbox-id, x-deduplication-header, x-aggregate-type, x-aggregate-id or
-    /// x-attempt header (message_id, type and the producer's headers still go): less work for
-    /// the broker, for consumers that do not read them
+    /// Send no x-outbox-source, x-aggregate-type, x-aggregate-id or x-attempt header
+    /// (message_id, type and the producer's headers still go): less work for the broker, for
+    /// consumers that read none of them (an inbox then sees no source)
     #[arg(long)]
     pub no_outbox_headers: bool,
+    /// Also send x-deduplication-header = SOURCE/ID, for brokers that run RabbitMQ's
+    /// message-deduplication plugin
+    #[arg(long)]
+    pub deduplication_header: bool,
+    /// This outbox's name in every message's x-outbox-source header, with the id unique across
+    /// databases (default: derived from the database, SYSTEM_IDENTIFIER/DATABASE/SCHEMA.outbox;
+    /// logged at start). Every dispatcher of one table must use the same
+    #[arg(long, value_name = "NAME", env = "ACTIX_OUTBOX_SOURCE")]
+    pub source: Option<String>,
     /// Claim actors, each with its own owner id
     #[arg(long, value_name = "N", default_value_t = config::DEFAULT_WORKERS)]
     pub workers: usize,
@@ -173,6 +182,9 @@ impl RunArgs {
         if let Some(n) = self.max_in_flight {
             config = config.max_in_flight(n);
         }
+        if let Some(source) = &self.source {
+            config = config.source(source.clone());
+        }
         config = config.fifo(self.fifo.fifo()?);
         if let Some(addr) = &self.metrics_addr {
             let port = addr.rsplit_once(':').map(|(host, port)| (host, port.parse::<u16>()));
@@ -189,7 +201,8 @@ impl RunArgs {
         let config = RabbitConfig::cluster(self.amqp_url.iter().map(|u| u.trim().to_owned()))
             .exchange(self.exchange.clone())
             .declare_exchange(!self.no_declare)
-            .outbox_headers(!self.no_outbox_headers);
+            .outbox_headers(!self.no_outbox_headers)
+            .deduplication_header(self.deduplication_header);
         config.validate().map_err(|e| CliError::BadInput(e.to_string()))?;
         Ok(config)
     }
@@ -197,12 +210,12 @@ impl RunArgs {
 
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
-    let config = args.dispatcher_config()?;
+    let mut config = args.dispatcher_config()?;
     let rabbit = args.rabbit_config()?;
     // Registered before anything slow, so that a signal during start-up is not lost.
     let mut signals = Signals::register()?;
 
-    connect(&url).await?;
+    let mut conn = connect(&url).await?;
     let pending = actix_outbox::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if !pending.is_empty() {
         return Err(CliError::Failed(format!(
@@ -211,6 +224,12 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             pending.join(", ")
         )));
     }
+    let source = match config.source.clone() {
+        Some(source) => source,
+        None => actix_outbox::admin::outbox_source(&mut conn).await.map_err(|e| CliError::store(&url, e))?,
+    };
+    drop(conn);
+    config.source = Some(source);
     let pool = actix_outbox::connect_pool(url.expose(), (config.workers + EXTRA_CONNECTIONS) as u32)
         .await
         .map_err(|e| CliError::store(&url, e))?;
@@ -232,7 +251,8 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    info!(database = %url, fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
+    info!(database = %url, source = config.source.as_deref().unwrap_or_default(), fifo = %config.fifo,
+        "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
     let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
     *supervisor_slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(supervisor.clone());

@@ -27,7 +27,7 @@ pub(super) const LONG_ABOUT: &str = "Show rows by status, the age of the oldest 
     the unfinished rows have spent. All times come from the database clock.\n\n\
     --json prints one object: {\"by_status\": {\"pending\": n, \"processing\": n, \"done\": n, \
     \"dead\": n}, \"oldest_unfinished_age_s\": number or null, \"expired_leases\": n, \
-    \"attempts\": {\"1\": n, ...}}\n\n\
+    \"attempts\": {\"1\": n, ...}, \"source\": \"SYSTEM_ID/DATABASE/SCHEMA.outbox\" or null}\n\n\
     --fifo [TYPES] adds the aggregates a dead head holds back under that FIFO gate (pass the \
     --fifo the dispatchers run with): the first 20, oldest dead head first, and their total; in \
     JSON the keys \"blocked_aggregates\" (objects as `actix-outbox dead blocked --json` prints \
@@ -98,6 +98,8 @@ fn render(stats: &Stats) -> String {
     };
     out += &format!("oldest unfinished row   {oldest}\n");
     out += &format!("expired leases          {}\n", stats.expired_leases);
+    let source = stats.source.as_deref().unwrap_or("unknown (the role may not read the system identifier)");
+    out += &format!("source                  {source}\n");
     out += "attempts of unfinished rows\n";
     if stats.attempts.is_empty() {
         out += "  (none)\n";

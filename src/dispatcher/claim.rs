@@ -227,6 +227,10 @@ impl ClaimActor {
                 },
                 None => None,
             };
+            let source = match shared.source(&mut conn).await {
+                Ok(source) => source,
+                Err(e) => return (released, Err(e)),
+            };
             let params = ClaimParams {
                 owner: &owner,
                 batch,
@@ -237,7 +241,13 @@ impl ClaimActor {
                 resume,
                 heads_after: heads_after.as_ref(),
             };
-            (released, store::claim(&mut conn, &params).await)
+            let claimed = store::claim(&mut conn, &params).await.map(|mut claim| {
+                for message in &mut claim.messages {
+                    message.source = source.clone();
+                }
+                claim
+            });
+            (released, claimed)
         };
         ctx.spawn(query.into_actor(self).map(move |(released, result): (_, Result<_, StoreError>), act, ctx| {
             act.claiming = false;

@@ -1,7 +1,9 @@
 //! What every actor of one dispatcher shares: set up once by the supervisor, read by all.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use diesel_async::AsyncPgConnection;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
@@ -29,13 +31,39 @@ pub(crate) struct Shared {
     /// actor because publishes outlive a claim actor that dies. A claim whose answer was lost
     /// hands back that worker's other `processing` rows (see `store::release_unanswered`).
     publishing: Vec<Mutex<HashSet<i64>>>,
+    /// The outbox's source name, stamped on every claimed message: the configured one, or the
+    /// one the first claim derives from the database (see `store::outbox_source`).
+    source: OnceLock<Arc<str>>,
 }
 
 impl Shared {
     pub(crate) fn new(config: DispatcherConfig, pool: PgPool, publisher: Arc<dyn Publisher>) -> Self {
         let gate = SinkGate::new(config.sink_probe_interval, config.publish_timeout);
         let publishing = (0..config.workers).map(|_| Mutex::default()).collect();
-        Self { config, pool, publisher, metrics: Metrics::default(), gate, db: DbHealth::default(), publishing }
+        let source = OnceLock::new();
+        if let Some(name) = &config.source {
+            let _ = source.set(Arc::from(name.as_str()));
+        }
+        Self { config, pool, publisher, metrics: Metrics::default(), gate, db: DbHealth::default(), publishing, source }
+    }
+
+    /// The outbox's source name, derived from the database on `conn` the first time when it
+    /// was not configured.
+    pub(crate) async fn source(&self, conn: &mut AsyncPgConnection) -> Result<Arc<str>, StoreError> {
+        if let Some(source) = self.source.get() {
+            return Ok(source.clone());
+        }
+        let derived = crate::store::outbox_source(conn).await?;
+        let source = self.source.get_or_init(|| {
+            info!(source = %derived, "outbox source derived from the database: messages carry it in x-outbox-source");
+            Arc::from(derived.as_str())
+        });
+        Ok(source.clone())
+    }
+
+    /// The source name, once known.
+    pub(crate) fn known_source(&self) -> Option<Arc<str>> {
+        self.source.get().cloned()
     }
 
     /// The ids of the rows worker `n`'s publishes hold.

@@ -251,6 +251,9 @@ pub struct Health {
     pub database_reachable: bool,
     /// Shutdown has begun: the dispatcher claims nothing more.
     pub stopping: bool,
+    /// The outbox's source name ([`DispatcherConfig::source`](crate::DispatcherConfig::source)),
+    /// once known: configured, or derived by the first claim.
+    pub source: Option<String>,
 }
 
 impl Health {
@@ -285,6 +288,7 @@ impl Handler<GetHealth> for OutboxSupervisor {
             claiming_paused: self.shared.gate.claimable() == Claimable::No,
             database_reachable: self.shared.db.reachable(),
             stopping: self.state != State::Running,
+            source: self.shared.known_source().map(|s| s.to_string()),
         })
     }
 }

@@ -74,7 +74,7 @@ pub enum LateEvents {
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct InboxConfig {
-    /// The consumer's name: the inbox's key is `(consumer, message_id)`, so two consumers of
+    /// The consumer's name: the inbox's key is `(consumer, source, message_id)`, so two consumers of
     /// one database (two services, or two independent uses of one stream) each apply a message
     /// once. Keep it stable: a renamed consumer handles every message again.
     pub consumer: String,
@@ -119,8 +119,14 @@ pub struct InboxConfig {
     /// before consuming) and something must be bound to it for the queue's name: a dead
     /// letter nobody is bound for is held and retried, never dropped. Default true.
     pub declare_dead_letter: bool,
-    /// Check per aggregate that no message is applied after a newer one. Default false.
+    /// Check per aggregate that no message is applied after a newer one (per source and
+    /// aggregate: ids of two producers are not comparable). Default false.
     pub ordered: bool,
+    /// Hand the handler messages whose `content_type` says JSON but whose body does not parse,
+    /// with [`InboxMessage::payload`](super::InboxMessage::payload) `None` and the bytes in
+    /// `body`. Off (the default), such a message is dead-lettered with the parse error as its
+    /// reason, like a message without a usable id.
+    pub raw_bodies: bool,
     /// What an ordered consumer does with a late message. Default [`LateEvents::Skip`].
     pub late_events: LateEvents,
     /// The connection name shown in RabbitMQ's management UI; default `actix-outbox inbox
@@ -149,6 +155,7 @@ impl std::fmt::Debug for InboxConfig {
             .field("dead_letter_queue", &self.dead_letter_queue_name())
             .field("declare_dead_letter", &self.declare_dead_letter)
             .field("ordered", &self.ordered)
+            .field("raw_bodies", &self.raw_bodies)
             .field("late_events", &self.late_events)
             .field("connection_name", &self.connection_name)
             .finish()
@@ -191,6 +198,7 @@ impl InboxConfig {
             dead_letter_queue: None,
             declare_dead_letter: true,
             ordered: false,
+            raw_bodies: false,
             late_events: LateEvents::Skip,
             connection_name: None,
         }
@@ -211,6 +219,8 @@ impl InboxConfig {
         declare_dead_letter: bool,
         /// Sets [`InboxConfig::ordered`].
         ordered: bool,
+        /// Sets [`InboxConfig::raw_bodies`].
+        raw_bodies: bool,
         /// Sets [`InboxConfig::late_events`].
         late_events: LateEvents,
     }

@@ -309,7 +309,7 @@ impl InboxConsumer {
         Counters::add(&self.shared.counters.received, 1);
         self.in_hand += 1;
         *self.held.entry(generation).or_default() += 1;
-        let parsed = InboxMessage::from_delivery(&delivery);
+        let parsed = InboxMessage::from_delivery(&delivery, self.shared.config.raw_bodies);
         let body = std::mem::take(&mut delivery.data);
         let attempt = parsed.as_ref().map_or(1, |m| m.attempt);
         let (exchange, routing_key) = match &parsed {
@@ -544,9 +544,9 @@ fn consumer_tag(consumer: &str, generation: u64) -> String {
 fn lane_of(message: &InboxMessage, lanes: usize) -> usize {
     let mut h = DefaultHasher::new();
     if message.has_aggregate() {
-        (&message.aggregate_type, &message.aggregate_id).hash(&mut h);
+        (&message.source, &message.aggregate_type, &message.aggregate_id).hash(&mut h);
     } else {
-        message.message_id.hash(&mut h);
+        (&message.source, message.message_id).hash(&mut h);
     }
     (h.finish() % lanes.max(1) as u64) as usize
 }
@@ -657,14 +657,8 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
     let transaction = conn.transaction(async |c| {
         let mut newest = None;
         if config.ordered && message.has_aggregate() {
-            let order = store::advance_aggregate(
-                c,
-                consumer,
-                &message.aggregate_type,
-                &message.aggregate_id,
-                message.message_id,
-            )
-            .await?;
+            let order =
+                store::advance_aggregate(c, consumer, store::AggregateRef::of(message), message.message_id).await?;
             if let AggregateOrder::Late { newest: n } = order {
                 newest = Some(n);
             }

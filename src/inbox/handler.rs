@@ -33,8 +33,7 @@ use super::message::InboxMessage;
 ///             if message.event_type != "order.created" {
 ///                 return Ok(()); // recorded in the inbox, nothing else to do
 ///             }
-///             let total = message.payload["total"]
-///                 .as_i64()
+///             let total = message.payload.as_ref().and_then(|p| p["total"].as_i64())
 ///                 .ok_or_else(|| HandlerError::permanent("order.created without a total"))?;
 ///             diesel::sql_query("UPDATE order_stats SET orders = orders + 1, total = total + $1")
 ///                 .bind::<diesel::sql_types::BigInt, _>(total)
@@ -81,8 +80,8 @@ impl<F> std::fmt::Debug for FnHandler<F> {
 ///
 /// let handler = handler_fn(|_conn, message| {
 ///     Box::pin(async move {
-///         if message.payload.is_null() {
-///             return Err(HandlerError::permanent("the body is not JSON"));
+///         if message.payload.is_none() {
+///             return Err(HandlerError::permanent("this consumer takes JSON bodies only"));
 ///         }
 ///         Ok(())
 ///     })

@@ -3,6 +3,8 @@
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable};
 
+use crate::wire::{self, value_int, value_str};
+
 /// Header carrying the consumer's own attempt count on the copies it republishes for a retry
 /// (absent on a first delivery, which is attempt 1).
 pub const ATTEMPT_HEADER: &str = "x-inbox-attempt";
@@ -21,13 +23,19 @@ pub const ROUTING_KEY_HEADER: &str = "x-inbox-routing-key";
 
 /// One message as the handler sees it.
 ///
-/// The consumer builds it from a delivery: the AMQP `message_id` (the producer's outbox id,
-/// decimal), the `type` property, the `x-aggregate-type`, `x-aggregate-id` and `x-attempt`
-/// headers that the outbox's RabbitMQ sink sets, and the body.
+/// The consumer builds it from a delivery in the outbox's [wire format](crate::wire): the AMQP
+/// `message_id` (the producer's outbox id, decimal), the `type` property, the
+/// `x-outbox-source`, `x-aggregate-type`, `x-aggregate-id` and `x-attempt` headers that the
+/// outbox's RabbitMQ sink sets, and the body.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct InboxMessage {
-    /// The message id: the key of exactly-once, shared by every copy of the message.
+    /// The producing outbox (the `x-outbox-source` header); empty when the message had none.
+    /// With [`InboxMessage::message_id`] it is the key of exactly-once: ids are unique only
+    /// within one source, so a message without a source must come from a producer whose ids
+    /// are unique by themselves.
+    pub source: String,
+    /// The message id, shared by every copy of the message.
     pub message_id: i64,
     /// The AMQP `type` property (the outbox's event type); empty when the message had none.
     pub event_type: String,
@@ -56,8 +64,12 @@ pub struct InboxMessage {
     pub routing_key: String,
     /// Every header of the delivery.
     pub headers: FieldTable,
-    /// The body parsed as JSON; `Null` when the body is empty or not JSON (see `body`).
-    pub payload: serde_json::Value,
+    /// The body parsed as JSON. `None` when the message says it is not JSON (a `content_type`
+    /// other than `application/json` or `*+json`) or says nothing and is not JSON, or, under
+    /// [`InboxConfig::raw_bodies`](super::InboxConfig::raw_bodies), whenever it does not parse.
+    /// A message whose `content_type` says JSON but whose body does not parse is dead-lettered
+    /// unless the consumer asked for raw bodies: a handler never sees an invented `null`.
+    pub payload: Option<serde_json::Value>,
     /// The body as received.
     pub body: Vec<u8>,
 }
@@ -68,6 +80,7 @@ impl InboxMessage {
     pub fn new(message_id: i64, event_type: impl Into<String>, payload: serde_json::Value) -> Self {
         let body = serde_json::to_vec(&payload).unwrap_or_default();
         Self {
+            source: String::new(),
             message_id,
             event_type: event_type.into(),
             aggregate_type: String::new(),
@@ -80,9 +93,16 @@ impl InboxMessage {
             exchange: String::new(),
             routing_key: String::new(),
             headers: FieldTable::default(),
-            payload,
+            payload: Some(payload),
             body,
         }
+    }
+
+    /// Sets the source.
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<String>) -> Self {
+        self.source = source.into();
+        self
     }
 
     /// Sets the aggregate.
@@ -113,9 +133,10 @@ impl InboxMessage {
         self.header(name).and_then(value_int)
     }
 
-    /// Reads a delivery. `Err` says why it has no usable message id (or carries text that
-    /// PostgreSQL cannot store); such a message is dead-lettered, never handled.
-    pub(crate) fn from_delivery(delivery: &Delivery) -> Result<Self, String> {
+    /// Reads a delivery. `Err` says why it has no usable message id, carries text that
+    /// PostgreSQL cannot store, or says it is JSON and is not (unless `raw_bodies`); such a
+    /// message is dead-lettered, never handled.
+    pub(crate) fn from_delivery(delivery: &Delivery, raw_bodies: bool) -> Result<Self, String> {
         let properties = &delivery.properties;
         let headers = properties.headers().clone().unwrap_or_default();
         let header_str = |name: &str| headers.inner().get(name).and_then(value_str).map(str::to_owned);
@@ -129,17 +150,16 @@ impl InboxMessage {
                 .parse::<i64>()
                 .map_err(|_| format!("message_id {:?} is not a decimal 64-bit integer", id.as_str()))?,
         };
-        if let Some(outbox_id) = header_int("x-outbox-id")
-            && outbox_id != message_id
-        {
-            return Err(format!("message_id {message_id} disagrees with header x-outbox-id {outbox_id}"));
-        }
         let event_type = properties.kind().as_ref().map(|k| k.as_str().to_owned()).unwrap_or_default();
-        let aggregate_type = header_str("x-aggregate-type").unwrap_or_default();
-        let aggregate_id = header_str("x-aggregate-id").unwrap_or_default();
-        for (what, text) in
-            [("type", &event_type), ("x-aggregate-type", &aggregate_type), ("x-aggregate-id", &aggregate_id)]
-        {
+        let source = header_str(wire::SOURCE).unwrap_or_default();
+        let aggregate_type = header_str(wire::AGGREGATE_TYPE).unwrap_or_default();
+        let aggregate_id = header_str(wire::AGGREGATE_ID).unwrap_or_default();
+        for (what, text) in [
+            ("type", &event_type),
+            (wire::SOURCE, &source),
+            (wire::AGGREGATE_TYPE, &aggregate_type),
+            (wire::AGGREGATE_ID, &aggregate_id),
+        ] {
             if text.contains('\0') {
                 return Err(format!("{what} contains a NUL character, which PostgreSQL text cannot hold"));
             }
@@ -147,15 +167,24 @@ impl InboxMessage {
         let attempt = header_int(ATTEMPT_HEADER).map_or(1, |a| u32::try_from(a.max(1)).unwrap_or(u32::MAX));
         let exchange = header_str(EXCHANGE_HEADER).unwrap_or_else(|| delivery.exchange.as_str().to_owned());
         let routing_key = header_str(ROUTING_KEY_HEADER).unwrap_or_else(|| delivery.routing_key.as_str().to_owned());
-        let payload = serde_json::from_slice(&delivery.data).unwrap_or(serde_json::Value::Null);
+        let payload = match serde_json::from_slice(&delivery.data) {
+            Ok(value) => Some(value),
+            Err(e) => match properties.content_type() {
+                Some(t) if wire::is_json_content_type(t.as_str()) && !raw_bodies => {
+                    return Err(format!("content_type {:?} but the body is not JSON: {e}", t.as_str()));
+                }
+                _ => None,
+            },
+        };
         Ok(Self {
+            source,
             message_id,
             event_type,
             aggregate_type,
             aggregate_id,
             attempt,
             redelivered: delivery.redelivered,
-            publish_attempt: header_int("x-attempt"),
+            publish_attempt: header_int(wire::ATTEMPT),
             late: false,
             newest_applied: None,
             exchange,
@@ -164,28 +193,6 @@ impl InboxMessage {
             payload,
             body: delivery.data.clone(),
         })
-    }
-}
-
-fn value_str(value: &AMQPValue) -> Option<&str> {
-    match value {
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-        AMQPValue::ShortString(s) => Some(s.as_str()),
-        _ => None,
-    }
-}
-
-fn value_int(value: &AMQPValue) -> Option<i64> {
-    match value {
-        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
-        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
-        AMQPValue::LongLongInt(n) => Some(*n),
-        AMQPValue::LongString(_) | AMQPValue::ShortString(_) => value_str(value)?.trim().parse().ok(),
-        _ => None,
     }
 }
 
@@ -203,32 +210,51 @@ mod tests {
 
     #[test]
     fn reads_what_the_outbox_sink_sends() {
-        let mut headers = FieldTable::default();
-        headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(42));
-        headers.insert("x-aggregate-type".into(), AMQPValue::LongString("order".into()));
-        headers.insert("x-aggregate-id".into(), AMQPValue::LongString("o-1".into()));
-        headers.insert("x-attempt".into(), AMQPValue::LongInt(2));
-        let props = BasicProperties::default().with_message_id("42".into()).with_type("order.created".into());
-        let m = InboxMessage::from_delivery(&delivery(props.with_headers(headers), br#"{"n":1}"#)).unwrap();
-        assert_eq!((m.message_id, m.event_type.as_str()), (42, "order.created"));
+        let payload = serde_json::value::to_raw_value(&serde_json::json!({"n": 1})).unwrap();
+        let mut sent = crate::OutboxMessage::new(42, "order", "o-1", "order.created", payload);
+        sent.source = "7/shop/public.outbox".into();
+        sent.attempts = 2;
+        let props = crate::sink::RabbitConfig::new("amqp://localhost").properties(&sent).unwrap();
+        let m = InboxMessage::from_delivery(&delivery(props, br#"{"n":1}"#), false).unwrap();
+        assert_eq!(
+            (m.source.as_str(), m.message_id, m.event_type.as_str()),
+            ("7/shop/public.outbox", 42, "order.created")
+        );
         assert_eq!((m.aggregate_type.as_str(), m.aggregate_id.as_str()), ("order", "o-1"));
         assert_eq!((m.attempt, m.publish_attempt), (1, Some(2)));
         assert_eq!((m.exchange.as_str(), m.routing_key.as_str()), ("outbox", "order.created"));
-        assert_eq!(m.payload, serde_json::json!({"n": 1}));
+        assert_eq!(m.payload, Some(serde_json::json!({"n": 1})));
+    }
+
+    #[test]
+    fn a_message_without_a_source_has_an_empty_one() {
+        let props = BasicProperties::default().with_message_id("3".into());
+        let m = InboxMessage::from_delivery(&delivery(props, b"{}"), false).unwrap();
+        assert_eq!((m.source.as_str(), m.message_id), ("", 3));
     }
 
     #[test]
     fn refuses_messages_without_a_usable_id() {
-        let none = InboxMessage::from_delivery(&delivery(BasicProperties::default(), b"{}")).unwrap_err();
+        let none = InboxMessage::from_delivery(&delivery(BasicProperties::default(), b"{}"), false).unwrap_err();
         assert!(none.contains("no message_id"), "{none}");
         let text = BasicProperties::default().with_message_id("abc".into());
-        assert!(InboxMessage::from_delivery(&delivery(text, b"{}")).unwrap_err().contains("not a decimal"));
-        let mut headers = FieldTable::default();
-        headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(7));
-        let disagree = BasicProperties::default().with_message_id("8".into()).with_headers(headers);
-        assert!(InboxMessage::from_delivery(&delivery(disagree, b"{}")).unwrap_err().contains("disagrees"));
+        assert!(InboxMessage::from_delivery(&delivery(text, b"{}"), false).unwrap_err().contains("not a decimal"));
         let nul = BasicProperties::default().with_message_id("9".into()).with_type("a\0b".into());
-        assert!(InboxMessage::from_delivery(&delivery(nul, b"{}")).unwrap_err().contains("NUL"));
+        assert!(InboxMessage::from_delivery(&delivery(nul, b"{}"), false).unwrap_err().contains("NUL"));
+    }
+
+    #[test]
+    fn a_body_that_says_json_and_is_not_is_refused_unless_raw() {
+        let json = BasicProperties::default().with_message_id("4".into()).with_content_type("application/json".into());
+        for body in [&b"{not json"[..], b"\xff\xfe", b""] {
+            let e = InboxMessage::from_delivery(&delivery(json.clone(), body), false).unwrap_err();
+            assert!(e.contains("body is not JSON"), "{e}");
+            let raw = InboxMessage::from_delivery(&delivery(json.clone(), body), true).unwrap();
+            assert_eq!((raw.payload, raw.body.as_slice()), (None, body));
+        }
+        let text = BasicProperties::default().with_message_id("5".into()).with_content_type("text/plain".into());
+        let m = InboxMessage::from_delivery(&delivery(text, b"hello"), false).unwrap();
+        assert_eq!((m.payload, m.body.as_slice()), (None, &b"hello"[..]), "a body that never claimed to be JSON");
     }
 
     #[test]
@@ -241,10 +267,10 @@ mod tests {
         let mut d = delivery(props, b"not json");
         d.exchange = "".into();
         d.routing_key = "the-queue".into();
-        let m = InboxMessage::from_delivery(&d).unwrap();
+        let m = InboxMessage::from_delivery(&d, false).unwrap();
         assert_eq!(m.attempt, 3);
         assert_eq!((m.exchange.as_str(), m.routing_key.as_str()), ("outbox", "order.paid"));
-        assert_eq!(m.payload, serde_json::Value::Null);
+        assert_eq!(m.payload, None);
         assert_eq!(m.body, b"not json");
     }
 }

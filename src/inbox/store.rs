@@ -43,7 +43,8 @@ pub async fn pending_inbox_migrations(database_url: &str) -> Result<Vec<String>,
     crate::store::pending_in(database_url, INBOX_MIGRATIONS).await
 }
 
-/// Records that `consumer` handled `message` (`INSERT ... ON CONFLICT DO NOTHING`). Returns
+/// Records that `consumer` handled `message`, keyed by `(consumer, source, message_id)`
+/// (`INSERT ... ON CONFLICT DO NOTHING`). Returns
 /// whether the row is new: `false` means an earlier copy of the message was already recorded
 /// (committed), or is being recorded by a transaction still open, in which case the insert
 /// waits for that transaction and then reports what it did.
@@ -51,6 +52,7 @@ pub async fn record(conn: &mut AsyncPgConnection, consumer: &str, message: &Inbo
     let inserted = diesel::insert_into(inbox::table)
         .values((
             inbox::consumer.eq(consumer),
+            inbox::source.eq(&message.source),
             inbox::message_id.eq(message.message_id),
             inbox::event_type.eq(&message.event_type),
             inbox::aggregate_type.eq(&message.aggregate_type),
@@ -63,10 +65,18 @@ pub async fn record(conn: &mut AsyncPgConnection, consumer: &str, message: &Inbo
     Ok(inserted == 1)
 }
 
-/// Whether `consumer` has recorded `message_id`.
-pub async fn is_recorded(conn: &mut AsyncPgConnection, consumer: &str, message_id: i64) -> QueryResult<bool> {
+/// Whether `consumer` has recorded `message_id` of `source`.
+pub async fn is_recorded(
+    conn: &mut AsyncPgConnection,
+    consumer: &str,
+    source: &str,
+    message_id: i64,
+) -> QueryResult<bool> {
     diesel::select(diesel::dsl::exists(
-        inbox::table.filter(inbox::consumer.eq(consumer)).filter(inbox::message_id.eq(message_id)),
+        inbox::table
+            .filter(inbox::consumer.eq(consumer))
+            .filter(inbox::source.eq(source))
+            .filter(inbox::message_id.eq(message_id)),
     ))
     .get_result(conn)
     .await
@@ -85,14 +95,32 @@ pub enum AggregateOrder {
     },
 }
 
-/// Raises the high-water mark of `(consumer, aggregate_type, aggregate_id)` to `message_id`
-/// unless it is already at or above it, and says which it was. The aggregate's row stays locked
-/// until the transaction ends, so two transactions for one aggregate take turns.
+/// The aggregate of one producer, as an ordered consumer tracks it: message ids are comparable
+/// only within one source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AggregateRef<'a> {
+    /// The producing outbox (`x-outbox-source`; `''` when the messages carry none).
+    pub source: &'a str,
+    /// `x-aggregate-type`.
+    pub aggregate_type: &'a str,
+    /// `x-aggregate-id`.
+    pub aggregate_id: &'a str,
+}
+
+impl<'a> AggregateRef<'a> {
+    /// The aggregate `message` belongs to.
+    pub fn of(message: &'a InboxMessage) -> Self {
+        Self { source: &message.source, aggregate_type: &message.aggregate_type, aggregate_id: &message.aggregate_id }
+    }
+}
+
+/// Raises the high-water mark of `consumer` for `aggregate` to `message_id` unless it is
+/// already at or above it, and says which it was. The aggregate's row stays locked until the
+/// transaction ends, so two transactions for one aggregate take turns.
 pub async fn advance_aggregate(
     conn: &mut AsyncPgConnection,
     consumer: &str,
-    aggregate_type: &str,
-    aggregate_id: &str,
+    aggregate: AggregateRef<'_>,
     message_id: i64,
 ) -> QueryResult<AggregateOrder> {
     // The filter of `ON CONFLICT DO UPDATE ... WHERE` (diesel's prelude brings the query's).
@@ -101,11 +129,12 @@ pub async fn advance_aggregate(
     let raised: Option<i64> = diesel::insert_into(a::inbox_aggregates)
         .values((
             a::consumer.eq(consumer),
-            a::aggregate_type.eq(aggregate_type),
-            a::aggregate_id.eq(aggregate_id),
+            a::source.eq(aggregate.source),
+            a::aggregate_type.eq(aggregate.aggregate_type),
+            a::aggregate_id.eq(aggregate.aggregate_id),
             a::last_message_id.eq(message_id),
         ))
-        .on_conflict((a::consumer, a::aggregate_type, a::aggregate_id))
+        .on_conflict((a::consumer, a::source, a::aggregate_type, a::aggregate_id))
         .do_update()
         .set((a::last_message_id.eq(excluded(a::last_message_id)), a::updated_at.eq(diesel::dsl::now)))
         .filter(a::last_message_id.lt(excluded(a::last_message_id)))
@@ -117,22 +146,22 @@ pub async fn advance_aggregate(
         return Ok(AggregateOrder::InOrder);
     }
     // ON CONFLICT locked the row even though it did not update it: this read is current.
-    let newest = last_applied(conn, consumer, aggregate_type, aggregate_id).await?.unwrap_or(message_id);
+    let newest = last_applied(conn, consumer, aggregate).await?.unwrap_or(message_id);
     Ok(AggregateOrder::Late { newest })
 }
 
-/// The highest message id `consumer` applied for an aggregate, if any.
+/// The highest message id `consumer` applied for `aggregate`, if any.
 pub async fn last_applied(
     conn: &mut AsyncPgConnection,
     consumer: &str,
-    aggregate_type: &str,
-    aggregate_id: &str,
+    aggregate: AggregateRef<'_>,
 ) -> QueryResult<Option<i64>> {
     use inbox_aggregates::dsl as a;
     a::inbox_aggregates
         .filter(a::consumer.eq(consumer))
-        .filter(a::aggregate_type.eq(aggregate_type))
-        .filter(a::aggregate_id.eq(aggregate_id))
+        .filter(a::source.eq(aggregate.source))
+        .filter(a::aggregate_type.eq(aggregate.aggregate_type))
+        .filter(a::aggregate_id.eq(aggregate.aggregate_id))
         .select(a::last_message_id)
         .first(conn)
         .await

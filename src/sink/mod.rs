@@ -7,6 +7,5 @@ mod rabbit;
 pub use channel::{ChannelSink, SinkAction};
 pub use rabbit::{
     DEFAULT_APP_ID, DEFAULT_CONNECT_TIMEOUT, DEFAULT_EXCHANGE, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN,
-    DEFAULT_UNRESPONSIVE_AFTER, ExchangeKind, MAX_PRODUCER_HEADER_BYTES, RabbitConfig, RabbitError, RabbitSink,
-    RoutingKeyFn,
+    DEFAULT_UNRESPONSIVE_AFTER, ExchangeKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn,
 };

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::{AMQPValue, FieldTable, ShortString};
+use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Event};
 use rand::RngExt;
 use tokio::sync::{Notify, oneshot, watch};
@@ -26,6 +26,7 @@ use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishFuture, PublishResult, Publisher, SinkState};
 use crate::url::mask_url;
+use crate::wire;
 
 /// The exchange published to by default.
 pub const DEFAULT_EXCHANGE: &str = "outbox";
@@ -106,23 +107,23 @@ pub struct RabbitConfig {
     /// [`PublishError::Unavailable`] (attempt refunded). Keep it below the dispatcher's publish
     /// timeout. Default [`DEFAULT_UNRESPONSIVE_AFTER`] (5 s).
     pub unresponsive_after: Duration,
-    /// Whether each message carries the sink's own headers (`x-outbox-id`,
-    /// `x-deduplication-header`, `x-aggregate-type`, `x-aggregate-id`, `x-attempt`; see
-    /// [`RabbitSink`]). Default `true`.
+    /// Whether each message carries the sink's header table (`x-outbox-source`,
+    /// `x-aggregate-type`, `x-aggregate-id`, `x-attempt`; see [`wire`](crate::wire)). Default
+    /// `true`.
     ///
-    /// Without them a message still has its `message_id` (the outbox id, the deduplication key),
+    /// Without it ("lean" messages) a message still has its `message_id` (the outbox id),
     /// `type`, `content_type`, `timestamp`, `app_id` and the producer's own headers, and a
     /// message whose row has no producer headers goes with no header table at all. That is
-    /// cheaper for the broker, chiefly while messages pile up in a queue: RabbitMQ 3.10 keeps
-    /// every queued message's decoded header table in the queue process's memory and garbage
-    /// collects it again and again. With 50,000 messages piling up in a durable classic queue
-    /// (no consumer), the table cost the broker about 13 µs of garbage collection per message
-    /// and a quarter of the throughput; with a consumer keeping the queue short, 2–10 % (see
-    /// the crate's benchmarks).
-    /// Turn them off only when no consumer reads them: RabbitMQ's message-deduplication plugin
-    /// reads `x-deduplication-header`, and the [inbox](crate::inbox) orders by the aggregate
-    /// headers (its deduplication needs only the `message_id`).
+    /// cheaper for the broker, chiefly while messages pile up in a queue (RabbitMQ keeps every
+    /// queued message's decoded header table in memory). Turn it off only when no consumer
+    /// needs the source or the aggregate: the [inbox](crate::inbox) keys on the source (a lean
+    /// message counts as one of an unnamed producer, whose ids must then be unique by
+    /// themselves) and orders by the aggregate.
     pub outbox_headers: bool,
+    /// Whether each message carries `x-deduplication-header` = `<source>/<id>`, the key that
+    /// RabbitMQ's message-deduplication plugin reads (see [`wire::DEDUPLICATION`]). Turn it on
+    /// for brokers that run the plugin. Default `false`.
+    pub deduplication_header: bool,
     routing_key: Option<Arc<RoutingKeyFn>>,
 }
 
@@ -140,6 +141,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("connection_name", &self.connection_name)
             .field("unresponsive_after", &self.unresponsive_after)
             .field("outbox_headers", &self.outbox_headers)
+            .field("deduplication_header", &self.deduplication_header)
             .field("routing_key", &if self.routing_key.is_some() { "custom" } else { "event_type" })
             .finish()
     }
@@ -171,6 +173,7 @@ impl RabbitConfig {
             connection_name: None,
             unresponsive_after: DEFAULT_UNRESPONSIVE_AFTER,
             outbox_headers: true,
+            deduplication_header: false,
             routing_key: None,
         }
     }
@@ -180,6 +183,29 @@ impl RabbitConfig {
     pub fn outbox_headers(mut self, on: bool) -> Self {
         self.outbox_headers = on;
         self
+    }
+
+    /// Sets [`RabbitConfig::deduplication_header`].
+    #[must_use]
+    pub fn deduplication_header(mut self, on: bool) -> Self {
+        self.deduplication_header = on;
+        self
+    }
+
+    /// The AMQP properties and headers this configuration gives `message` (the format of
+    /// [`wire`]), or the permanent failure of a message that cannot be sent (an event type or
+    /// a producer header that AMQP cannot carry).
+    pub fn properties(&self, message: &OutboxMessage) -> Result<BasicProperties, PublishError> {
+        wire::properties(message, &self.format())
+    }
+
+    fn format(&self) -> wire::Format {
+        wire::Format {
+            // validate() checked its length.
+            app_id: ShortString::try_new(self.app_id.as_str()).unwrap_or_default(),
+            outbox_headers: self.outbox_headers,
+            deduplication_header: self.deduplication_header,
+        }
     }
 
     /// Sets [`RabbitConfig::unresponsive_after`].
@@ -336,23 +362,15 @@ impl RabbitError {
 }
 
 /// A [`Publisher`] that publishes each outbox message to a RabbitMQ exchange with publisher
-/// confirms, in this format:
-///
-/// - `delivery_mode = 2` (persistent), `mandatory = true`;
-/// - properties `message_id` = the outbox id in decimal, `type` = the event type,
-///   `content_type = application/json`, `timestamp` = `created_at` (Unix seconds), `app_id`;
-/// - headers `x-outbox-id` (the id, a signed 64-bit integer), `x-deduplication-header` (the id
-///   as a string, for RabbitMQ's message-deduplication plugin), `x-aggregate-type`,
-///   `x-aggregate-id`, `x-attempt` (the claim's attempt number, 1 on the first), unless
-///   [`RabbitConfig::outbox_headers`] is off;
-/// - then the producer's headers ([`NewEvent::header`](crate::NewEvent::header),
-///   [`OutboxMessage::headers`]), each as a long string. **Ours win**: a producer's header
-///   named `x-deduplication-header` or `x-attempt`, or starting with `x-outbox-` or
-///   `x-aggregate-`, is not sent. A producer's header name longer than 255 bytes, or headers
-///   taking more than [`MAX_PRODUCER_HEADER_BYTES`] encoded, fail the message with
-///   [`PublishError::Permanent`] saying so;
-/// - body = the payload's JSON bytes; routing key = the event type unless
-///   [`RabbitConfig::routing_key`] says otherwise.
+/// confirms, `mandatory` and persistent, in the format of [`wire`]: `message_id` = the outbox
+/// id in decimal, the `x-outbox-source` header naming the outbox (unless
+/// [`RabbitConfig::outbox_headers`] is off), then the producer's headers
+/// ([`NewEvent::header`](crate::NewEvent::header)), each as a long string. **Ours win**: a
+/// producer's header named `x-deduplication-header` or `x-attempt`, or starting with
+/// `x-outbox-` or `x-aggregate-`, is not sent. A producer's header name longer than 255 bytes,
+/// or headers taking more than [`wire::MAX_PRODUCER_HEADER_BYTES`] encoded, fail the message
+/// with [`PublishError::Permanent`] saying so. The routing key is the event type unless
+/// [`RabbitConfig::routing_key`] says otherwise.
 ///
 /// Delivery is at-least-once: a message whose confirm was lost (connection cut, publish timeout)
 /// is published again on a later attempt with the same `message_id`, on which consumers
@@ -525,9 +543,8 @@ struct LinkState {
     /// Publishes on the current link waiting for their confirm.
     waits: Mutex<Waits>,
     exchange: ShortString,
-    app_id: ShortString,
+    format: wire::Format,
     routing_key: Option<Arc<RoutingKeyFn>>,
-    outbox_headers: bool,
     current: Mutex<Current>,
     /// Highest link generation a publish found broken.
     broken: AtomicU64,
@@ -567,9 +584,8 @@ impl LinkState {
             waits: Mutex::new(Waits { generation: 0, count: 0, since: Instant::now() }),
             // validate() checked both lengths.
             exchange: ShortString::try_new(config.exchange.as_str()).unwrap_or_default(),
-            app_id: ShortString::try_new(config.app_id.as_str()).unwrap_or_default(),
+            format: config.format(),
             routing_key: config.routing_key.clone(),
-            outbox_headers: config.outbox_headers,
             current: Mutex::new(Current { link: None, down_reason: "not connected yet".into() }),
             broken: AtomicU64::new(0),
             broken_notify: Notify::new(),
@@ -649,7 +665,7 @@ impl LinkState {
         let key = ShortString::try_new(routing_key.as_str()).map_err(|e| {
             PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
         })?;
-        let properties = properties(message, &self.app_id, self.outbox_headers)?;
+        let properties = wire::properties(message, &self.format)?;
         // The JSON text as PostgreSQL sent it: lapin copies it into its frames, nothing else does.
         let body = message.payload.get().as_bytes();
 
@@ -742,81 +758,6 @@ impl Drop for Waiting<'_> {
             waits.count = waits.count.saturating_sub(1);
         }
     }
-}
-
-/// The AMQP properties and headers of `message` (listed on [`RabbitSink`]).
-fn properties(
-    message: &OutboxMessage,
-    app_id: &ShortString,
-    outbox_headers: bool,
-) -> Result<BasicProperties, PublishError> {
-    let event_type = ShortString::try_new(message.event_type.as_str())
-        .map_err(|e| PublishError::Permanent(format!("event type cannot be sent as the AMQP `type` property: {e}")))?;
-    let id = message.id.to_string();
-    let mut headers = FieldTable::default();
-    // The producer's headers first, so that ours, inserted after, win a clash; names in our
-    // namespaces are left out altogether (see `is_reserved_header`).
-    let mut encoded = 0_usize;
-    for (name, value) in &message.headers {
-        if is_reserved_header(name) {
-            continue;
-        }
-        // Name length octet, name, type tag, value length, value.
-        encoded = encoded.saturating_add(1 + name.len() + 1 + 4 + value.len());
-        let key = ShortString::try_new(name.as_str()).map_err(|_| {
-            PublishError::Permanent(format!(
-                "header name \"{}...\" is {} bytes long; AMQP allows 255",
-                name.chars().take(32).collect::<String>(),
-                name.len()
-            ))
-        })?;
-        if u32::try_from(value.len()).is_err() {
-            return Err(PublishError::Permanent(format!(
-                "header {name:?} has a {}-byte value; AMQP allows 4 GiB",
-                value.len()
-            )));
-        }
-        headers.insert(key, AMQPValue::LongString(value.as_str().into()));
-    }
-    // The properties travel in one content-header frame, which the broker refuses (closing the
-    // connection) beyond its frame size: a message that can never go must not look like an outage.
-    if encoded > MAX_PRODUCER_HEADER_BYTES {
-        return Err(PublishError::Permanent(format!(
-            "the producer's headers take {encoded} bytes encoded; at most {MAX_PRODUCER_HEADER_BYTES} fit the AMQP \
-             content header"
-        )));
-    }
-    if outbox_headers {
-        headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(message.id));
-        headers.insert("x-deduplication-header".into(), AMQPValue::LongString(id.as_str().into()));
-        headers.insert("x-aggregate-type".into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
-        headers.insert("x-aggregate-id".into(), AMQPValue::LongString(message.aggregate_id.as_str().into()));
-        headers.insert("x-attempt".into(), AMQPValue::LongInt(message.attempts));
-    }
-    let properties = BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_content_type("application/json".into())
-        .with_message_id(id.into())
-        .with_type(event_type)
-        .with_timestamp(u64::try_from(message.created_at.timestamp()).unwrap_or(0))
-        .with_app_id(app_id.clone());
-    // No table at all rather than an empty one: the broker pays for a table's presence.
-    Ok(if headers.inner().is_empty() { properties } else { properties.with_headers(headers) })
-}
-
-/// The most bytes a message's producer headers may take encoded in the AMQP field table (about
-/// the sum of their names' and values' lengths, plus 7 bytes each). The content header that
-/// carries them must fit in one frame (RabbitMQ's default `frame_max` is 128 KiB); a broker
-/// closes the connection on a larger one, so a larger table fails its message permanently.
-pub const MAX_PRODUCER_HEADER_BYTES: usize = 64 * 1024;
-
-/// Whether a producer's header `name` is one the sink sets itself (or may set later): those win
-/// over the producer's (see [`crate::NewEvent::header`]).
-fn is_reserved_header(name: &str) -> bool {
-    name.starts_with("x-outbox-")
-        || name.starts_with("x-aggregate-")
-        || name == "x-deduplication-header"
-        || name == "x-attempt"
 }
 
 /// The one place where the broker's answer (or the client's failure) becomes an outcome, and

@@ -11,7 +11,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::claim::interval;
-use super::sql::SAMPLE_SQL;
+use super::sql::{SAMPLE_SQL, SOURCE_SQL};
 use crate::error::StoreError;
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
@@ -29,6 +29,9 @@ pub struct Stats {
     pub expired_leases: i64,
     /// Unfinished rows per attempt count (`"1": n` ...).
     pub attempts: BTreeMap<String, i64>,
+    /// The outbox's default source name ([`outbox_source`]); `None` where it cannot be derived.
+    /// A dispatcher given a source by hand stamps that one instead.
+    pub source: Option<String>,
 }
 
 /// Reads [`Stats`] (database clock).
@@ -49,7 +52,39 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
         .load(conn)
         .await?;
     stats.attempts = histogram.into_iter().map(|(a, n)| (a.to_string(), n)).collect();
+    stats.source = match outbox_source(conn).await {
+        Ok(source) => Some(source),
+        Err(StoreError::NoSystemIdentifier { .. }) => None,
+        Err(e) => return Err(e),
+    };
     Ok(stats)
+}
+
+/// The outbox's default source name, `<system identifier>/<database>/<schema>.outbox`: what a
+/// dispatcher without [`DispatcherConfig::source`](crate::DispatcherConfig::source) puts in
+/// every message's [`x-outbox-source`](crate::wire::SOURCE) header, so that
+/// `(source, message_id)` is unique across databases (see [`wire`](crate::wire#message-identity)).
+///
+/// Fails with [`StoreError::NoOutboxTable`] on a database that has no `outbox` table, and with
+/// [`StoreError::NoSystemIdentifier`] where the role may not call `pg_control_system()` (some
+/// managed services revoke it; set the source by hand there). Neither failure is an SQL error,
+/// so the caller's transaction stays usable.
+pub async fn outbox_source(conn: &mut AsyncPgConnection) -> Result<String, StoreError> {
+    #[derive(QueryableByName)]
+    struct Row {
+        #[diesel(sql_type = Nullable<Text>)]
+        system_identifier: Option<String>,
+        #[diesel(sql_type = Text)]
+        database: String,
+        #[diesel(sql_type = Nullable<Text>)]
+        table_name: Option<String>,
+    }
+    let row: Row = diesel::sql_query(SOURCE_SQL).get_result(conn).await?;
+    match (row.system_identifier, row.table_name) {
+        (_, None) => Err(StoreError::NoOutboxTable { database: row.database }),
+        (None, Some(_)) => Err(StoreError::NoSystemIdentifier { database: row.database }),
+        (Some(system), Some(table)) => Ok(format!("{system}/{}/{table}", row.database)),
+    }
 }
 
 /// What the dispatcher samples of the table for its gauges: [`Stats`] less the attempts, read

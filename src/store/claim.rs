@@ -325,6 +325,8 @@ impl ClaimRow {
             lease_version: self.lease_version,
             lease_until: self.lease_until,
             headers: crate::model::headers_from_json(self.headers.as_deref()),
+            // The dispatcher stamps its own.
+            source: crate::model::no_source(),
         })
     }
 }

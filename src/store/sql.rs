@@ -15,7 +15,8 @@
 //! - the table sample of `stats` and of the dispatcher's gauges ([`SAMPLE_SQL`]): every count
 //!   in one pass with aggregate `FILTER` clauses, and the age of the oldest unfinished row as
 //!   `extract(epoch FROM ...)` of a difference of timestamps, on the database clock;
-//! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`.
+//! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`;
+//! - the outbox's default source name ([`SOURCE_SQL`]): catalog and control functions.
 //!
 //! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
 //! [`Status`](crate::Status) values. The fenced writes after a claim are built with the DSL
@@ -321,3 +322,14 @@ SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
            AS oldest,
        count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
 FROM outbox";
+
+/// What the outbox's default source name ([`super::outbox_source`]) is made of, in one row:
+/// the cluster's system identifier (NULL where the role may not call `pg_control_system()`, so
+/// that the statement cannot fail inside a caller's transaction), the database, and the
+/// schema-qualified table (NULL when there is no `outbox` table: an unmigrated database).
+pub(super) const SOURCE_SQL: &str = "
+SELECT CASE WHEN has_function_privilege('pg_control_system()', 'EXECUTE')
+            THEN (SELECT system_identifier::text FROM pg_control_system()) END AS system_identifier,
+       current_database() AS database,
+       (SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE c.oid = to_regclass('outbox')) AS table_name";

@@ -14,6 +14,7 @@ use actix_outbox::inbox::{
     self, CrashConsumer, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxMetrics,
     InboxSupervisor, LateEvents, Shutdown,
 };
+use actix_outbox::wire;
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;
@@ -147,6 +148,9 @@ impl InboxHandler for Recorder {
     }
 }
 
+/// The source of every [`Event`].
+const PRODUCER: &str = "it-producer";
+
 /// A message as the outbox's sink publishes it.
 #[derive(Debug, Clone)]
 struct Event {
@@ -170,12 +174,12 @@ impl Event {
 
     fn properties(&self) -> BasicProperties {
         let mut headers = FieldTable::default();
-        headers.insert("x-outbox-id".into(), AMQPValue::LongLongInt(self.id));
+        headers.insert(wire::SOURCE.into(), AMQPValue::LongString(PRODUCER.into()));
         if let Some((kind, id)) = &self.aggregate {
-            headers.insert("x-aggregate-type".into(), AMQPValue::LongString(kind.as_str().into()));
-            headers.insert("x-aggregate-id".into(), AMQPValue::LongString(id.as_str().into()));
+            headers.insert(wire::AGGREGATE_TYPE.into(), AMQPValue::LongString(kind.as_str().into()));
+            headers.insert(wire::AGGREGATE_ID.into(), AMQPValue::LongString(id.as_str().into()));
         }
-        headers.insert("x-attempt".into(), AMQPValue::LongInt(1));
+        headers.insert(wire::ATTEMPT.into(), AMQPValue::LongInt(1));
         BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into())
@@ -442,7 +446,7 @@ async fn failures_dead_letter_with_a_reason_and_retries_succeed_on_a_later_attem
             continue;
         };
         assert!(seen.insert(id), "message {id} dead-lettered twice");
-        assert_eq!(header_int(d, "x-outbox-id"), id, "the original headers travel with the dead letter");
+        assert_eq!(header_text(d, wire::SOURCE), PRODUCER, "the original headers travel with the dead letter");
         assert_eq!(d.data, Event::new(id).body(), "and the original body");
         if permanent.contains(&id) {
             assert!(reason.contains("permanent") && reason.contains(&format!("bad {id}")), "{reason}");
@@ -610,7 +614,8 @@ async fn late_flags(db: &TestDb) -> BTreeMap<i64, bool> {
 
 async fn high_water(db: &TestDb, aggregate_id: &str) -> Option<i64> {
     let mut conn = db.conn().await;
-    inbox::store::last_applied(&mut conn, "it", "order", aggregate_id).await.unwrap()
+    let aggregate = inbox::store::AggregateRef { source: PRODUCER, aggregate_type: "order", aggregate_id };
+    inbox::store::last_applied(&mut conn, "it", aggregate).await.unwrap()
 }
 
 /// Ordered, late messages skipped: recorded (so their copy is a duplicate), acknowledged, not
@@ -779,7 +784,7 @@ async fn inbox_and_outbox_migrations_apply_in_either_order_without_disturbing_ea
     // Inbox first.
     let db = BareDb::new().await;
     let inbox_applied = inbox::migrate_inbox(&db.url).await.unwrap();
-    assert_eq!(inbox_applied, vec!["20261201900001".to_owned()]);
+    assert_eq!(inbox_applied, vec!["20261201900001".to_owned(), "20261202900002".to_owned()]);
     assert_eq!(db.tables().await, inbox_tables);
     assert_eq!(actix_outbox::pending_migrations(&db.url).await.unwrap().len(), 5, "the outbox is still to do");
     let outbox_applied = actix_outbox::migrate(&db.url).await.unwrap();
@@ -790,52 +795,105 @@ async fn inbox_and_outbox_migrations_apply_in_either_order_without_disturbing_ea
     assert!(inbox::pending_inbox_migrations(&db.url).await.unwrap().is_empty());
     assert!(actix_outbox::pending_migrations(&db.url).await.unwrap().is_empty());
     let versions = db.versions().await;
-    assert_eq!(versions.len(), 6);
+    assert_eq!(versions.len(), 7);
 
     // Outbox first.
     let db = BareDb::new().await;
     assert_eq!(actix_outbox::migrate(&db.url).await.unwrap(), outbox_applied);
     assert_eq!(db.tables().await, outbox_tables);
-    assert_eq!(inbox::pending_inbox_migrations(&db.url).await.unwrap(), vec!["2026-12-01-900001_create_inbox"]);
+    assert_eq!(
+        inbox::pending_inbox_migrations(&db.url).await.unwrap(),
+        vec!["2026-12-01-900001_create_inbox", "2026-12-02-900002_inbox_source"]
+    );
     let url = db.url.clone();
     let blocking = tokio::task::spawn_blocking(move || inbox::migrate_inbox_blocking(&url)).await.unwrap();
     assert_eq!(blocking.unwrap(), inbox_applied);
     assert_eq!(db.tables().await, both);
     assert!(actix_outbox::migrate(&db.url).await.unwrap().is_empty());
     assert!(inbox::migrate_inbox(&db.url).await.unwrap().is_empty());
-    assert_eq!(db.versions().await, versions, "the same six versions whatever the order");
+    assert_eq!(db.versions().await, versions, "the same seven versions whatever the order");
+}
+
+/// The migration that keys the inbox by source, on a table that already holds rows: they keep
+/// their ids under the empty source, so a copy of a message recorded before (a message of a
+/// producer that sent no source) is still a duplicate, while the same id from a named source is
+/// new; ordered consumers keep their high-water marks the same way.
+#[actix_rt::test]
+async fn the_source_migration_keeps_what_a_populated_inbox_recorded() {
+    use actix_outbox::inbox::store::{self, AggregateRef};
+    use diesel_migrations::MigrationHarness;
+    let db = BareDb::new().await;
+    let url = db.url.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = <diesel_async::async_connection_wrapper::AsyncConnectionWrapper<AsyncPgConnection> as diesel::Connection>::establish(&url).unwrap();
+        conn.run_next_migration(inbox::INBOX_MIGRATIONS).expect("the first inbox migration");
+    })
+    .await
+    .unwrap();
+    let mut conn = AsyncPgConnection::establish(&db.url).await.unwrap();
+    conn.batch_execute(
+        "INSERT INTO inbox (consumer, message_id, event_type) SELECT 'c', n, 'e' FROM generate_series(1, 1000) n;
+         INSERT INTO inbox_aggregates (consumer, aggregate_type, aggregate_id, last_message_id) VALUES ('c', 'order', 'A', 900);",
+    )
+    .await
+    .unwrap();
+    assert_eq!(inbox::migrate_inbox(&db.url).await.unwrap(), vec!["20261202900002".to_owned()]);
+
+    let legacy = InboxMessage::new(7, "e", serde_json::json!({}));
+    assert!(!store::record(&mut conn, "c", &legacy).await.unwrap(), "a copy of a recorded message is a duplicate");
+    assert!(store::record(&mut conn, "c", &legacy.clone().with_source("db-1")).await.unwrap());
+    assert_eq!(count_in(&mut conn, "SELECT count(*) AS n FROM inbox WHERE source = ''").await, 1000);
+    let old = AggregateRef { source: "", aggregate_type: "order", aggregate_id: "A" };
+    assert_eq!(store::last_applied(&mut conn, "c", old).await.unwrap(), Some(900));
+}
+
+async fn count_in(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    diesel::sql_query(sql).get_result::<N>(conn).await.unwrap().n
 }
 
 /// The inbox's SQL on its own: a record is new once, the high-water mark only rises, purge
 /// removes old rows.
 #[actix_rt::test]
 async fn inbox_store_records_once_and_tracks_the_newest_per_aggregate() {
-    use actix_outbox::inbox::store::{self, AggregateOrder};
+    use actix_outbox::inbox::store::{self, AggregateOrder, AggregateRef};
     let db = database().await;
     let mut conn = db.conn().await;
-    let m = InboxMessage::new(7, "e", serde_json::json!({})).with_aggregate("order", "A");
+    let m = InboxMessage::new(7, "e", serde_json::json!({})).with_aggregate("order", "A").with_source("db-1");
     assert!(store::record(&mut conn, "c", &m).await.unwrap());
     assert!(!store::record(&mut conn, "c", &m).await.unwrap(), "the second copy is a duplicate");
     assert!(store::record(&mut conn, "other", &m).await.unwrap(), "another consumer has its own inbox");
-    assert!(store::is_recorded(&mut conn, "c", 7).await.unwrap());
-    assert!(!store::is_recorded(&mut conn, "c", 8).await.unwrap());
+    let twin = m.clone().with_source("db-2");
+    assert!(store::record(&mut conn, "c", &twin).await.unwrap(), "the same id of another source is another message");
+    assert!(store::is_recorded(&mut conn, "c", "db-1", 7).await.unwrap());
+    assert!(store::is_recorded(&mut conn, "c", "db-2", 7).await.unwrap());
+    assert!(!store::is_recorded(&mut conn, "c", "", 7).await.unwrap());
+    assert!(!store::is_recorded(&mut conn, "c", "db-1", 8).await.unwrap());
 
-    let advance = |id| {
+    let a = |source| AggregateRef { source, aggregate_type: "order", aggregate_id: "A" };
+    let advance = |source: &'static str, id| {
         let url = db.url.clone();
         async move {
             let mut conn = AsyncPgConnection::establish(&url).await.unwrap();
-            store::advance_aggregate(&mut conn, "c", "order", "A", id).await.unwrap()
+            store::advance_aggregate(&mut conn, "c", a(source), id).await.unwrap()
         }
     };
-    assert_eq!(advance(10).await, AggregateOrder::InOrder);
-    assert_eq!(advance(20).await, AggregateOrder::InOrder);
-    assert_eq!(advance(15).await, AggregateOrder::Late { newest: 20 });
-    assert_eq!(advance(20).await, AggregateOrder::Late { newest: 20 });
-    assert_eq!(store::last_applied(&mut conn, "c", "order", "A").await.unwrap(), Some(20));
-    assert_eq!(store::last_applied(&mut conn, "c", "order", "B").await.unwrap(), None);
+    assert_eq!(advance("db-1", 10).await, AggregateOrder::InOrder);
+    assert_eq!(advance("db-1", 20).await, AggregateOrder::InOrder);
+    assert_eq!(advance("db-1", 15).await, AggregateOrder::Late { newest: 20 });
+    assert_eq!(advance("db-1", 20).await, AggregateOrder::Late { newest: 20 });
+    assert_eq!(advance("db-2", 3).await, AggregateOrder::InOrder, "another source's ids are not compared");
+    assert_eq!(store::last_applied(&mut conn, "c", a("db-1")).await.unwrap(), Some(20));
+    assert_eq!(store::last_applied(&mut conn, "c", a("db-2")).await.unwrap(), Some(3));
+    let b = AggregateRef { source: "db-1", aggregate_type: "order", aggregate_id: "B" };
+    assert_eq!(store::last_applied(&mut conn, "c", b).await.unwrap(), None);
 
     let future = chrono::Utc::now() + chrono::Duration::seconds(60);
-    assert_eq!(store::purge_inbox(&mut conn, "c", future).await.unwrap(), 1);
-    assert!(!store::is_recorded(&mut conn, "c", 7).await.unwrap());
-    assert!(store::is_recorded(&mut conn, "other", 7).await.unwrap(), "purge keeps to its consumer");
+    assert_eq!(store::purge_inbox(&mut conn, "c", future).await.unwrap(), 2);
+    assert!(!store::is_recorded(&mut conn, "c", "db-1", 7).await.unwrap());
+    assert!(store::is_recorded(&mut conn, "other", "db-1", 7).await.unwrap(), "purge keeps to its consumer");
 }

@@ -10,6 +10,7 @@ mod fifo;
 mod inbox;
 mod metrics;
 mod outage;
+mod producers;
 mod rabbit;
 mod store;
 #[cfg(feature = "opentelemetry")]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use actix_outbox::sink::ExchangeKind;
 use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::wire;
 use actix_outbox::{
     DispatcherConfig, GetMetrics, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher, Shutdown, Status,
 };
@@ -83,12 +84,11 @@ async fn message_carries_every_property_and_header() {
     assert_eq!(p.kind().as_ref().map(ShortString::as_str), Some("order.created"));
     assert_eq!(*p.timestamp(), Some(row.created_at.timestamp() as u64));
     assert_eq!(p.app_id().as_ref().map(ShortString::as_str), Some("actix-outbox"));
-    assert_eq!(header(&delivered, "x-outbox-id"), &AMQPValue::LongLongInt(id));
-    assert_eq!(long_string(header(&delivered, "x-deduplication-header")), id.to_string());
-    assert_eq!(long_string(header(&delivered, "x-aggregate-type")), "order");
-    assert_eq!(long_string(header(&delivered, "x-aggregate-id")), "o-42");
-    assert_eq!(header(&delivered, "x-attempt"), &AMQPValue::LongInt(1));
-    assert_eq!(p.headers().as_ref().unwrap().inner().len(), 5, "exactly the five documented headers");
+    assert_eq!(long_string(header(&delivered, wire::SOURCE)), db.source().await);
+    assert_eq!(long_string(header(&delivered, wire::AGGREGATE_TYPE)), "order");
+    assert_eq!(long_string(header(&delivered, wire::AGGREGATE_ID)), "o-42");
+    assert_eq!(header(&delivered, wire::ATTEMPT), &AMQPValue::LongInt(1));
+    assert_eq!(p.headers().as_ref().unwrap().inner().len(), 4, "exactly the four documented headers");
     assert_eq!(serde_json::from_slice::<serde_json::Value>(&delivered.data).unwrap(), payload);
     assert_eq!((row.attempts, row.last_error), (1, None));
 }
@@ -211,11 +211,12 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     assert_eq!(broker.depth(&queue).await, 500, "200 × 2 + 100 × 1");
     let delivered = broker.take(&queue, 500).await;
     let rows: BTreeMap<i64, _> = db.rows().await.into_iter().map(|r| (r.id, r)).collect();
+    let source = db.source().await;
     let mut copies: BTreeMap<i64, usize> = BTreeMap::new();
     for d in &delivered {
         let id = message_id(d);
         *copies.entry(id).or_default() += 1;
-        assert_eq!(header(d, "x-outbox-id"), &AMQPValue::LongLongInt(id), "a copy carries its row's id");
+        assert_eq!(long_string(header(d, wire::SOURCE)), source, "a copy carries its outbox's source");
         let body: serde_json::Value = serde_json::from_slice(&d.data).unwrap();
         assert_eq!(body, rows[&id].payload, "a copy carries its row's body");
     }
@@ -504,7 +505,7 @@ fn ls(s: &str) -> AMQPValue {
     AMQPValue::LongString(s.into())
 }
 
-/// A producer's headers arrive at a real consumer as long strings, next to the sink's own five;
+/// A producer's headers arrive at a real consumer as long strings, next to the sink's own four;
 /// on a clash with a reserved name the sink's value is the one sent.
 #[actix_rt::test]
 async fn producer_headers_arrive_and_ours_win_a_clash() {
@@ -513,8 +514,8 @@ async fn producer_headers_arrive_and_ours_win_a_clash() {
     let event = NewEvent::new("order", "o-7", "order.created", serde_json::json!({"n": 1}))
         .header("tenant", "acme")
         .header("correlation-id", "c-17 ü")
+        .header("x-outbox-source", "forged")
         .header("x-outbox-id", "forged")
-        .header("x-outbox-later", "forged")
         .header("x-aggregate-id", "forged")
         .header("x-deduplication-header", "forged")
         .header("x-attempt", "99");
@@ -533,8 +534,7 @@ async fn producer_headers_arrive_and_ours_win_a_clash() {
         ("x-aggregate-id".to_owned(), ls("o-7")),
         ("x-aggregate-type".to_owned(), ls("order")),
         ("x-attempt".to_owned(), AMQPValue::LongInt(1)),
-        ("x-deduplication-header".to_owned(), ls(&id.to_string())),
-        ("x-outbox-id".to_owned(), AMQPValue::LongLongInt(id)),
+        ("x-outbox-source".to_owned(), ls(&db.source().await)),
     ]);
     assert_eq!(headers_of(&delivered), expected, "the producer's two headers, and ours unchanged");
     assert_eq!(message_id(&delivered), id);
@@ -545,7 +545,7 @@ async fn producer_headers_arrive_and_ours_win_a_clash() {
 
 /// Rows written by plain SQL: without the column (its default), with NULL, and with a
 /// hand-written object of non-string values: all publish; the first two carry exactly the
-/// sink's five headers, the third its entries stringified, `null` skipped.
+/// sink's four headers, the third its entries stringified, `null` skipped.
 #[actix_rt::test]
 async fn rows_inserted_with_plain_sql_publish_with_lenient_headers() {
     use diesel_async::SimpleAsyncConnection;
@@ -573,18 +573,18 @@ async fn rows_inserted_with_plain_sql_publish_with_lenient_headers() {
     let rows = db.rows().await;
     let ids: Vec<i64> = delivered.iter().map(message_id).collect();
     assert_eq!(ids, rows.iter().map(|r| r.id).collect::<Vec<_>>());
-    let ours = |d: &Delivery, agg: &str| {
+    let source = db.source().await;
+    let ours = |agg: &str| {
         BTreeMap::from([
             ("x-aggregate-id".to_owned(), ls(agg)),
             ("x-aggregate-type".to_owned(), ls("order")),
             ("x-attempt".to_owned(), AMQPValue::LongInt(1)),
-            ("x-deduplication-header".to_owned(), ls(&message_id(d).to_string())),
-            ("x-outbox-id".to_owned(), AMQPValue::LongLongInt(message_id(d))),
+            ("x-outbox-source".to_owned(), ls(&source)),
         ])
     };
-    assert_eq!(headers_of(&delivered[0]), ours(&delivered[0], "a"), "the column's default: the five headers");
-    assert_eq!(headers_of(&delivered[1]), ours(&delivered[1], "b"), "NULL: the five headers");
-    let mut mixed = ours(&delivered[2], "c");
+    assert_eq!(headers_of(&delivered[0]), ours("a"), "the column's default: the four headers");
+    assert_eq!(headers_of(&delivered[1]), ours("b"), "NULL: the four headers");
+    let mut mixed = ours("c");
     mixed.extend([
         ("s".to_owned(), ls("x")),
         ("n".to_owned(), ls("7")),
@@ -627,6 +627,32 @@ async fn without_outbox_headers_only_the_producers_headers_travel() {
     }
 }
 
+/// `deduplication_header(true)` adds `x-deduplication-header` = `<source>/<id>`, with the source
+/// a dispatcher was given by hand, for RabbitMQ's message-deduplication plugin; it is absent
+/// by default (every test above).
+#[actix_rt::test]
+async fn the_deduplication_header_is_opt_in_and_names_the_source() {
+    let db = TestDb::new().await;
+    let (broker, queue) = TestBroker::with_queue("dedup").await;
+    let event = NewEvent::new("order", "o-1", "order.created", serde_json::json!({"n": 1}));
+    let id = actix_outbox::enqueue(&mut db.conn().await, &event).await.unwrap();
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange).deduplication_header(true)).await.unwrap();
+    let config = dispatcher_config().source("shop-eu");
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
+
+    let delivered = broker.take(&queue, 1).await.pop().unwrap();
+    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
+    let health = dispatcher.send(actix_outbox::GetHealth).await.unwrap();
+    dispatcher.send(Shutdown).await.unwrap();
+    sink.close().await;
+
+    assert_eq!(health.source.as_deref(), Some("shop-eu"));
+    assert_eq!(message_id(&delivered), id);
+    assert_eq!(long_string(header(&delivered, wire::SOURCE)), "shop-eu", "the configured source wins");
+    assert_eq!(long_string(header(&delivered, wire::DEDUPLICATION)), format!("shop-eu/{id}"));
+    assert_eq!(headers_of(&delivered).len(), 5);
+}
+
 /// A header name AMQP cannot carry (256 bytes) fails its message permanently, with a reason that
 /// names the header, while the next message flows.
 #[actix_rt::test]
@@ -662,7 +688,7 @@ async fn a_header_name_over_255_bytes_fails_the_message_permanently() {
 /// and again; headers at the bound go through.
 #[actix_rt::test]
 async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
-    use actix_outbox::sink::MAX_PRODUCER_HEADER_BYTES;
+    use actix_outbox::wire::MAX_PRODUCER_HEADER_BYTES;
     let db = TestDb::new().await;
     let (broker, queue) = TestBroker::with_queue("bighdr").await;
     let mut conn = db.conn().await;

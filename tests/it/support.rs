@@ -115,6 +115,15 @@ impl TestDb {
         TestDb { name: scratch.name.clone(), url: scratch.url.clone(), pool, _scratch: scratch }
     }
 
+    /// The source name a dispatcher derives for this database (`x-outbox-source`).
+    pub async fn source(&self) -> String {
+        let source = actix_outbox::admin::outbox_source(&mut self.conn().await).await.unwrap();
+        let (system, rest) = source.split_once('/').expect("system identifier first");
+        assert!(system.parse::<u64>().is_ok(), "a decimal system identifier: {source}");
+        assert_eq!(rest, format!("{}/public.outbox", self.name), "then the database and the table");
+        source
+    }
+
     pub async fn conn(&self) -> AsyncPgConnection {
         AsyncPgConnection::establish(&self.url).await.expect("connect to test database")
     }
