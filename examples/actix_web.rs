@@ -12,8 +12,13 @@
 //! - `DATABASE_URL` (default `postgres://root@127.0.0.1:5432/outbox_demo`) is created if
 //!   missing and migrated; the example adds an `orders` table of its own.
 //! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`): the sink declares the
-//!   `outbox` topic exchange (`EXCHANGE` overrides). Bind a queue to it (`order.#`) before
-//!   posting: events are published `mandatory`, so with no binding they go dead as unroutable.
+//!   `outbox` topic exchange (`EXCHANGE` overrides). Events are published `mandatory`: one that
+//!   no queue is bound for is returned by the broker and its row goes `dead` as unroutable, so
+//!   the example declares a durable demo queue, `DEMO_QUEUE` (default
+//!   `actix-outbox.orders-demo`), bound for `order.#`, where the events wait. Read them with
+//!   `cargo run --example inbox_consumer -- --queue actix-outbox.orders-demo --no-bind`, count
+//!   them with `rabbitmqctl list_queues name messages`, remove the queue with
+//!   `rabbitmqctl delete_queue actix-outbox.orders-demo`. `DEMO_QUEUE=` (empty) declares none.
 //! - `BIND` (default `127.0.0.1:8080`): where the HTTP server listens.
 //!
 //! Routes:
@@ -56,6 +61,9 @@ pub struct Settings {
     pub exchange: String,
     pub bind: String,
     pub http_workers: usize,
+    /// A queue to declare and bind for `order.#` at start, so that the events have somewhere
+    /// to go (see the module docs); `None` when something else consumes them.
+    pub demo_queue: Option<String>,
 }
 
 impl Settings {
@@ -70,6 +78,7 @@ impl Settings {
             exchange: var("EXCHANGE", "outbox"),
             bind: var("BIND", "127.0.0.1:8080"),
             http_workers: 2,
+            demo_queue: Some(var("DEMO_QUEUE", "actix-outbox.orders-demo")).filter(|q| !q.is_empty()),
         }
     }
 }
@@ -143,6 +152,15 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
         )
         .await?;
 
+    if let Some(queue) = &settings.demo_queue {
+        bind_demo_queue(&settings.amqp_url, &settings.exchange, queue)
+            .await
+            .map_err(|e| format!("RabbitMQ at {}: {e}", actix_outbox::mask_url(&settings.amqp_url)))?;
+        tracing::info!(queue = %queue, exchange = %settings.exchange,
+            "order events wait in the demo queue (bound for order.#); read them with \
+             `cargo run --example inbox_consumer -- --queue {queue} --no-bind`");
+    }
+
     // [outbox-registration] begin: the sink and the dispatcher, inside the application.
     let sink = RabbitSink::connect(RabbitConfig::new(&settings.amqp_url).exchange(&settings.exchange)).await?;
     let dispatcher = OutboxSupervisor::start(DispatcherConfig::default(), outbox_pool, sink.clone())?;
@@ -172,6 +190,24 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     let addrs = server.addrs();
     let server = server.run();
     Ok(Running { addrs, handle: server.handle(), server, dispatcher, sink })
+}
+
+/// Declares the exchange as the sink does (durable topic) and a durable `queue` bound to it for
+/// `order.#`, on a short-lived connection of its own.
+async fn bind_demo_queue(amqp_url: &str, exchange: &str, queue: &str) -> Result<(), lapin::Error> {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let properties = lapin::ConnectionProperties::default().with_connection_name("actix_web example setup".into());
+    let conn = lapin::Connection::connect(amqp_url, properties).await?;
+    let channel = conn.create_channel().await?;
+    let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+    channel.exchange_declare(exchange.into(), lapin::ExchangeKind::Topic, durable, FieldTable::default()).await?;
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(queue.into(), durable, FieldTable::default()).await?;
+    channel
+        .queue_bind(queue.into(), exchange.into(), "order.#".into(), QueueBindOptions::default(), FieldTable::default())
+        .await?;
+    conn.close(200, "set up".into()).await
 }
 
 #[derive(Debug, Deserialize)]
@@ -278,6 +314,8 @@ fn one_line(e: &impl std::fmt::Display) -> String {
 async fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only on a terminal, and not under NO_COLOR.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| "warn,actix_outbox=info,lapin=off".into()),

@@ -68,6 +68,18 @@ fn pool_reason(e: &RunError) -> String {
 }
 
 impl StoreError {
+    /// Whether the database has no `outbox` table (it was never migrated): a
+    /// [`StoreError::NoOutboxTable`], or a statement that failed on the missing relation.
+    pub fn is_missing_outbox(&self) -> bool {
+        match self {
+            StoreError::NoOutboxTable { .. } => true,
+            StoreError::Query(diesel::result::Error::DatabaseError(_, info)) => {
+                info.message() == r#"relation "outbox" does not exist"#
+            }
+            _ => false,
+        }
+    }
+
     /// Whether trying again later may succeed (the database was unreachable or the statement
     /// lost a race), as opposed to a bug or bad input that will fail the same way again.
     pub fn is_transient(&self) -> bool {
@@ -177,7 +189,7 @@ impl PublishError {
 /// and a database that is down at start is a transient failure the claim actors retry (each
 /// logged), like one that goes down later. To fail fast on an unreachable or unmigrated
 /// database, call [`check_connection`](crate::check_connection) and
-/// [`store::pending_migrations`](crate::store::pending_migrations) before starting; both
+/// [`pending_migrations`](crate::pending_migrations) before starting; both
 /// return a [`StoreError`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

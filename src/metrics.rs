@@ -89,6 +89,11 @@ macro_rules! counters {
             pub(crate) fn snapshot(&self) -> MetricsSnapshot {
                 MetricsSnapshot { $($name: self.$name.value.load(Relaxed),)* }
             }
+
+            /// Every series, for registering them all at start.
+            fn series(&self) -> impl Iterator<Item = &Series> {
+                [$(&self.$name,)*].into_iter()
+            }
         }
     };
 }
@@ -222,8 +227,11 @@ enum MetricKind {
     Histogram,
 }
 
-/// Describes every series to the recorder installed now (nothing without one).
-pub(crate) fn describe() {
+/// Describes every series to the recorder installed now (nothing without one), and registers
+/// every counter and gauge with every label set it can have (the sampled ones when `sampled`),
+/// at its current value, so that an exporter shows them from the start: an `increase()` or `rate()` over a series that appears
+/// only at its first increment misses that increment.
+pub(crate) fn describe(metrics: &Metrics, sampled: bool) {
     for &(name, kind, help) in HELP {
         match kind {
             MetricKind::Counter => metrics::describe_counter!(name, help),
@@ -231,7 +239,28 @@ pub(crate) fn describe() {
             MetricKind::Histogram => metrics::describe_histogram!(name, help),
         }
     }
+    for series in metrics.series() {
+        if series.gauge {
+            metrics::gauge!(series.name, series.labels).increment(0.0);
+        } else {
+            metrics::counter!(series.name, series.labels).increment(0);
+        }
+    }
+    metrics::counter!(SAMPLE_ERRORS).increment(0);
+    sink_gauges(false, false);
+    if !sampled {
+        return;
+    }
+    // The sampled gauges read 0 until the first sample, a few seconds after start.
+    for status in crate::Status::ALL {
+        metrics::gauge!("outbox_rows", "status" => status.as_str()).increment(0.0);
+    }
+    metrics::gauge!("outbox_oldest_unfinished_age_seconds").increment(0.0);
+    metrics::gauge!("outbox_expired_leases").increment(0.0);
 }
+
+/// `outbox_table_sample_errors_total`.
+pub(crate) const SAMPLE_ERRORS: &str = "outbox_table_sample_errors_total";
 
 /// `outbox_publish_seconds`.
 pub(crate) fn publish_seconds(seconds: f64) {

@@ -124,18 +124,18 @@ pub struct DeadSkipArgs {
 /// Arguments of `actix-outbox dead blocked`.
 #[derive(Debug, Clone, Args)]
 #[command(
-    after_help = "Examples:\n  actix-outbox dead blocked\n  \
+    after_help = "Examples:\n  actix-outbox dead blocked --fifo\n  \
                   actix-outbox dead blocked --fifo order.created,order.paid --json | jq '.[].dead_id'",
-    mut_arg("fifo", |a| a.help(
-        "The gate the dispatchers run with: the listed event types (comma-separated); \
-         all event types when none is listed or the flag is left out"
+    mut_arg("fifo", |a| a.required(true).help(
+        "The gate the dispatchers run with: the listed event types (comma-separated), or all event types \
+         when none is listed. Required: a dispatcher without --fifo blocks nothing"
     ))
 )]
 pub struct DeadBlockedArgs {
     /// Where the outbox lives.
     #[command(flatten)]
     pub database: DatabaseArgs,
-    /// The FIFO gate to look under; every event type when not given.
+    /// The FIFO gate to look under.
     #[command(flatten)]
     pub fifo: FifoArgs,
     /// Print a JSON array instead of a table
@@ -144,17 +144,6 @@ pub struct DeadBlockedArgs {
     /// Show at most N aggregates
     #[arg(long, value_name = "N", default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
     pub limit: i64,
-}
-
-impl DeadBlockedArgs {
-    /// The gate to look under: `--fifo` as given, and every event type without it (the command
-    /// is about the gate, so it assumes one, the broadest).
-    fn fifo(&self) -> Result<Fifo, CliError> {
-        Ok(match self.fifo.fifo()? {
-            Fifo::Off => Fifo::All,
-            gate => gate,
-        })
-    }
 }
 
 /// One dead row as `dead list --json` prints it.
@@ -233,7 +222,7 @@ fn timestamp(t: chrono::DateTime<chrono::Utc>) -> String {
 }
 
 pub(super) async fn blocked(args: DeadBlockedArgs) -> Result<(), CliError> {
-    let fifo = args.fifo()?;
+    let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     let view = blocked_view(&mut conn, &url, &fifo, args.limit).await?;

@@ -125,12 +125,14 @@ impl Command {
     }
 
     /// The log filter when `RUST_LOG` is unset: the dispatcher reports its batches at `info`;
-    /// one-shot commands stay quiet unless something is wrong. lapin's own dump of every
-    /// returned (unroutable) message is left out: the dispatcher logs those rows going dead.
+    /// one-shot commands stay quiet unless something is wrong. lapin's own lines are left out:
+    /// the sink reports every failure of its link itself (a refused login, a lost connection,
+    /// each reconnection), once and in our words, and the dispatcher logs returned (unroutable)
+    /// messages as the rows going dead. `RUST_LOG=info,lapin=debug` brings them back.
     fn default_log_filter(&self) -> &'static str {
         match self {
-            Command::Run(_) => "info,lapin::returned_messages=off",
-            _ => "warn",
+            Command::Run(_) => "info,lapin=off",
+            _ => "warn,lapin=off",
         }
     }
 
@@ -187,9 +189,11 @@ fn init_logging(default_filter: &str, format: LogFormat) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let builder =
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LossyStderr).log_internal_errors(false);
+    // Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org).
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let _ = match format {
         LogFormat::Json => builder.json().with_ansi(false).try_init(),
-        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).try_init(),
+        LogFormat::Text => builder.with_ansi(colour).try_init(),
     };
 }
 
@@ -248,6 +252,9 @@ impl CliError {
             StoreError::Connect(cause) => {
                 CliError::Failed(format!("cannot connect to PostgreSQL at {url}: {}", with_causes(cause.as_ref())))
             }
+            _ if e.is_missing_outbox() => CliError::Failed(format!(
+                "the database at {url} has no outbox table: run `actix-outbox migrate --database-url '{url}'` first"
+            )),
             _ => CliError::Failed(format!("PostgreSQL at {url}: {}", with_causes(&e))),
         }
     }
@@ -418,7 +425,9 @@ mod tests {
     fn every_command_with_fifo_reads_it_the_same_way() {
         for command in [&["run"][..], &["stats"], &["dead", "blocked"]] {
             let with = |flags: &[&str]| fifo_of(&[command, flags].concat());
-            assert_eq!(with(&[]).unwrap(), Fifo::Off, "{command:?}");
+            if command != ["dead", "blocked"] {
+                assert_eq!(with(&[]).unwrap(), Fifo::Off, "{command:?}"); // dead blocked requires it
+            }
             assert_eq!(with(&["--fifo"]).unwrap(), Fifo::All, "{command:?}");
             assert_eq!(with(&["--fifo", "a,b"]).unwrap(), Fifo::event_types(["a", "b"]), "{command:?}");
             assert_eq!(with(&["--fifo", "a", "--fifo", "b"]).unwrap(), Fifo::event_types(["a", "b"]), "{command:?}");

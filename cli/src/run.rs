@@ -87,7 +87,7 @@ pub struct RunArgs {
     /// This outbox's name in every message's x-outbox-source header, with the id unique across
     /// databases (default: derived from the database, SYSTEM_IDENTIFIER/DATABASE/SCHEMA.outbox;
     /// logged at start). Every dispatcher of one table must use the same
-    #[arg(long, value_name = "NAME", env = "ACTIX_OUTBOX_SOURCE")]
+    #[arg(long, value_name = "NAME", env = "ACTIX_OUTBOX_SOURCE", hide_env_values = true)]
     pub source: Option<String>,
     /// Claim actors, each with its own owner id
     #[arg(long, value_name = "N", default_value_t = config::DEFAULT_WORKERS)]

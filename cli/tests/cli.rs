@@ -181,7 +181,7 @@ async fn migrate_inbox_installs_only_the_inbox_and_leaves_the_outbox_to_plain_mi
         diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::inbox::INBOX_MIGRATIONS)
             .unwrap();
     assert_eq!(applied.len(), inbox.len(), "{first}");
-    assert_eq!(applied, ["applied migration 20261201900001"]);
+    assert_eq!(applied, ["applied migration 20261201900001", "applied migration 20261202900002"]);
     let inbox_tables = BTreeSet::from(["inbox".to_owned(), "inbox_aggregates".to_owned()]);
     assert_eq!(tables(&db.url).await, inbox_tables, "only the inbox");
 
@@ -314,6 +314,8 @@ async fn stats_json_matches_counts_computed_with_sql() {
     assert_eq!(out.lines().count(), 1, "one object: {out}");
     let mut stats: Value = serde_json::from_str(&out).unwrap();
     let age = stats.as_object_mut().unwrap().remove("oldest_unfinished_age_s").unwrap();
+    let source = stats.as_object_mut().unwrap().remove("source").unwrap();
+    assert_eq!(source, json!(db.source().await), "the source a dispatcher derives for this table");
 
     // The same facts, computed independently of the store's queries.
     let expected: Doc = diesel::sql_query(
@@ -355,6 +357,7 @@ async fn stats_json_matches_counts_computed_with_sql() {
             "oldest_unfinished_age_s": null,
             "expired_leases": 0,
             "attempts": {},
+            "source": empty.source().await,
         })
     );
 }
@@ -377,6 +380,7 @@ async fn stats_prints_a_table_for_humans() {
         assert!(lines.contains(&expected), "no line {expected:?} in\n{out}");
     }
     assert!(out.contains("oldest unfinished row   1m 3"), "{out}");
+    assert!(out.contains(&format!("\nsource                  {}\n", db.source().await)), "{out}");
     assert_eq!(db.rows().await, before, "stats only reads");
 }
 
@@ -561,6 +565,7 @@ async fn stats_json(db: &TestDb, flags: &[&str]) -> Value {
     assert_eq!(out.lines().count(), 1, "one object: {out}");
     let mut stats: Value = serde_json::from_str(&out).unwrap();
     assert!(stats.as_object_mut().unwrap().remove("oldest_unfinished_age_s").is_some(), "{out}");
+    assert_eq!(stats.as_object_mut().unwrap().remove("source"), Some(json!(db.source().await)), "{out}");
     stats
 }
 
@@ -624,15 +629,13 @@ async fn dead_blocked_lists_the_aggregates_a_dead_head_holds_back() {
         serde_json::from_str(&ok(&db.url, &[&["dead", "blocked", "--json"][..], flags].concat()).await).unwrap()
     };
 
-    // Without --fifo the command assumes the gate on every event type.
-    assert_eq!(json_of(&[]).await, json!([blocked_a(), blocked_m()]));
     assert_eq!(json_of(&["--fifo"]).await, json!([blocked_a(), blocked_m()]));
-    assert_eq!(json_of(&["--limit", "1"]).await, json!([blocked_a()]));
+    assert_eq!(json_of(&["--fifo", "--limit", "1"]).await, json!([blocked_a()]));
     assert_eq!(json_of(&["--fifo", "order.created,order.paid"]).await, json!([blocked_a()]));
     assert_eq!(json_of(&["--fifo", "email.sent"]).await, json!([blocked_m()]));
     assert_eq!(json_of(&["--fifo", "invoice.created"]).await, json!([]));
 
-    let table = ok(&db.url, &["dead", "blocked"]).await;
+    let table = ok(&db.url, &["dead", "blocked", "--fifo"]).await;
     let lines: Vec<&str> = table.lines().collect();
     assert_eq!(lines[0], "2 aggregates blocked by a dead head (FIFO on all event types), oldest first:", "{table}");
     assert!(lines[1].starts_with("AGGREGATE  DEAD ID  EVENT TYPE") && lines[1].ends_with("LAST ERROR"), "{table}");
@@ -656,7 +659,7 @@ async fn dead_blocked_lists_the_aggregates_a_dead_head_holds_back() {
     );
     assert_eq!(lines.len(), 5, "{table}");
 
-    let limited = ok(&db.url, &["dead", "blocked", "--limit", "1"]).await;
+    let limited = ok(&db.url, &["dead", "blocked", "--fifo", "--limit", "1"]).await;
     let lines: Vec<&str> = limited.lines().collect();
     assert!(lines[0].starts_with("2 aggregates blocked") && lines[2].starts_with("order/A "), "{limited}");
     assert_eq!(lines[3], "(first 1 shown; raise --limit for the rest)", "{limited}");
@@ -675,11 +678,14 @@ async fn dead_blocked_lists_the_aggregates_a_dead_head_holds_back() {
 
     // Once the head is retried, A is no longer blocked.
     ok(&db.url, &["dead", "retry", "1"]).await;
-    assert_eq!(json_of(&[]).await, json!([blocked_m()]));
+    assert_eq!(json_of(&["--fifo"]).await, json!([blocked_m()]));
 
     let empty = TestDb::new().await;
-    assert_eq!(ok(&empty.url, &["dead", "blocked"]).await, "no blocked aggregates (FIFO on all event types)\n");
-    assert_eq!(ok(&empty.url, &["dead", "blocked", "--json"]).await, "[]\n");
+    assert_eq!(
+        ok(&empty.url, &["dead", "blocked", "--fifo"]).await,
+        "no blocked aggregates (FIFO on all event types)\n"
+    );
+    assert_eq!(ok(&empty.url, &["dead", "blocked", "--fifo", "--json"]).await, "[]\n");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -818,7 +824,8 @@ async fn usage_errors_exit_2_on_one_line() {
         (&["run", "--fifo", "order.created,,order.paid"], "--fifo: empty event type"),
         (&["stats", "--fifo", "order.created,"], "--fifo: empty event type"),
         (&["dead", "blocked", "--fifo", ","], "--fifo: empty event type"),
-        (&["dead", "blocked", "--limit", "0"], "invalid value '0'"),
+        (&["dead", "blocked", "--fifo", "--limit", "0"], "invalid value '0'"),
+        (&["dead", "blocked"], "required arguments were not provided: --fifo"),
     ] {
         let ran = cli(&db.url, args).await;
         assert_eq!(ran.code, 2, "{args:?}: {ran:?}");
@@ -873,7 +880,7 @@ async fn an_unreachable_database_exits_1_with_one_line_that_masks_the_password()
         &["dead", "list"],
         &["dead", "retry", "--all"],
         &["dead", "skip", "1", "--reason", "r"],
-        &["dead", "blocked"],
+        &["dead", "blocked", "--fifo"],
         &["stats", "--fifo"],
         &["purge", "--older-than", "7d"],
         &["enqueue", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
@@ -1165,6 +1172,46 @@ async fn run_on_an_unmigrated_database_exits_1_and_says_to_migrate() {
     assert!(db.rows().await.is_empty(), "migrate then works on the same database");
 }
 
+/// A broker that refuses the login: exit 1 with our one line, and nothing of lapin's own at
+/// error level (the sink reports the failure itself).
+#[tokio::test]
+async fn run_with_a_refused_amqp_login_says_so_once() {
+    let db = TestDb::new().await;
+    let url = amqp_url().replacen("guest:guest@", "guest:wrong@", 1);
+    assert_ne!(url, amqp_url(), "the test broker's URL carries guest:guest");
+    let ran = cli(&db.url, &["run", "--amqp-url", &url]).await;
+    assert_eq!(ran.code, 1, "{ran:?}");
+    let errors: Vec<&str> = ran.stderr.lines().filter(|l| l.contains("ERROR") || l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "one error line: {errors:?}");
+    assert!(errors[0].starts_with("error: RabbitMQ at ") && errors[0].contains("ACCESS_REFUSED"), "{errors:?}");
+    assert!(!errors[0].contains("wrong"), "the password is masked: {errors:?}");
+}
+
+/// Every command that reads the outbox, on a database without one, names the database and the
+/// `migrate` command, in one line, exit 1 (not `relation "outbox" does not exist`).
+#[tokio::test]
+async fn every_command_on_an_unmigrated_database_says_to_migrate() {
+    let db = TestDb::new().await;
+    execute(&db, "DROP TABLE outbox; DROP FUNCTION outbox_notify_insert(); DELETE FROM __diesel_schema_migrations")
+        .await;
+    let expected = format!(
+        "error: the database at {} has no outbox table: run `actix-outbox migrate --database-url '{}'` first",
+        db.url, db.url
+    );
+    for args in [
+        &["stats"][..],
+        &["dead", "list"],
+        &["dead", "retry", "1"],
+        &["dead", "skip", "1", "--reason", "r"],
+        &["dead", "blocked", "--fifo"],
+        &["purge", "--older-than", "7d"],
+        &["enqueue", "--aggregate-type", "a", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"],
+    ] {
+        let ran = cli(&db.url, args).await;
+        assert_eq!((ran.code, ran.error_line()), (1, expected.as_str()), "{args:?}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // run --metrics-addr, --log-format, and logging that cannot stop the work
 
@@ -1402,4 +1449,46 @@ async fn run_with_no_outbox_headers_sends_messages_without_a_header_table() {
     assert_eq!(got, ids);
     assert!(delivered.iter().all(|d| d.properties.headers().is_none()), "no header table");
     assert!(delivered.iter().all(|d| d.properties.kind().as_ref().map(|t| t.as_str()) == Some("test.happened")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// docs
+
+/// docs/operations.md shows the help of every command as the binary prints it: each
+/// ```` ```text ```` block that starts with `$ actix-outbox ... --help` must equal what that
+/// command prints now. `UPDATE_DOCS=1 cargo test -p actix-outbox-cli --test cli help` rewrites
+/// the blocks from the binary instead.
+#[tokio::test]
+async fn the_help_pasted_in_operations_md_is_the_binarys() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/operations.md");
+    let doc = std::fs::read_to_string(path).unwrap();
+    let mut out = String::with_capacity(doc.len());
+    let (mut rest, mut checked, mut stale) = (doc.as_str(), 0, Vec::new());
+    while let Some(start) = rest.find("```text\n$ actix-outbox ") {
+        let body_start = start + "```text\n".len();
+        let end = body_start + rest[body_start..].find("\n```").expect("a closed block");
+        let block = &rest[body_start..end];
+        let (command, shown) = block.split_once('\n').unwrap_or((block, ""));
+        let args: Vec<&str> = command.trim_start_matches("$ actix-outbox ").split_whitespace().collect();
+        let ran = cli("postgres://root@127.0.0.1:5432/unused", &args).await;
+        assert_eq!(ran.code, 0, "{command}: {ran:?}");
+        // Clap pads blank lines of long help with spaces; the doc keeps them blank.
+        let printed: String = ran.stdout.trim_end().lines().map(str::trim_end).collect::<Vec<_>>().join("\n");
+        if printed != shown {
+            stale.push(command.to_owned());
+        }
+        out.push_str(&rest[..body_start]);
+        out.push_str(command);
+        out.push('\n');
+        out.push_str(&printed);
+        rest = &rest[end..];
+        checked += 1;
+    }
+    out.push_str(rest);
+    assert_eq!(checked, 11, "every command's help is shown, each once");
+    if std::env::var_os("UPDATE_DOCS").is_some() {
+        std::fs::write(path, out).unwrap();
+    } else {
+        assert!(stale.is_empty(), "stale help in docs/operations.md (UPDATE_DOCS=1 rewrites it): {stale:?}");
+    }
 }

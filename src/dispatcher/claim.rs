@@ -213,7 +213,7 @@ impl ClaimActor {
         // this plus the lease.
         let lease_deadline = Instant::now() + config.lease;
         let unanswered =
-            self.unanswered.then(|| self.shared.publishing(self.worker).iter().copied().collect::<Vec<_>>());
+            self.unanswered.then(|| self.shared.publishing(self.worker).iter().map(|f| f.id).collect::<Vec<_>>());
         // What was handed back is reported even when the claim after it fails.
         let query = async move {
             let mut conn = match shared.pool.get().await {
@@ -288,7 +288,7 @@ impl ClaimActor {
                     Metrics::add(&metrics.in_flight_bytes, bytes);
                     // One address of this actor for the whole batch, shared by its publishes.
                     let owner = Rc::new(ctx.address().recipient());
-                    act.shared.publishing(act.worker).extend(claim.messages.iter().map(|m| m.id));
+                    act.shared.publishing(act.worker).extend(claim.messages.iter().map(OutboxMessage::fence));
                     for message in claim.messages {
                         debug!(
                             outbox_id = message.id,

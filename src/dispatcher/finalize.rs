@@ -14,7 +14,7 @@
 //! The actor's address lives in a [`FinalizerSlot`]: when it dies, the supervisor puts a new one
 //! there (while draining too), and a publish whose request died with the old one sends it again.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -386,12 +386,22 @@ async fn apply(shared: &Shared, batch: Vec<Finalize>, mut heartbeats: Vec<Fence>
                     .filter(|r| r.refund_attempt && r.dead_if_older_than.is_none())
                     .map(|r| r.fence.id)
                     .collect();
+                let writes: HashMap<i64, &store::Reschedule> = resched.iter().map(|r| (r.fence.id, r)).collect();
                 for row in rows {
                     let counter = match row.status {
                         Status::Dead => &metrics.dead,
                         _ if deferred.contains(&row.id) => &metrics.deferred,
                         _ if released.contains(&row.id) => &metrics.released,
-                        _ => &metrics.retried,
+                        _ => {
+                            // One line per retry at the default level: the row says what
+                            // failed (`last_error`) only until its next outcome is written.
+                            if let Some(r) = writes.get(&row.id) {
+                                warn!(outbox_id = row.id, lease_version = r.fence.lease_version,
+                                    retry_in = %humantime::format_duration(round_ms(r.delay)), error = %r.error,
+                                    "publish failed; the row is pending again");
+                            }
+                            &metrics.retried
+                        }
                     };
                     Metrics::add(counter, 1);
                 }
@@ -450,4 +460,9 @@ async fn apply(shared: &Shared, batch: Vec<Finalize>, mut heartbeats: Vec<Fence>
 fn report_failure(shared: &Shared, what: &str, rows: usize, e: &StoreError) {
     Metrics::add(&shared.metrics.finalize_errors, 1);
     error!(error = %e, rows, "{what} failed; the rows stay processing and are reclaimed when their lease expires");
+}
+
+/// `d` to whole milliseconds, for logs.
+fn round_ms(d: Duration) -> Duration {
+    Duration::from_millis(d.as_millis() as u64)
 }

@@ -180,7 +180,7 @@ impl Actor for PublishActor {
             }
             // The message is dropped with this future: its bytes are free. The gauges go down
             // here rather than in the claim actor, which may have died (and been replaced) since.
-            shared.publishing(worker).remove(&message.id);
+            shared.publishing(worker).remove(&message.fence());
             drop(message);
             Metrics::sub(&shared.metrics.in_flight, 1);
             Metrics::sub(&shared.metrics.in_flight_bytes, bytes);

@@ -40,7 +40,7 @@ pub(crate) async fn sample(shared: Arc<Shared>) {
             }
         }
         Err(e) => {
-            metrics::counter!("outbox_table_sample_errors_total").increment(1);
+            metrics::counter!(crate::metrics::SAMPLE_ERRORS).increment(1);
             if e.is_transient() {
                 shared.db.failed("sample the table metrics", &e);
             } else {

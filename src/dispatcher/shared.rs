@@ -12,6 +12,7 @@ use super::gate::SinkGate;
 use crate::config::DispatcherConfig;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
+use crate::model::Fence;
 use crate::publisher::Publisher;
 use crate::store::PgPool;
 
@@ -27,10 +28,12 @@ pub(crate) struct Shared {
     pub(crate) gate: SinkGate,
     /// Whether the database answers, so that an outage is logged once, not once per statement.
     pub(crate) db: DbHealth,
-    /// Per worker, the ids of the rows its publishes hold, kept here rather than in the claim
-    /// actor because publishes outlive a claim actor that dies. A claim whose answer was lost
-    /// hands back that worker's other `processing` rows (see `store::release_unanswered`).
-    publishing: Vec<Mutex<HashSet<i64>>>,
+    /// Per worker, the claims its publishes hold, kept here rather than in the claim actor
+    /// because publishes outlive a claim actor that dies. A claim whose answer was lost hands
+    /// back that worker's other `processing` rows (see `store::release_unanswered`). By fence,
+    /// not by id: a worker that stalled past its lease can reclaim its own row while the stale
+    /// publish of it still runs, and the stale one finishing must not unmark the new one.
+    publishing: Vec<Mutex<HashSet<Fence>>>,
     /// The outbox's source name, stamped on every claimed message: the configured one, or the
     /// one the first claim derives from the database (see `store::outbox_source`).
     source: OnceLock<Arc<str>>,
@@ -66,8 +69,8 @@ impl Shared {
         self.source.get().cloned()
     }
 
-    /// The ids of the rows worker `n`'s publishes hold.
-    pub(crate) fn publishing(&self, n: usize) -> MutexGuard<'_, HashSet<i64>> {
+    /// The claims worker `n`'s publishes hold.
+    pub(crate) fn publishing(&self, n: usize) -> MutexGuard<'_, HashSet<Fence>> {
         self.publishing[n].lock().unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -189,7 +189,7 @@ impl Actor for OutboxSupervisor {
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
             fifo = %config.fifo, "outbox dispatcher starting");
-        crate::metrics::describe();
+        crate::metrics::describe(&self.shared.metrics, config.table_metrics_interval.is_some());
         let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
         self.workers =
             (0..config.workers).map(|n| ClaimActor::new(n, self.shared.clone(), finalizer.clone()).start()).collect();

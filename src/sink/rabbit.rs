@@ -407,8 +407,8 @@ impl RabbitError {
 /// | `Ack` without a returned message | `Ok` (row done) |
 /// | `Ack` with a returned message (312 `NO_ROUTE` for a `mandatory` publish) | [`PublishError::Permanent`], "unroutable", naming exchange and routing key |
 /// | `Nack` | [`PublishError::Retryable`] |
-/// | channel or connection error, or no link while reconnecting | [`PublishError::Retryable`], and the link is rebuilt |
-/// | no confirm within the publish timeout | [`PublishError::Retryable`] (applied by the dispatcher) |
+/// | channel or connection error, or no link while reconnecting | [`PublishError::Unavailable`] (attempt refunded, claiming paused), and the link is rebuilt |
+/// | no confirm within the publish timeout | [`PublishError::Retryable`] while the sink says it is up, [`PublishError::Unavailable`] while it says it is down; while it says it is blocked, the publish waits (applied by the dispatcher) |
 ///
 /// lapin reports a returned message as an *ack* that carries it: the broker did accept the
 /// message, it simply had nowhere to put it. lapin also logs every returned message, payload

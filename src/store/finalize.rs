@@ -36,7 +36,8 @@ fn clip(error: &str) -> String {
     error.chars().take(MAX_ERROR_CHARS).collect()
 }
 
-/// Marks each row `done` (clearing the lease and `last_error`), fenced; returns the ids won.
+/// Marks each row `done` (clearing the lease; `last_error` stays, so that a row delivered after
+/// failures still says what failed last), fenced; returns the ids won.
 pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result<Vec<i64>, StoreError> {
     if fences.is_empty() {
         return Ok(Vec::new());
@@ -49,7 +50,6 @@ pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result
             .set((
                 outbox::status.eq(Status::Done),
                 outbox::done_at.eq(now),
-                outbox::last_error.eq(None::<String>),
                 outbox::lease_owner.eq(None::<String>),
                 outbox::lease_until.eq(None::<DateTime<Utc>>),
             ))
@@ -112,7 +112,7 @@ pub struct Reschedule {
     pub delay: Duration,
     /// Recorded in `last_error`.
     pub error: String,
-    /// Give the claim's attempt back (a deferral, or a release at shutdown).
+    /// Give the claim's attempt back (a deferral, or a release of a row the sink could not take).
     pub refund_attempt: bool,
     /// When set, a row created longer ago than this goes `dead` instead (a deferral that
     /// would never end).

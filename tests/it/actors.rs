@@ -132,32 +132,46 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     dispatcher.send(Shutdown).await.unwrap();
 }
 
+/// Log lines written at `info` and above on this thread, as text.
+#[derive(Clone, Default)]
+struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Captured {
+    /// Captures this thread's log lines until the guard drops. The dispatcher's actors run on
+    /// the test's arbiter, so a thread-local subscriber sees them.
+    fn install() -> (Captured, tracing::subscriber::DefaultGuard) {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (captured, tracing::subscriber::set_default(subscriber))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// Logs at `info`, the command line's default, as text: no per-message span is rendered (it is
 /// at `debug`, so that the formatter does not pay for one per message), and the error about a
 /// row still names it. Without the `opentelemetry` feature, under which the span is `info`.
 #[cfg(not(feature = "opentelemetry"))]
 #[actix_rt::test]
 async fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
-    #[derive(Clone, Default)]
-    struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
-    impl std::io::Write for Captured {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let captured = Captured::default();
-    let writer = captured.clone();
-    // The dispatcher's actors run on this test's arbiter, so a thread-local subscriber sees them.
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (captured, _guard) = Captured::install();
 
     let db = TestDb::new().await;
     let ids = db.seed(5, "a").await;
@@ -170,14 +184,11 @@ async fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
     tracing::callsite::rebuild_interest_cache();
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     all_done(&db, 4).await;
-    eventually(WITHIN, "the panic logged", || async {
-        String::from_utf8_lossy(&captured.0.lock().unwrap()).contains("sink panicked")
-    })
-    .await;
+    eventually(WITHIN, "the panic logged", || async { captured.text().contains("sink panicked") }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(drain(&mut rx).len(), 4);
 
-    let logs = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
+    let logs = captured.text();
     let panics: Vec<&str> = logs.lines().filter(|l| l.contains("sink panicked")).collect();
     assert_eq!(panics.len(), 1, "{logs}");
     assert!(panics[0].contains(&format!("outbox_id={victim} lease_version=1")), "the row is named: {}", panics[0]);
@@ -267,20 +278,33 @@ async fn retryable_failures_end_dead_after_max_attempts() {
     assert_eq!((m.retried, m.dead, m.done), (2, 1, 0));
 }
 
-/// Transient failures, then success: the row ends done, attempts counting every try.
+/// Transient failures, then success: the row ends done, attempts counting every try; each
+/// retry is one line at the default level naming the row, and the done row keeps what failed.
 #[actix_rt::test]
 async fn retryable_failure_then_success_ends_done() {
+    let (captured, _guard) = Captured::install();
     let db = TestDb::new().await;
     let [id] = db.seed(1, "a").await[..] else { unreachable!() };
     let (sink, mut rx) = ChannelSink::new();
     let sink = sink.with_script(|m| {
         if m.attempts < 3 { SinkAction::Fail(PublishError::Retryable("flaky".into())) } else { SinkAction::Deliver }
     });
+    tracing::callsite::rebuild_interest_cache();
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     all_done(&db, 1).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
-    assert_eq!((row.attempts, row.lease_version, row.last_error), (3, 3, None));
+    assert_eq!(
+        (row.attempts, row.lease_version, row.last_error.as_deref()),
+        (3, 3, Some("retryable (attempt 2): flaky"))
+    );
+    let logs = captured.text();
+    let retries: Vec<&str> = logs.lines().filter(|l| l.contains("publish failed; the row is pending again")).collect();
+    assert_eq!(retries.len(), 2, "{logs}");
+    for (line, attempt) in retries.iter().zip(1..) {
+        assert!(line.contains(" WARN ") && line.contains(&format!("outbox_id={id} lease_version={attempt}")), "{line}");
+        assert!(line.contains(&format!("retryable (attempt {attempt}): flaky")), "{line}");
+    }
     assert_eq!(drain(&mut rx).iter().map(|m| (m.id, m.attempts)).collect::<Vec<_>>(), vec![(id, 3)]);
 }
 

@@ -84,6 +84,46 @@ async fn sum_attempts(db: &TestDb) -> i64 {
     db.rows().await.iter().map(|r| i64::from(r.attempts)).sum()
 }
 
+/// Every counter, with every label set, is exported from the start at 0, before anything
+/// happened: an alert on `increase(outbox_lost_leases_total[5m])` must see the first one.
+#[actix_rt::test]
+async fn every_counter_is_exported_at_zero_from_the_start() {
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let db = TestDb::new().await;
+    let (sink, _rx) = ChannelSink::new();
+    let config = DispatcherConfig::default().workers(1).listen_for_inserts(false);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "the dispatcher answers", || async { dispatcher.send(GetMetrics).await.is_ok() }).await;
+    let seen = Seen::take(&recorder);
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let mut counters: Vec<(&str, u64)> = seen.counters.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+    counters.sort();
+    let expected = [
+        "outbox_actor_restarts_total",
+        "outbox_claim_errors_total",
+        "outbox_claimed_total",
+        "outbox_finalize_errors_total",
+        "outbox_finalize_retries_total",
+        "outbox_finalized_total{outcome=dead}",
+        "outbox_finalized_total{outcome=deferred}",
+        "outbox_finalized_total{outcome=done}",
+        "outbox_finalized_total{outcome=released}",
+        "outbox_finalized_total{outcome=retried}",
+        "outbox_lost_leases_total",
+        "outbox_publish_crashes_total",
+        "outbox_published_total",
+        "outbox_reaped_total",
+        "outbox_sink_outages_total",
+        "outbox_table_sample_errors_total",
+    ];
+    assert_eq!(counters, expected.map(|name| (name, 0)), "every counter, at 0");
+    for gauge in ["outbox_in_flight", "outbox_in_flight_bytes", "outbox_rows{status=dead}", "outbox_expired_leases"] {
+        assert_eq!(seen.gauge(gauge), 0.0, "{gauge}");
+    }
+}
+
 /// 40 rows through a scripted sink: per ten rows, one permanent failure (dead), one retryable
 /// failure then a delivery (retried, done), one that always fails retryably (retried twice,
 /// dead at the third attempt), one deferral then a delivery (deferred, done), six deliveries.

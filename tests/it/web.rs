@@ -50,6 +50,7 @@ async fn orders_over_http_reach_a_real_queue() {
         exchange: broker.exchange.clone(),
         bind: "127.0.0.1:0".into(),
         http_workers: 2,
+        demo_queue: None,
     };
     let running = app::start(&settings, false).await.expect("the app starts");
     let addr = running.addrs[0];
@@ -127,4 +128,35 @@ async fn orders_over_http_reach_a_real_queue() {
         .unwrap()
         .expect("the server ended cleanly");
     assert!(TcpStream::connect(addr).await.is_err(), "nothing listens after the stop");
+}
+
+/// As the README runs it: nothing else bound to the exchange. The example's demo queue catches
+/// the first order's event, so its row ends `done`, not `dead` as unroutable.
+#[actix_rt::test]
+async fn the_first_order_reaches_the_demo_queue_instead_of_going_dead() {
+    let db = TestDb::new().await;
+    let mut broker = TestBroker::new("web-demo").await;
+    let demo = crate::support::unique("demo");
+    broker.remove_at_end(demo.clone(), broker.exchange.clone());
+    let settings = app::Settings {
+        database_url: db.url.clone(),
+        amqp_url: amqp_url(),
+        exchange: broker.exchange.clone(),
+        bind: "127.0.0.1:0".into(),
+        http_workers: 1,
+        demo_queue: Some(demo.clone()),
+    };
+    let running = app::start(&settings, false).await.expect("the app starts");
+    let (addr, handle) = (running.addrs[0], running.handle.clone());
+    let served = actix_rt::spawn(running.run());
+
+    let (status, body) = http(addr, "POST", "/orders", Some(r#"{"customer": "ada", "total_cents": 1200}"#)).await;
+    assert_eq!(status, 201, "{body}");
+    eventually(Duration::from_secs(30), "the event's row done", || async { db.count_status("done").await == 1 }).await;
+    assert_eq!(db.count_status("dead").await, 0);
+    let delivered = broker.take(&demo, 1).await;
+    assert_eq!(delivered[0].routing_key.as_str(), "order.created");
+
+    handle.stop(true).await;
+    tokio::time::timeout(Duration::from_secs(30), served).await.expect("stops").unwrap().expect("cleanly");
 }
