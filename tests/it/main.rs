@@ -9,6 +9,7 @@ mod connect;
 mod fifo;
 mod inbox;
 mod metrics;
+mod model;
 mod outage;
 mod producers;
 mod rabbit;
