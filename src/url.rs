@@ -155,7 +155,7 @@ impl InvalidConnectionString {
                 reason = reason.replace(secret, MASK);
             }
         }
-        Self { masked: apply_mask(raw, secrets), reason: Reason::Malformed(reason) }
+        Self { masked: replace(raw, secrets, MASK), reason: Reason::Malformed(reason) }
     }
 
     /// The string that was refused, passwords masked.
@@ -206,7 +206,7 @@ impl std::error::Error for InvalidConnectionString {}
 /// assert_eq!(mask_url("postgres://root@127.0.0.1/app"), "postgres://root@127.0.0.1/app");
 /// ```
 pub fn mask_url(s: &str) -> String {
-    apply_mask(s, secret_ranges(s))
+    replace(s, secret_ranges(s), MASK)
 }
 
 /// The scheme `s` starts with, if any (RFC 3986: a letter, then letters, digits, `+`, `-` or
@@ -311,23 +311,20 @@ fn value_end(s: &str, start: usize) -> Option<usize> {
     (!quoted && start < s.len()).then_some(s.len())
 }
 
-/// `s` with each of `ranges` (merged where they overlap) replaced by [`MASK`].
-fn apply_mask(s: &str, mut ranges: Vec<Range<usize>>) -> String {
-    ranges.retain(|r| !r.is_empty());
-    ranges.sort_by_key(|r| r.start);
-    let mut out = String::with_capacity(s.len());
-    let mut copied = 0;
+/// `s` with each of `ranges` replaced by `with`, once for ranges that overlap or touch.
+fn replace(s: &str, ranges: Vec<Range<usize>>, with: &str) -> String {
+    let mut hidden = vec![false; s.len()];
     for range in ranges {
-        if range.end <= copied {
-            continue;
-        }
-        if range.start >= copied {
-            out += &s[copied..range.start];
-            out += MASK;
-        }
-        copied = range.end;
+        hidden[range].fill(true);
     }
-    out += &s[copied..];
+    let mut out = String::with_capacity(s.len());
+    for (i, c) in s.char_indices() {
+        if !hidden[i] {
+            out.push(c);
+        } else if i == 0 || !hidden[i - 1] {
+            out += with;
+        }
+    }
     out
 }
 
@@ -364,14 +361,7 @@ fn key_value_with_database(raw: &str, name: &str) -> String {
     if dbnames.is_empty() {
         return format!("{raw} dbname={quoted}");
     }
-    let mut out = String::with_capacity(raw.len() + quoted.len());
-    let mut copied = 0;
-    for value in dbnames {
-        out += &raw[copied..value.start];
-        out += &quoted;
-        copied = value.end;
-    }
-    out + &raw[copied..]
+    replace(raw, dbnames, &quoted)
 }
 
 /// `error: cause: cause's cause`, each message once (many errors repeat their cause's).
