@@ -56,11 +56,11 @@ impl ConnectionString {
     /// (`mysql://...`) is refused as such, not as whatever the driver made of it.
     pub fn parse(s: &str) -> Result<Self, InvalidConnectionString> {
         let config: tokio_postgres::Config = s.parse().map_err(|e| match scheme(s) {
-            // The driver reads anything but its two prefixes as key=value pairs, and says so.
-            Some(other) if !matches!(other, "postgres" | "postgresql") => InvalidConnectionString {
-                masked: mask_url(s),
-                reason: Reason::Scheme(other.to_owned()),
-            },
+            // Without one of its two prefixes the driver reads the string as key=value pairs, and
+            // its complaint (`unexpected EOF`) would be about those.
+            Some(other) if !matches!(other, "postgres" | "postgresql") => {
+                InvalidConnectionString { masked: mask_url(s), reason: Reason::Scheme(other.to_owned()) }
+            }
             _ => InvalidConnectionString::new(s, with_causes(&e)),
         })?;
         if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
@@ -214,8 +214,8 @@ pub fn mask_url(s: &str) -> String {
 fn scheme(s: &str) -> Option<&str> {
     let (scheme, _) = s.split_once(':')?;
     let mut chars = scheme.chars();
-    let well_formed = chars.next()?.is_ascii_alphabetic()
-        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    let well_formed =
+        chars.next()?.is_ascii_alphabetic() && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
     well_formed.then_some(scheme)
 }
 
