@@ -32,6 +32,17 @@ pub enum StoreError {
     /// A migration failed (the harness's error), or its thread did (the join error).
     #[error("migration failed: {}", with_causes(.0.as_ref()))]
     Migration(#[source] Cause),
+    /// The database the migrations were to go into does not exist (the server answered SQLSTATE
+    /// 3D000). [`ensure_database`](crate::ensure_database) creates it; `actix-outbox migrate`
+    /// does both.
+    #[error(
+        "database {database:?} does not exist: create it first with `actix_outbox::ensure_database(url)` \
+         (`actix-outbox migrate` creates it and migrates)"
+    )]
+    NoDatabase {
+        /// The database the connection string names.
+        database: String,
+    },
     /// A connection string that cannot be used (passwords masked in the message).
     #[error(transparent)]
     BadUrl(#[from] InvalidConnectionString),
@@ -97,6 +108,7 @@ impl StoreError {
                 _ => false,
             },
             StoreError::Migration(_)
+            | StoreError::NoDatabase { .. }
             | StoreError::BadUrl(_)
             | StoreError::OutsideTransaction(_)
             | StoreError::NoOutboxTable { .. }

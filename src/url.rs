@@ -1,15 +1,28 @@
-//! Connection strings: parsed by the driver's own parser, shown with every password masked.
+//! Connection strings: checked by the driver's own parser, shown with every password masked.
 //!
 //! The store and the sinks both use this module (the sinks import nothing from the store):
 //! [`ConnectionString`] for PostgreSQL, [`mask_url`] for any connection string, PostgreSQL or
 //! AMQP, parsed or not.
+//!
+//! Masking reads the text as written, not a parser's result: `tokio_postgres::Config` and
+//! lapin's `AMQPUri` give values, not where they stood, and they disagree on where the user
+//! info ends. tokio-postgres stops it at the first `@` of the whole string; the URL standard,
+//! which `AMQPUri` follows, at the last `@` before the first `/`, and so reads
+//! `postgres://app:12/ss@db/app` as host `app`, port 12, no password at all. The span masked
+//! covers every such reading, and a string no parser accepts is masked on the same rules.
 
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
 
+use percent_encoding::{AsciiSet, NON_ALPHANUMERIC, percent_decode_str, utf8_percent_encode};
+
 /// What a password is replaced with.
 const MASK: &str = "***";
+
+/// What a database name is percent-encoded with in a URL's path: everything but RFC 3986's
+/// unreserved characters, so that `my_db` stays readable.
+const NOT_UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'.').remove(b'~');
 
 /// A PostgreSQL connection string in either form the driver accepts: a URL
 /// (`postgres://app:secret@db:5432/app?sslmode=disable`) or `key=value` pairs
@@ -39,9 +52,17 @@ pub struct ConnectionString {
 }
 
 impl ConnectionString {
-    /// Parses `s` with `tokio_postgres::Config`, in either form.
+    /// Parses `s` with `tokio_postgres::Config`, in either form. A URL of another scheme
+    /// (`mysql://...`) is refused as such, not as whatever the driver made of it.
     pub fn parse(s: &str) -> Result<Self, InvalidConnectionString> {
-        let config: tokio_postgres::Config = s.parse().map_err(|e| InvalidConnectionString::new(s, with_causes(&e)))?;
+        let config: tokio_postgres::Config = s.parse().map_err(|e| match scheme(s) {
+            // Without one of its two prefixes the driver reads the string as key=value pairs, and
+            // its complaint (`unexpected EOF`) would be about those.
+            Some(other) if !matches!(other, "postgres" | "postgresql") => {
+                InvalidConnectionString { masked: mask_url(s), reason: Reason::Scheme(other.to_owned()) }
+            }
+            _ => InvalidConnectionString::new(s, with_causes(&e)),
+        })?;
         if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
             return Err(InvalidConnectionString::new(s, "it names no host".into()));
         }
@@ -69,8 +90,8 @@ impl ConnectionString {
     /// assert_eq!(app.with_database("postgres").expose(), "host=/run/postgresql user=app application_name=billing dbname=postgres");
     /// ```
     pub fn with_database(&self, name: &str) -> Self {
-        let raw = match url_prefix(&self.raw) {
-            Some(prefix) => url_with_database(&self.raw, prefix, name),
+        let raw = match ["postgres://", "postgresql://"].into_iter().find(|p| self.raw.starts_with(p)) {
+            Some(prefix) => url_with_database(&self.raw, prefix.len(), name),
             None => key_value_with_database(&self.raw, name),
         };
         let mut config = self.config.clone();
@@ -104,16 +125,21 @@ impl fmt::Debug for ConnectionString {
     }
 }
 
-/// A database connection string the driver refuses (or that names no host). The message shows
-/// the string with its passwords masked, and never a character of them.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "malformed database URL {masked:?}: {reason} (expected postgres://user:password@host:port/database \
-     or key=value pairs: host=... user=... password=... dbname=...)"
-)]
+/// A database connection string the driver refuses, that names no host, or that is a URL of
+/// another scheme. The message shows the string as typed with its passwords masked, and never a
+/// character of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidConnectionString {
     masked: String,
-    reason: String,
+    reason: Reason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Reason {
+    /// The driver's reason, or ours, passwords masked.
+    Malformed(String),
+    /// A URL whose scheme is not PostgreSQL's.
+    Scheme(String),
 }
 
 impl InvalidConnectionString {
@@ -129,7 +155,7 @@ impl InvalidConnectionString {
                 reason = reason.replace(secret, MASK);
             }
         }
-        Self { masked: apply_mask(raw, secrets), reason }
+        Self { masked: replace(raw, secrets, MASK), reason: Reason::Malformed(reason) }
     }
 
     /// The string that was refused, passwords masked.
@@ -137,6 +163,26 @@ impl InvalidConnectionString {
         &self.masked
     }
 }
+
+impl fmt::Display for InvalidConnectionString {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let masked = &self.masked;
+        match &self.reason {
+            Reason::Malformed(reason) => write!(
+                f,
+                "malformed database URL {masked:?}: {reason} (expected postgres://user:password@host:port/database \
+                 or key=value pairs: host=... user=... password=... dbname=...)"
+            ),
+            Reason::Scheme(scheme) => write!(
+                f,
+                "database URL {masked:?} has scheme {scheme:?}; expected postgres:// or postgresql:// \
+                 (or key=value pairs: host=... user=... dbname=...)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for InvalidConnectionString {}
 
 /// `s` with every password replaced by `***`, fit for logs and error messages. `s` is any
 /// connection string, parsed or not:
@@ -148,7 +194,8 @@ impl InvalidConnectionString {
 ///
 /// It errs on the safe side: in a URL the user info is taken to run from the first `:` to the
 /// last `@` (so a password with an unencoded `/`, `?` or `@` is still hidden), and in a
-/// `key=value` string everything from the first pair that does not parse to the end is masked.
+/// `key=value` string everything from the first pair that does not parse to the end is masked
+/// when it names a secret or holds a `user:password@` shape (`not a url` is shown as typed).
 ///
 /// ```
 /// use actix_outbox::mask_url;
@@ -159,36 +206,33 @@ impl InvalidConnectionString {
 /// assert_eq!(mask_url("postgres://root@127.0.0.1/app"), "postgres://root@127.0.0.1/app");
 /// ```
 pub fn mask_url(s: &str) -> String {
-    apply_mask(s, secret_ranges(s))
+    replace(s, secret_ranges(s), MASK)
+}
+
+/// The scheme `s` starts with, if any (RFC 3986: a letter, then letters, digits, `+`, `-` or
+/// `.`, then `:`). Compared as written: tokio-postgres takes only lowercase prefixes.
+fn scheme(s: &str) -> Option<&str> {
+    let (scheme, _) = s.split_once(':')?;
+    let mut chars = scheme.chars();
+    let well_formed =
+        chars.next()?.is_ascii_alphabetic() && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'));
+    well_formed.then_some(scheme)
 }
 
 /// The byte ranges of `s` that hold a secret.
 fn secret_ranges(s: &str) -> Vec<Range<usize>> {
-    match url_rest(s) {
-        Some(start) => url_secrets(s, start),
+    match scheme(s) {
+        Some(scheme) => url_secrets(s, scheme.len() + 1),
         None => key_value_secrets(s),
     }
 }
 
-/// Where the part of a URL after `scheme:` (and `//`) starts, when `s` starts with a scheme.
-fn url_rest(s: &str) -> Option<usize> {
-    let colon = s.find(':')?;
-    let mut scheme = s[..colon].chars();
-    let starts_well = scheme.next().is_some_and(|c| c.is_ascii_alphabetic());
-    if !starts_well || !scheme.all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')) {
-        return None;
-    }
-    let after = colon + 1;
-    Some(if s[after..].starts_with("//") { after + 2 } else { after })
-}
-
-/// The secrets of a URL whose part after the scheme starts at `start`.
+/// The secrets of a URL whose part after `scheme:` starts at `start`.
 fn url_secrets(s: &str, start: usize) -> Vec<Range<usize>> {
     let rest = &s[start..];
     let mut secrets = Vec::new();
-    // The user info's password: from its first `:` to the last `@`. tokio-postgres ends the
-    // user info at the first `@`, the URL standard at the last one before the path; both lie
-    // inside this range, whatever the password holds.
+    // The user info's password: from its first `:` to the last `@`, which holds every
+    // parser's reading of it (see the module's documentation), whatever the password holds.
     if let Some(at) = rest.rfind('@')
         && let Some(colon) = rest[..at].find(':')
     {
@@ -196,9 +240,8 @@ fn url_secrets(s: &str, start: usize) -> Vec<Range<usize>> {
     }
     // `password=...` anywhere: its value runs to the next `&` (as in a query string) or the end.
     for (eq, _) in rest.match_indices('=') {
-        let key_start =
-            rest[..eq].char_indices().rev().find(|&(_, c)| !is_url_key_char(c)).map_or(0, |(i, c)| i + c.len_utf8());
-        if is_secret_key(&percent_decode(&rest[key_start..eq])) {
+        let key_start = rest[..eq].trim_end_matches(|c: char| c.is_ascii_alphanumeric() || "_-.%".contains(c)).len();
+        if is_secret_key(&rest[key_start..eq]) {
             let end = rest[eq + 1..].find('&').map_or(rest.len(), |i| eq + 1 + i);
             secrets.push(start + eq + 1..start + end);
         }
@@ -206,40 +249,22 @@ fn url_secrets(s: &str, start: usize) -> Vec<Range<usize>> {
     secrets
 }
 
-fn is_url_key_char(c: char) -> bool {
-    c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '%')
-}
-
-/// Whether a parameter of this name holds a secret.
+/// Whether a parameter of this name (percent-encoded or not) holds a secret.
 fn is_secret_key(key: &str) -> bool {
-    let key = key.to_ascii_lowercase();
+    let key = percent_decode_str(key).decode_utf8_lossy().to_ascii_lowercase();
     ["pass", "pwd", "secret"].iter().any(|word| key.contains(word))
 }
 
-/// The secrets of a `key=value` connection string, read as tokio-postgres reads it: pairs
-/// separated by whitespace, spaces allowed around `=`, values bare (a backslash escapes the
-/// next character) or single-quoted. From a pair that does not parse on, everything is secret.
+/// The secrets of a `key=value` connection string: the value of every secret key and, from the
+/// first pair that does not parse, the rest when it could hold one.
 fn key_value_secrets(s: &str) -> Vec<Range<usize>> {
-    let mut secrets = Vec::new();
-    let mut pos = 0;
-    loop {
-        pos = skip_whitespace(s, pos);
-        if pos == s.len() {
-            return secrets;
-        }
-        match key_value_pair(s, pos) {
-            Some(pair) => {
-                if is_secret_key(&s[pair.key.clone()]) {
-                    secrets.push(pair.value);
-                }
-                pos = pair.end;
-            }
-            None => {
-                secrets.push(pos..s.len());
-                return secrets;
-            }
-        }
+    let (pairs, unparsed) = key_value_pairs(s);
+    let mut secrets: Vec<_> = pairs.into_iter().filter(|p| is_secret_key(&s[p.key.clone()])).map(|p| p.value).collect();
+    let rest = &s[unparsed..];
+    if is_secret_key(rest) || rest.find(':').is_some_and(|colon| rest[colon..].contains('@')) {
+        secrets.push(unparsed..s.len());
     }
+    secrets
 }
 
 /// One `key = value` pair of a `key=value` connection string.
@@ -247,106 +272,60 @@ struct Pair {
     key: Range<usize>,
     /// The value as written, quotes included.
     value: Range<usize>,
-    end: usize,
 }
 
-/// The pair starting at `pos` (not whitespace), or `None` if it does not parse.
-fn key_value_pair(s: &str, pos: usize) -> Option<Pair> {
-    let key_end = s[pos..].find(|c: char| c.is_whitespace() || c == '=').map_or(s.len(), |i| pos + i);
-    let eq = skip_whitespace(s, key_end);
-    if key_end == pos || !s[eq..].starts_with('=') {
-        return None;
+/// The pairs of `s` read as tokio-postgres reads them (separated by whitespace, spaces allowed
+/// around `=`, values bare with `\` escaping the next character, or single-quoted), and where
+/// the first pair that does not parse starts (`s.len()` when every one does).
+fn key_value_pairs(s: &str) -> (Vec<Pair>, usize) {
+    let skip_whitespace = |pos: usize| s[pos..].find(|c: char| !c.is_whitespace()).map_or(s.len(), |i| pos + i);
+    let mut pairs = Vec::new();
+    let mut pos = skip_whitespace(0);
+    while pos < s.len() {
+        let key_end = s[pos..].find(|c: char| c.is_whitespace() || c == '=').map_or(s.len(), |i| pos + i);
+        let eq = skip_whitespace(key_end);
+        if key_end == pos || !s[eq..].starts_with('=') {
+            break;
+        }
+        let value_start = skip_whitespace(eq + 1);
+        let Some(value_end) = value_end(s, value_start) else { break };
+        pairs.push(Pair { key: pos..key_end, value: value_start..value_end });
+        pos = skip_whitespace(value_end);
     }
-    let value_start = skip_whitespace(s, eq + 1);
-    let mut chars = s[value_start..].char_indices().map(|(i, c)| (value_start + i, c));
-    let value_end = if s[value_start..].starts_with('\'') {
-        chars.next();
-        loop {
-            match chars.next()? {
-                (i, '\'') => break i + 1,
-                (_, '\\') => {
-                    chars.next()?;
-                }
-                _ => {}
-            }
-        }
-    } else {
-        let mut end = s.len();
-        while let Some((i, c)) = chars.next() {
-            if c.is_whitespace() {
-                end = i;
-                break;
-            }
-            if c == '\\' && chars.next().is_none() {
-                break;
-            }
-        }
-        end
-    };
-    (value_end > value_start).then_some(Pair { key: pos..key_end, value: value_start..value_end, end: value_end })
+    (pairs, pos)
 }
 
-fn skip_whitespace(s: &str, pos: usize) -> usize {
-    s[pos..].find(|c: char| !c.is_whitespace()).map_or(s.len(), |i| pos + i)
+/// Where the value starting at `start` ends, or `None` if it is empty or its quote is not closed.
+fn value_end(s: &str, start: usize) -> Option<usize> {
+    let quoted = s[start..].starts_with('\'');
+    let mut chars = s[start..].char_indices().skip(usize::from(quoted));
+    while let Some((i, c)) = chars.next() {
+        if c == '\\' {
+            chars.next();
+        } else if quoted && c == '\'' {
+            return Some(start + i + 1);
+        } else if !quoted && c.is_whitespace() {
+            return Some(start + i);
+        }
+    }
+    (!quoted && start < s.len()).then_some(s.len())
 }
 
-/// `s` with each of `ranges` (merged where they overlap) replaced by [`MASK`].
-fn apply_mask(s: &str, mut ranges: Vec<Range<usize>>) -> String {
-    ranges.retain(|r| !r.is_empty());
-    ranges.sort_by_key(|r| r.start);
-    let mut out = String::with_capacity(s.len());
-    let mut copied = 0;
+/// `s` with each of `ranges` replaced by `with`, once for ranges that overlap or touch.
+fn replace(s: &str, ranges: Vec<Range<usize>>, with: &str) -> String {
+    let mut hidden = vec![false; s.len()];
     for range in ranges {
-        if range.end <= copied {
-            continue;
-        }
-        if range.start >= copied {
-            out += &s[copied..range.start];
-            out += MASK;
-        }
-        copied = range.end;
+        hidden[range].fill(true);
     }
-    out += &s[copied..];
-    out
-}
-
-/// `%XX` decoded, lossily.
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && let (Some(hi), Some(lo)) =
-                (bytes.get(i + 1).and_then(|&b| hex(b)), bytes.get(i + 2).and_then(|&b| hex(b)))
-        {
-            out.push((hi * 16 + lo) as u8);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Everything but unreserved characters percent-encoded.
-fn percent_encode(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
-            out.push(b as char);
-        } else {
-            out += &format!("%{b:02X}");
+    for (i, c) in s.char_indices() {
+        if !hidden[i] {
+            out.push(c);
+        } else if i == 0 || !hidden[i - 1] {
+            out += with;
         }
     }
     out
-}
-
-/// The length of the `postgres://` or `postgresql://` prefix, when `s` is in the URL form.
-fn url_prefix(s: &str) -> Option<usize> {
-    ["postgres://", "postgresql://"].into_iter().find(|p| s.starts_with(p)).map(str::len)
 }
 
 /// A URL in tokio-postgres's reading (user info up to the first `@`, host up to the next `/`
@@ -355,23 +334,17 @@ fn url_with_database(raw: &str, prefix: usize, name: &str) -> String {
     let rest = &raw[prefix..];
     let host_start = rest.find('@').map_or(0, |at| at + 1);
     let host_end = rest[host_start..].find(['/', '?']).map_or(rest.len(), |i| host_start + i);
-    let query_start = if rest[host_end..].starts_with('/') {
-        rest[host_end..].find('?').map_or(rest.len(), |i| host_end + i)
-    } else {
-        host_end
-    };
-    let encoded = percent_encode(name);
+    let encoded = utf8_percent_encode(name, NOT_UNRESERVED).to_string();
     let mut out = format!("{}/{encoded}", &raw[..prefix + host_end]);
-    if let Some(query) = rest[query_start..].strip_prefix('?') {
+    if let Some((_, query)) = rest[host_end..].split_once('?') {
         let params: Vec<String> = query
             .split('&')
             .map(|param| match param.split_once('=') {
-                Some((key, _)) if percent_decode(key) == "dbname" => format!("{key}={encoded}"),
+                Some((key, _)) if percent_decode_str(key).decode_utf8_lossy() == "dbname" => format!("{key}={encoded}"),
                 _ => param.to_owned(),
             })
             .collect();
-        out += "?";
-        out += &params.join("&");
+        out = format!("{out}?{}", params.join("&"));
     }
     out
 }
@@ -383,25 +356,12 @@ fn key_value_with_database(raw: &str, name: &str) -> String {
     } else {
         format!("'{}'", name.replace('\\', "\\\\").replace('\'', "\\'"))
     };
-    let mut out = String::with_capacity(raw.len() + quoted.len());
-    let (mut copied, mut pos, mut replaced) = (0, 0, false);
-    loop {
-        pos = skip_whitespace(raw, pos);
-        let Some(pair) = (pos < raw.len()).then(|| key_value_pair(raw, pos)).flatten() else { break };
-        if &raw[pair.key.clone()] == "dbname" {
-            out += &raw[copied..pair.value.start];
-            out += &quoted;
-            copied = pair.value.end;
-            replaced = true;
-        }
-        pos = pair.end;
+    let (pairs, _) = key_value_pairs(raw);
+    let dbnames: Vec<_> = pairs.into_iter().filter(|p| &raw[p.key.clone()] == "dbname").map(|p| p.value).collect();
+    if dbnames.is_empty() {
+        return format!("{raw} dbname={quoted}");
     }
-    out += &raw[copied..];
-    if !replaced {
-        out += " dbname=";
-        out += &quoted;
-    }
-    out
+    replace(raw, dbnames, &quoted)
 }
 
 /// `error: cause: cause's cause`, each message once (many errors repeat their cause's).
@@ -496,7 +456,13 @@ mod tests {
             ("host=db password s3cret", "host=db ***"),
             ("host=db password='s3cret", "host=db ***"),
             ("host=db password=", "host=db ***"),
-            ("not a url", "***"),
+            // A `user:password@` shape, a URL's with its scheme mistyped.
+            ("//app:s3cret@db/app", "***"),
+            ("postgres//app:s3cret@db/app", "***"),
+            ("host=db postgres//app:s3cret@db/app", "host=db ***"),
+            // Nothing that could be a password: shown as typed, so the user sees the mistake.
+            ("not a url", "not a url"),
+            ("host=db port 5432", "host=db port 5432"),
         ] {
             assert_eq!(mask_url(raw), masked, "{raw}");
         }
@@ -531,6 +497,37 @@ mod tests {
             let hint = " (expected postgres://user:password@host:port/database or key=value pairs: host=... user=... password=... dbname=...)";
             assert_eq!(e.to_string(), format!("{message}{hint}"), "{raw}");
             assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
+        }
+    }
+
+    /// The two messages users hit most: input shown as typed (password masked), and a URL of
+    /// another scheme named as such rather than as the driver's key=value reading of it.
+    #[test]
+    fn refusals_show_the_input_and_name_a_wrong_scheme() {
+        let e = ConnectionString::parse("not a url").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "malformed database URL \"not a url\": invalid connection string: unexpected character at byte 4: \
+             expected `=` (expected postgres://user:password@host:port/database or key=value pairs: host=... \
+             user=... password=... dbname=...)"
+        );
+        assert_eq!(e.masked(), "not a url");
+        for (raw, masked, scheme) in [
+            ("mysql://u:secret@h/db", "mysql://u:***@h/db", "mysql"),
+            ("mysql://u:pa/ss@h/db", "mysql://u:***@h/db", "mysql"),
+            ("POSTGRES://u:secret@h/db", "POSTGRES://u:***@h/db", "POSTGRES"),
+            ("localhost:5432/app", "localhost:5432/app", "localhost"),
+        ] {
+            let e = ConnectionString::parse(raw).unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "database URL {masked:?} has scheme {scheme:?}; expected postgres:// or postgresql:// \
+                     (or key=value pairs: host=... user=... dbname=...)"
+                )
+            );
+            assert_eq!(e.masked(), masked);
+            assert!(!format!("{e:?}").contains("secret") && !format!("{e:?}").contains("pa/ss"), "{e:?}");
         }
     }
 

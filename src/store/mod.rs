@@ -185,7 +185,8 @@ pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
 ///
 /// Connects as [`connect`] does, then runs the synchronous migration harness on a blocking
 /// thread, so it is safe to await from an actix or tokio runtime (diesel's async harness is
-/// not, under actix's current-thread runtime).
+/// not, under actix's current-thread runtime). It creates no database: on one that does not
+/// exist it fails with [`StoreError::NoDatabase`]; [`ensure_database`] creates it.
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
@@ -200,7 +201,13 @@ pub async fn migrate(database_url: &str) -> Result<Vec<String>, StoreError> {
 /// Applies the pending migrations of `set` (the outbox's or the inbox's) and returns the
 /// versions it applied.
 pub(crate) async fn apply_migrations(database_url: &str, set: EmbeddedMigrations) -> Result<Vec<String>, StoreError> {
-    let conn = connect(database_url).await?;
+    let target = ConnectionString::parse(database_url)?;
+    // A missing database is the first thing a new deployment hits: say how to create it rather
+    // than hand over the server's refusal.
+    let conn = open(&target).await.map_err(|e| match target.database() {
+        Some(name) if is_missing_database(e.as_ref()) => StoreError::NoDatabase { database: name.to_owned() },
+        _ => StoreError::Connect(e),
+    })?;
     with_harness(conn, move |harness| {
         let applied = harness.run_pending_migrations(set).map_err(StoreError::Migration)?;
         Ok(applied.into_iter().map(|v| v.to_string()).collect())

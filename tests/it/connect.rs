@@ -150,6 +150,25 @@ async fn connection_failures_keep_their_cause_and_no_password() {
     assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
 }
 
+/// `migrate` on a database that does not exist names it and the function that creates it,
+/// rather than handing over the server's refusal; it creates nothing itself.
+#[tokio::test]
+async fn migrating_a_missing_database_names_it_and_ensure_database() {
+    let missing = ScratchDb::new();
+    let e = actix_outbox::migrate(&missing.url).await.unwrap_err();
+    assert!(matches!(&e, StoreError::NoDatabase { database } if *database == missing.name), "{e:?}");
+    assert!(!e.is_transient());
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "database {:?} does not exist: create it first with `actix_outbox::ensure_database(url)` \
+             (`actix-outbox migrate` creates it and migrates)",
+            missing.name
+        )
+    );
+    assert!(!database_exists(&missing.name).await);
+}
+
 /// The sink's configuration and errors mask the AMQP password in each place it can be.
 #[tokio::test]
 async fn rabbitmq_configs_and_errors_never_show_the_password() {
