@@ -252,11 +252,12 @@ async fn drive(
     let mut tasks = Vec::new();
     for (index, fault) in faults.iter().cloned().enumerate() {
         let slot = slots[fault.process].clone();
+        let others: Vec<Arc<Slot>> = slots.iter().filter(|s| s.index != fault.process).cloned().collect();
         let poison = poison_tx.clone();
         let url = world.url.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until((started + fault.at).into()).await;
-            inflict(index, &fault, &slot, &poison, &url, lease + publish_timeout).await
+            inflict(index, &fault, &slot, &others, &poison, &url, lease + publish_timeout).await
         }));
     }
 
@@ -315,6 +316,7 @@ async fn drive(
     let unexpected = slots.iter().flat_map(|s| s.unexpected()).collect();
     let verdict = verdict::Verdict::judge(verdict::Evidence {
         fifo: args.fifo,
+        processes: args.processes,
         faults: &faults,
         outcomes: &outcomes,
         window,
@@ -363,6 +365,7 @@ async fn inflict(
     index: usize,
     fault: &Fault,
     slot: &Arc<Slot>,
+    others: &[Arc<Slot>],
     requests: &mpsc::UnboundedSender<world::Request>,
     url: &str,
     stop_allowance: Duration,
@@ -379,7 +382,7 @@ async fn inflict(
     }
     // A process fault is aimed at a process holding rows: an idle one would test nothing.
     let mut held = None;
-    if matches!(fault.kind, Kind::Kill | Kind::Stop | Kind::Term) {
+    if matches!(fault.kind, Kind::Kill | Kind::Stop | Kind::Term | Kind::StaleWake) {
         let _ = requests.send(world::Request::Burst(BURST));
         held = Some(wait_loaded(url, &slot.owner(), BURST_WAIT).await);
     }
@@ -401,6 +404,20 @@ async fn inflict(
             tokio::time::sleep(fault.duration).await;
             slot.signal(libc::SIGCONT);
             out.note = format!("{owner} stopped{held} past its lease, continued");
+        }
+        Kind::StaleWake => {
+            let owner = slot.owner();
+            for other in others {
+                other.broker.delay(plan::STALE_WAKE_LATENCY);
+            }
+            slot.signal(libc::SIGSTOP);
+            tokio::time::sleep(fault.duration).await;
+            slot.signal(libc::SIGCONT);
+            tokio::time::sleep(plan::STALE_WAKE_TAIL).await;
+            for other in others {
+                other.broker.delay(Duration::ZERO);
+            }
+            out.note = format!("{owner} stopped{held} past its lease, woke while the others' broker links were slow");
         }
         Kind::Term => {
             let owner = slot.owner();

@@ -73,6 +73,11 @@ pub enum Kind {
     Stop,
     /// SIGTERM (a graceful stop), then a new process after the pause.
     Term,
+    /// SIGSTOP for the duration (just past the lease) while every other process's broker link
+    /// is slow, then SIGCONT: the process wakes while the rows it held are still in flight at
+    /// the processes that took them over, so its late writes meet rows another holds, which
+    /// only the fence keeps them from.
+    StaleWake,
     /// Every connection to the service closed, and new ones refused, for the duration.
     Cut(Service),
     /// Nothing forwarded for the duration; `downstream_only`: requests still reach the service,
@@ -98,7 +103,7 @@ impl Kind {
 
     /// Faults that act on the process itself: at most one at a time per process.
     fn on_process(self) -> bool {
-        matches!(self, Kind::Kill | Kind::Stop | Kind::Term)
+        matches!(self, Kind::Kill | Kind::Stop | Kind::Term | Kind::StaleWake)
     }
 
     /// The proxy a network fault holds: at most one fault at a time per proxy.
@@ -118,6 +123,7 @@ impl fmt::Display for Kind {
             Kind::Kill => write!(f, "kill -9"),
             Kind::Stop => write!(f, "SIGSTOP/SIGCONT"),
             Kind::Term => write!(f, "SIGTERM+restart"),
+            Kind::StaleWake => write!(f, "stale wake-up"),
             Kind::Cut(s) => write!(f, "cut {s}"),
             Kind::Blackhole { service, downstream_only: false } => write!(f, "blackhole {service}"),
             Kind::Blackhole { service, downstream_only: true } => write!(f, "blackhole {service} replies"),
@@ -166,7 +172,8 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
     let ms = Duration::from_millis;
     // Weights: process faults and alarms most often, since they exercise the lease and the
     // blocked-broker protocol, the parts most worth breaking.
-    let menu: [(u32, fn(&mut Rng, Duration) -> (Kind, Duration)); 11] = [
+    let menu: [(u32, fn(&mut Rng, Duration) -> (Kind, Duration)); 12] = [
+        (3, |r, lease| (Kind::StaleWake, lease + r.duration(Duration::from_millis(300), Duration::from_millis(500)))),
         (4, |r, _| (Kind::Kill, r.duration(Duration::from_millis(300), Duration::from_secs(3)))),
         (4, |r, lease| (Kind::Stop, lease + r.duration(Duration::from_millis(200), Duration::from_secs(3)))),
         (3, |r, _| (Kind::Term, r.duration(Duration::from_millis(300), Duration::from_secs(2)))),
@@ -220,6 +227,8 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
         let free = (0..shape.processes).map(|i| (first + i) % shape.processes).find(|&p| {
             if kind.is_poison() {
                 true
+            } else if kind == Kind::StaleWake {
+                process_busy[p] <= at && (0..shape.processes).all(|q| q == p || proxy_busy[q][1] <= at)
             } else if kind.on_process() {
                 process_busy[p] <= at
             } else {
@@ -232,6 +241,13 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
         if at + duration + quiet_end >= shape.run {
             continue;
         }
+        if kind == Kind::StaleWake {
+            for (q, busy) in proxy_busy.iter_mut().enumerate() {
+                if q != process {
+                    busy[slot(Service::Broker)] = busy_until + STALE_WAKE_TAIL;
+                }
+            }
+        }
         if kind.on_process() {
             process_busy[process] = busy_until;
         } else if let Some(service) = kind.service() {
@@ -241,6 +257,14 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
     }
     faults
 }
+
+/// A stale wake-up keeps the other processes' broker links slow this long after SIGCONT, so
+/// that the rows they took over are still in flight when the woken process writes.
+pub const STALE_WAKE_TAIL: Duration = Duration::from_millis(1500);
+
+/// The latency of the other processes' broker links during a stale wake-up: a publish round
+/// trip of twice this, well inside the publish timeout.
+pub const STALE_WAKE_LATENCY: Duration = Duration::from_millis(250);
 
 fn pick_service(r: &mut Rng) -> Service {
     if r.chance(0.5) { Service::Db } else { Service::Broker }
@@ -272,8 +296,9 @@ impl Window {
         self.workers * self.max_in_flight
     }
 
-    /// The duplicates `fault` may cause, from the protocol (docs/chaos.md explains each).
-    pub fn bound(&self, fault: &Fault) -> u64 {
+    /// The duplicates `fault` may cause, from the protocol (docs/chaos.md explains each), among
+    /// `processes` processes.
+    pub fn bound(&self, fault: &Fault, processes: usize) -> u64 {
         let w = self.rows();
         // Windows that can each be lost once per `period` during `fault.duration`, plus the
         // one in flight when it began.
@@ -281,6 +306,14 @@ impl Window {
         match fault.kind {
             // Whatever the process held was maybe published and never finalized.
             Kind::Kill | Kind::Stop => w,
+            // The stopped process's window, and each other process's slow link for the stop
+            // and its tail.
+            Kind::StaleWake => {
+                let slow = Fault { duration: fault.duration + STALE_WAKE_TAIL, ..fault.clone() };
+                let others =
+                    w * (1 + slow.duration.as_millis().div_ceil(self.publish_timeout.as_millis().max(1)) as u64);
+                w + others * (processes as u64).saturating_sub(1)
+            }
             // A graceful stop finishes and finalizes what it started.
             Kind::Term => 0,
             // Confirms or finalizes lost with the connection, or leases run out meanwhile.

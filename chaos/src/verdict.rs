@@ -13,6 +13,8 @@ use crate::world::{Delivery, Produced, Row, StaleWrite};
 pub struct Evidence<'a> {
     /// Whether the dispatchers ran with `--fifo`.
     pub fifo: bool,
+    /// How many dispatcher processes ran.
+    pub processes: usize,
     /// The schedule.
     pub faults: &'a [Fault],
     /// What each fault did, by index.
@@ -182,7 +184,7 @@ impl Verdict {
             dup_times.extend(list.iter().skip(1).map(|d| (d.at, *id)));
         }
         dup_times.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let bounds: Vec<u64> = e.faults.iter().map(|f| e.window.bound(f)).collect();
+        let bounds: Vec<u64> = e.faults.iter().map(|f| e.window.bound(f, e.processes)).collect();
         let windows: Vec<(f64, f64)> = e
             .faults
             .iter()
