@@ -162,6 +162,9 @@ pub struct Shape {
     pub mean_gap: Duration,
 }
 
+/// Draws one fault of a kind, and its duration, given the lease.
+type Draw = fn(&mut Rng, Duration) -> (Kind, Duration);
+
 /// The schedule for `seed`: faults start at exponential gaps and may overlap, except that a
 /// process has one process fault (kill, stop, SIGTERM) at a time and each of its proxies one
 /// network fault at a time; every fault ends before production does.
@@ -172,7 +175,7 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
     let ms = Duration::from_millis;
     // Weights: process faults and alarms most often, since they exercise the lease and the
     // blocked-broker protocol, the parts most worth breaking.
-    let menu: [(u32, fn(&mut Rng, Duration) -> (Kind, Duration)); 12] = [
+    let menu: [(u32, Draw); 12] = [
         (3, |r, lease| (Kind::StaleWake, lease + r.duration(Duration::from_millis(300), Duration::from_millis(500)))),
         (4, |r, _| (Kind::Kill, r.duration(Duration::from_millis(300), Duration::from_secs(3)))),
         (4, |r, lease| (Kind::Stop, lease + r.duration(Duration::from_millis(200), Duration::from_secs(3)))),
