@@ -14,10 +14,8 @@ use diesel::sql_types::Text;
 use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use serde_json::{Value, json};
 
+use actix_outbox_test_support::proxy;
 // The fixtures of the library's integration tests; this binary uses only part of them.
-#[allow(dead_code)]
-#[path = "../../tests/it/proxy.rs"]
-mod proxy;
 #[allow(dead_code)]
 #[path = "../../tests/it/support.rs"]
 mod support;

@@ -1,7 +1,7 @@
 //! Integration tests against the real PostgreSQL (and RabbitMQ for the sink). One binary, one
 //! module per area; every test gets a database of its own, so the suite runs in parallel.
 
-mod proxy;
+use actix_outbox_test_support::proxy;
 mod support;
 
 mod actors;

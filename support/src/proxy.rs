@@ -1,7 +1,9 @@
-//! A TCP proxy in front of RabbitMQ that one test owns, so that it can cut, stall or refuse
-//! the broker connection of its own sink without disturbing tests running in parallel.
+//! A TCP proxy in front of RabbitMQ or PostgreSQL that one test (or one dispatcher of the chaos
+//! run) owns, so that it can cut, stall, refuse, delay or slow its own connections, and play
+//! the broker's memory alarm, without disturbing the real services or anyone else using them.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -24,9 +26,20 @@ struct Mode {
     /// proxy sends `connection.blocked` to the client at the next frame boundary and stops
     /// reading the client's bytes, as RabbitMQ does; lifting it sends `connection.unblocked`.
     amqp_blocked: bool,
+    /// Every chunk read is written on this much later, in both directions (a long link).
+    delay: Duration,
+    /// Bytes a second the proxy reads from either side at most (a slow link), if set.
+    slow: Option<u32>,
 }
 
+/// How often a slowed connection reads; each read takes at most a tenth of the rate.
+const SLOW_TICK: Duration = Duration::from_millis(100);
+
 /// Forwards every connection accepted on `127.0.0.1:<port>` to `upstream`.
+///
+/// Faults are set by the methods below and apply at once to every open connection and to the
+/// ones accepted later; [`Proxy::heal`] ends them all. Dropping the proxy closes its listener
+/// and every connection.
 pub struct Proxy {
     addr: SocketAddr,
     mode: watch::Sender<Mode>,
@@ -34,6 +47,7 @@ pub struct Proxy {
 }
 
 impl Proxy {
+    /// Listens on a free port of `127.0.0.1` and forwards to `upstream` (`host:port`).
     pub async fn start(upstream: String) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().unwrap();
@@ -51,6 +65,11 @@ impl Proxy {
             }
         });
         Proxy { addr, mode, accept }
+    }
+
+    /// The address the proxy listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// `url` with its host and port replaced by the proxy's (`scheme://user@host:port/path`).
@@ -90,6 +109,30 @@ impl Proxy {
     /// Forwards both directions again, releasing whatever was held back.
     pub fn resume(&self) {
         self.mode.send_modify(|m| (m.stall_up, m.stall_down) = (false, false));
+    }
+
+    /// A blackhole: connections stay open (and new ones are accepted) but nothing goes through
+    /// either way, as behind a dead router; what was sent meanwhile is delivered on
+    /// [`Proxy::resume`] unless the connection was closed first. The same as [`Proxy::stall`].
+    pub fn blackhole(&self) {
+        self.stall();
+    }
+
+    /// Delays every chunk by `delay` in both directions (`Duration::ZERO` ends it).
+    pub fn delay(&self, delay: Duration) {
+        self.mode.send_modify(|m| m.delay = delay);
+    }
+
+    /// Reads at most `bytes_per_second` from either side (`None` ends it): the peer's writes
+    /// back up as on a congested link.
+    pub fn slow_reads(&self, bytes_per_second: Option<u32>) {
+        self.mode.send_modify(|m| m.slow = bytes_per_second.map(|b| b.max(10)));
+    }
+
+    /// Ends every fault at once: forwards, accepts, unblocks, no delay, full speed. Open
+    /// connections stay open.
+    pub fn heal(&self) {
+        self.mode.send_modify(|m| *m = Mode { generation: m.generation, ..Mode::default() });
     }
 
     /// Behaves like a RabbitMQ under a memory alarm towards every AMQP connection through it:
@@ -233,15 +276,26 @@ async fn pipe(
             }
             continue;
         }
+        // A slowed link reads a tenth of its rate a tick; the sleep after the write paces it.
+        let want = now.slow.map_or(buf.len(), |rate| ((rate / 10) as usize).clamp(1, buf.len()));
         tokio::select! {
-            read = from.read(&mut buf) => match read {
+            read = from.read(&mut buf[..want]) => match read {
                 Ok(0) | Err(_) => return,
                 Ok(n) => {
+                    let read_at = tokio::time::Instant::now();
                     if let Some(frames) = frames.as_mut() {
                         frames.advance(&buf[..n]);
                     }
+                    // Not reading meanwhile keeps the bytes in order; whatever waits in the
+                    // socket is delayed further, as on a link that is long and busy.
+                    if !now.delay.is_zero() {
+                        tokio::time::sleep_until(read_at + now.delay).await;
+                    }
                     if to.write_all(&buf[..n]).await.is_err() {
                         return;
+                    }
+                    if now.slow.is_some() {
+                        tokio::time::sleep_until(read_at + SLOW_TICK).await;
                     }
                 }
             },
