@@ -208,23 +208,25 @@ fn refuse(req: &HttpRequest, console: &Console, base: &str, denied: Denied) -> H
     response
 }
 
-/// The answer to a change that was allowed: JSON for a script, a page for the browser.
-fn answer(
+/// Who is answered, once a change was allowed: JSON for a script, a page for the browser.
+struct Reply<'a> {
     via: Via,
-    console: &Console,
-    base: &str,
-    csrf: Option<&str>,
-    status: StatusCode,
-    key: &str,
-    message: &str,
-    ids: &[i64],
-) -> HttpResponse {
-    match via {
-        Via::Bearer if status.is_success() => json(status, &serde_json::json!({ key: ids })),
-        Via::Bearer => json(status, &serde_json::json!({ "error": message })),
-        Via::Session => {
-            let title = if status.is_success() { "Done" } else { "Not changed" };
-            html(status, pages::outcome(&view(console, base, csrf), title, message, status.is_success()))
+    console: &'a Console,
+    base: &'a str,
+    csrf: Option<&'a str>,
+}
+
+impl Reply<'_> {
+    /// `{key: ids}` or a page saying `message` on success; `{"error": message}` or a page otherwise.
+    fn send(&self, status: StatusCode, key: &str, message: &str, ids: &[i64]) -> HttpResponse {
+        match self.via {
+            Via::Bearer if status.is_success() => json(status, &serde_json::json!({ key: ids })),
+            Via::Bearer => json(status, &serde_json::json!({ "error": message })),
+            Via::Session => {
+                let title = if status.is_success() { "Done" } else { "Not changed" };
+                let v = view(self.console, self.base, self.csrf);
+                html(status, pages::outcome(&v, title, message, status.is_success()))
+            }
         }
     }
 }
@@ -253,7 +255,8 @@ async fn repair(
         Err(denied) => return refuse(&req, &console, &base, denied),
     };
     let csrf = session(&req, &console);
-    let bad = |message: &str| answer(via, &console, &base, csrf.as_deref(), StatusCode::BAD_REQUEST, "", message, &[]);
+    let reply = Reply { via, console: &console, base: &base, csrf: csrf.as_deref() };
+    let bad = |message: &str| reply.send(StatusCode::BAD_REQUEST, "", message, &[]);
     let ids: Vec<i64> = match ids {
         Some(id) => vec![id],
         None => match form.all("id").map(|s| s.trim().parse::<i64>()).collect::<Result<Vec<_>, _>>() {
@@ -283,14 +286,10 @@ async fn repair(
             let rows =
                 if changed.len() == 1 { "1 dead row".to_owned() } else { format!("{} dead rows", changed.len()) };
             let message = format!("{key} {rows} {done}: {}", repair::id_list(&changed));
-            answer(via, &console, &base, csrf.as_deref(), StatusCode::OK, key, &message, &changed)
+            reply.send(StatusCode::OK, key, &message, &changed)
         }
-        Err(e @ RepairError::NotDead(_)) => {
-            answer(via, &console, &base, csrf.as_deref(), StatusCode::CONFLICT, key, &e.to_string(), &[])
-        }
-        Err(e) => {
-            answer(via, &console, &base, csrf.as_deref(), StatusCode::SERVICE_UNAVAILABLE, key, &one_line(e), &[])
-        }
+        Err(e @ RepairError::NotDead(_)) => reply.send(StatusCode::CONFLICT, key, &e.to_string(), &[]),
+        Err(e) => reply.send(StatusCode::SERVICE_UNAVAILABLE, key, &one_line(e), &[]),
     }
 }
 
