@@ -401,3 +401,33 @@ async fn no_database_password_appears_on_any_page() {
         assert!(!page.contains(TOKEN), "{uri}: {page}");
     }
 }
+
+#[actix_web::test]
+async fn links_follow_the_mount_point_even_inside_another_scope() {
+    let db = TestDb::new().await;
+    let dead = db.insert("dead", "1", "order.created", Some("boom")).await;
+    let console = Console::new(db.pool.clone()).token(TOKEN);
+    let app =
+        test::init_service(App::new().service(actix_web::web::scope("/admin").service(console.scope("/outbox")))).await;
+    let page =
+        body(test::call_service(&app, test::TestRequest::get().uri("/admin/outbox/dead").to_request()).await).await;
+    assert!(page.contains(r#"<link rel="stylesheet" href="/admin/outbox/console.css">"#), "{page}");
+    assert!(page.contains(&format!(r#"<a href="/admin/outbox/rows/{dead}">{dead}</a>"#)), "{page}");
+    let page = body(
+        test::call_service(&app, test::TestRequest::get().uri(&format!("/admin/outbox/rows/{dead}")).to_request())
+            .await,
+    )
+    .await;
+    assert!(page.contains(r#"<a id="login" href="/admin/outbox/login">"#), "{page}");
+
+    // At the root of an application, the links have no prefix.
+    let app = service_at_root(Console::new(db.pool.clone())).await;
+    let page = body(test::call_service(&app, test::TestRequest::get().uri("/").to_request()).await).await;
+    assert!(page.contains(r#"<a class="value" id="count-dead" href="/dead">1</a>"#), "{page}");
+}
+
+async fn service_at_root(
+    console: Console,
+) -> impl Service<actix_http::Request, Response = ServiceResponse, Error = actix_web::Error> {
+    test::init_service(App::new().service(console.scope(""))).await
+}
