@@ -167,6 +167,10 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     let outbox = web::Data::new(dispatcher.clone());
     // [outbox-registration] end
 
+    // The operator console at /outbox (docs/console.md): read-only unless ACTIX_OUTBOX_CONSOLE_TOKEN is set.
+    let console = actix_outbox_console::Console::new(pool.clone())
+        .supervisor(dispatcher.clone())
+        .token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").unwrap_or_default());
     let state = web::Data::new(AppState { pool, sink: sink.clone(), metrics: prometheus() });
     let server = HttpServer::new(move || {
         App::new()
@@ -175,6 +179,7 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
             .route("/orders", web::post().to(create_order))
             .route("/metrics", web::get().to(render_metrics))
             .route("/health/ready", web::get().to(ready))
+            .service(console.scope("/outbox"))
     })
     .workers(settings.http_workers)
     .shutdown_timeout(10);

@@ -5,15 +5,15 @@
 //! given is not a dead row, so a typo never half-applies a repair.
 
 use clap::{Args, Subcommand};
-use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::Serialize;
 
-use crate::{CliError, DatabaseArgs, FifoArgs, connect, distinct, id_list, table, truncate};
+use crate::{CliError, DatabaseArgs, FifoArgs, connect, id_list, table, truncate};
 use actix_outbox::ConnectionString;
 use actix_outbox::Fifo;
 use actix_outbox::OutboxRow;
-use actix_outbox::StoreError;
 use actix_outbox::admin::BlockedAggregate;
+use actix_outbox_console::repair::{Repair, RepairError};
+use actix_outbox_console::report::BlockedView;
 
 /// `--help` text.
 pub(super) const LIST_LONG_ABOUT: &str = "List dead rows, oldest first: id, aggregate (type/id), event type, attempts, created_at and \
@@ -225,7 +225,7 @@ pub(super) async fn blocked(args: DeadBlockedArgs) -> Result<(), CliError> {
     let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let view = blocked_view(&mut conn, &url, &fifo, args.limit).await?;
+    let view = BlockedView::read(&mut conn, &fifo, args.limit).await.map_err(|e| CliError::store(&url, e))?;
     if args.json {
         println!("{}", serde_json::to_string(&view.blocked_aggregates).expect("blocked aggregates serialize"));
         return Ok(());
@@ -245,36 +245,6 @@ pub(super) async fn blocked(args: DeadBlockedArgs) -> Result<(), CliError> {
     }
     println!("{UNBLOCK_HINT}");
     Ok(())
-}
-
-/// The aggregates blocked under a FIFO gate, as `stats --fifo --json` adds them to its object.
-#[derive(Debug, Serialize)]
-pub(super) struct BlockedView {
-    /// The first of them, oldest dead head first.
-    pub(super) blocked_aggregates: Vec<BlockedAggregate>,
-    /// How many there are in all.
-    pub(super) blocked_aggregates_total: i64,
-}
-
-/// Reads the first `limit` aggregates blocked under `fifo` and their total in one read-only
-/// snapshot, so that the total never disagrees with the list.
-pub(super) async fn blocked_view(
-    conn: &mut AsyncPgConnection,
-    url: &ConnectionString,
-    fifo: &Fifo,
-    limit: i64,
-) -> Result<BlockedView, CliError> {
-    conn.build_transaction()
-        .read_only()
-        .repeatable_read()
-        .run(async |tx| {
-            Ok(BlockedView {
-                blocked_aggregates: actix_outbox::admin::blocked_aggregates(tx, fifo, limit).await?,
-                blocked_aggregates_total: actix_outbox::admin::blocked_aggregates_count(tx, fifo).await?,
-            })
-        })
-        .await
-        .map_err(|e| CliError::store(url, e))
 }
 
 /// `dead blocked`'s table: every detail of the head, the error whole (on one line).
@@ -337,8 +307,7 @@ pub(super) async fn retry(args: DeadRetryArgs) -> Result<(), CliError> {
         println!("retried {} (now pending, attempts reset)", rows(ids.len()));
         return Ok(());
     }
-    let ids = distinct(&args.ids);
-    let changed = all_or_nothing(&mut conn, &url, &ids, Repair::Retry).await?;
+    let changed = all_or_nothing(&mut conn, &url, &args.ids, Repair::Retry).await?;
     println!("retried {} (now pending, attempts reset): {}", rows(changed.len()), id_list(&changed));
     Ok(())
 }
@@ -350,60 +319,27 @@ pub(super) async fn skip(args: DeadSkipArgs) -> Result<(), CliError> {
     }
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let ids = distinct(&args.ids);
-    let changed = all_or_nothing(&mut conn, &url, &ids, Repair::Skip { reason }).await?;
+    let changed = all_or_nothing(&mut conn, &url, &args.ids, Repair::Skip { reason }).await?;
     println!("skipped {} (now done): {}", rows(changed.len()), id_list(&changed));
     Ok(())
 }
 
-/// Why an all-or-nothing repair rolled back.
-enum Rollback {
-    NotDead(Vec<i64>),
-    Store(StoreError),
-}
-
-impl From<diesel::result::Error> for Rollback {
-    fn from(e: diesel::result::Error) -> Self {
-        Rollback::Store(StoreError::Query(e))
-    }
-}
-
-/// What an all-or-nothing repair does to each dead row.
-#[derive(Clone, Copy)]
-enum Repair<'a> {
-    /// Back to pending.
-    Retry,
-    /// Done without publishing.
-    Skip { reason: &'a str },
-}
-
-/// Applies `repair` to `ids` in one transaction, and rolls it back unless every one of them was
-/// a dead row (the store's repairs touch dead rows only and return the ids they changed).
+/// Applies `repair` to `ids`, all or nothing ([`actix_outbox_console::repair::all_or_nothing`],
+/// which the web console's repair forms run too).
 async fn all_or_nothing(
     conn: &mut diesel_async::AsyncPgConnection,
     url: &ConnectionString,
     ids: &[i64],
     repair: Repair<'_>,
 ) -> Result<Vec<i64>, CliError> {
-    let outcome = conn
-        .transaction(async |tx| {
-            let changed = match repair {
-                Repair::Retry => actix_outbox::admin::dead_retry(tx, ids).await,
-                Repair::Skip { reason } => actix_outbox::admin::dead_skip(tx, ids, reason).await,
-            };
-            let mut changed = changed.map_err(Rollback::Store)?;
-            changed.sort_unstable();
-            let not_dead: Vec<i64> = ids.iter().copied().filter(|id| changed.binary_search(id).is_err()).collect();
-            if not_dead.is_empty() { Ok(changed) } else { Err(Rollback::NotDead(not_dead)) }
-        })
-        .await;
-    match outcome {
+    match actix_outbox_console::repair::all_or_nothing(conn, ids, repair).await {
         Ok(changed) => Ok(changed),
-        Err(Rollback::NotDead(ids)) => Err(CliError::BadInput(format!(
+        Err(RepairError::NotDead(ids)) => Err(CliError::BadInput(format!(
             "not a dead row: {} (no row changed; `actix-outbox dead list` shows the dead ones)",
             id_list(&ids)
         ))),
-        Err(Rollback::Store(e)) => Err(CliError::store(url, e)),
+        Err(RepairError::Store(e)) => Err(CliError::store(url, e)),
+        Err(e) => Err(CliError::Failed(e.to_string())),
     }
 }
 

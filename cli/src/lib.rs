@@ -29,7 +29,6 @@ mod run;
 mod serve;
 mod stats;
 
-use std::collections::BTreeSet;
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
@@ -326,11 +325,6 @@ fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
 /// Parses a JSON document (`--payload`).
 fn parse_json(s: &str) -> Result<serde_json::Value, String> {
     serde_json::from_str(s).map_err(|e| format!("not JSON: {e}"))
-}
-
-/// Ids given once each, in ascending order.
-fn distinct(ids: &[i64]) -> Vec<i64> {
-    ids.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()
 }
 
 /// A plain-text table: a header line, then one line a row, each line starting with `indent`.

@@ -34,6 +34,8 @@ const BROKER_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Database connections beyond one per worker: the finalizer's and a spare.
 const EXTRA_CONNECTIONS: usize = 2;
+/// The console's own pool: a page reads with one statement at a time.
+const CONSOLE_CONNECTIONS: u32 = 2;
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Run the dispatcher: claim pending outbox rows under a lease, publish each to the RabbitMQ \
@@ -119,6 +121,15 @@ pub struct RunArgs {
     /// Serve GET /metrics (Prometheus text format), /health/live and /health/ready on this address (port 0: any free port, logged)
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_addr: Option<String>,
+    /// Serve the web console (overview, dead rows, blocked aggregates, repairs) on this address;
+    /// a port alone listens on 127.0.0.1 (port 0: any free port, logged). Read-only unless an
+    /// operator token is given (--console-token-file or ACTIX_OUTBOX_CONSOLE_TOKEN)
+    #[arg(long, value_name = "[HOST:]PORT")]
+    pub console_addr: Option<String>,
+    /// File holding the console's operator token (surrounding whitespace ignored), which every
+    /// change made in the console requires; ACTIX_OUTBOX_CONSOLE_TOKEN gives it instead
+    #[arg(long, value_name = "PATH", requires = "console_addr")]
+    pub console_token_file: Option<std::path::PathBuf>,
     /// Do not LISTEN for inserts (needed behind a transaction-mode PgBouncer); new rows wait for the poll
     #[arg(long)]
     pub no_listen: bool,
@@ -192,8 +203,39 @@ impl RunArgs {
                 return Err(CliError::BadInput(format!("--metrics-addr {addr:?}: expected HOST:PORT")));
             }
         }
+        if let Some(addr) = &self.console_addr {
+            console_addr(addr)?;
+        }
         config.validate().map_err(|e| CliError::BadInput(format!("invalid dispatcher configuration: {e}")))?;
         Ok(config)
+    }
+
+    /// The console's operator token: from `--console-token-file`, or `ACTIX_OUTBOX_CONSOLE_TOKEN`
+    /// (`env`, passed in so that tests need not set the process's environment). `None`: the
+    /// console is read-only. A token given both ways, an unreadable file or a blank token is bad
+    /// input: an operator who meant to give one must not get a console that silently refuses.
+    fn console_token(&self, env: Option<String>) -> Result<Option<String>, CliError> {
+        let from_file = match &self.console_token_file {
+            Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
+                CliError::BadInput(format!("--console-token-file {}: cannot read it: {e}", path.display()))
+            })?),
+            None => None,
+        };
+        let token = match (from_file, env) {
+            (Some(_), Some(_)) => {
+                return Err(CliError::BadInput(
+                    "the console token is given twice (--console-token-file and ACTIX_OUTBOX_CONSOLE_TOKEN); give one"
+                        .into(),
+                ));
+            }
+            (Some(token), None) | (None, Some(token)) => token,
+            (None, None) => return Ok(None),
+        };
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(CliError::BadInput("the console token is empty; give a long random one".into()));
+        }
+        Ok(Some(token.to_owned()))
     }
 
     /// The sink configuration these flags describe, validated (a malformed AMQP URL is bad input).
@@ -208,10 +250,23 @@ impl RunArgs {
     }
 }
 
+/// `--console-addr`: `HOST:PORT` as given, or a port alone on the loopback interface (a console
+/// can change rows, so it is not put on every interface by default).
+fn console_addr(addr: &str) -> Result<String, CliError> {
+    if addr.parse::<u16>().is_ok() {
+        return Ok(format!("127.0.0.1:{addr}"));
+    }
+    match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(addr.to_owned()),
+        _ => Err(CliError::BadInput(format!("--console-addr {addr:?}: expected HOST:PORT or PORT"))),
+    }
+}
+
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut config = args.dispatcher_config()?;
     let rabbit = args.rabbit_config()?;
+    let console_token = args.console_token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").ok())?;
     // Registered before anything slow, so that a signal during start-up is not lost.
     let mut signals = Signals::register()?;
 
@@ -251,11 +306,30 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    info!(database = %url, source = config.source.as_deref().unwrap_or_default(), fifo = %config.fifo,
+    let source = config.source.clone().unwrap_or_default();
+    info!(database = %url, source = %source, fifo = %config.fifo,
         "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
     let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
     *supervisor_slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(supervisor.clone());
+    // After the dispatcher, whose health and counters the overview shows. A pool of its own:
+    // pages never wait for the dispatcher's connections, nor it for theirs.
+    let console = match &args.console_addr {
+        Some(addr) => {
+            let pool = actix_outbox::connect_pool(url.expose(), CONSOLE_CONNECTIONS)
+                .await
+                .map_err(|e| CliError::store(&url, e))?;
+            let mut console = actix_outbox_console::Console::new(pool)
+                .supervisor(supervisor.clone())
+                .fifo(args.fifo.fifo()?)
+                .source(source);
+            if let Some(token) = &console_token {
+                console = console.token(token);
+            }
+            Some(serve::start_console(&console_addr(addr)?, console)?)
+        }
+        None => None,
+    };
 
     let signal = signals.recv().await;
     info!(
@@ -273,6 +347,9 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         }
     }
     sink.close().await;
+    if let Some(console) = console {
+        console.stop().await;
+    }
     if let Some(serving) = serving {
         serving.stop().await;
     }
@@ -369,6 +446,51 @@ mod tests {
         let flags = ["--amqp-url", "amqp://a/%2f,amqp://b/%2f", "--amqp-url", "amqp://c/%2f"];
         let Command::Run(args) = Cli::try_parse_from(argv.iter().chain(&flags)).unwrap().command else { panic!() };
         assert_eq!(args.rabbit_config().unwrap().urls, ["amqp://a/%2f", "amqp://b/%2f", "amqp://c/%2f"]);
+    }
+
+    fn run_args(flags: &[&str]) -> Result<super::RunArgs, clap::Error> {
+        let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);
+        match Cli::try_parse_from(argv)?.command {
+            Command::Run(args) => Ok(args),
+            _ => panic!("a run command"),
+        }
+    }
+
+    #[test]
+    fn a_console_port_alone_listens_on_the_loopback_interface() {
+        assert_eq!(super::console_addr("9188").unwrap(), "127.0.0.1:9188");
+        assert_eq!(super::console_addr("0.0.0.0:9188").unwrap(), "0.0.0.0:9188");
+        assert_eq!(super::console_addr("[::1]:9188").unwrap(), "[::1]:9188");
+        for bad in ["", "host", ":9188", "host:port", "70000"] {
+            let e = super::console_addr(bad).unwrap_err();
+            assert_eq!(e.exit_code(), crate::EXIT_USAGE, "{bad}");
+        }
+        let e = run_args(&["--console-addr", "nope"]).unwrap().dispatcher_config().unwrap_err();
+        assert_eq!(e.to_string(), "--console-addr \"nope\": expected HOST:PORT or PORT");
+    }
+
+    #[test]
+    fn the_console_token_comes_from_one_place_and_is_not_blank() {
+        let dir = std::env::temp_dir().join(format!("actix-outbox-console-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "  s3cret-token\n").unwrap();
+        let path = file.to_str().unwrap();
+        let with_file = run_args(&["--console-addr", "9188", "--console-token-file", path]).unwrap();
+        assert_eq!(with_file.console_token(None).unwrap().as_deref(), Some("s3cret-token"));
+        let e = with_file.console_token(Some("other".into())).unwrap_err();
+        assert_eq!(e.exit_code(), crate::EXIT_USAGE);
+        let plain = run_args(&["--console-addr", "9188"]).unwrap();
+        assert_eq!(plain.console_token(None).unwrap(), None);
+        assert_eq!(plain.console_token(Some(" env-token ".into())).unwrap().as_deref(), Some("env-token"));
+        assert_eq!(plain.console_token(Some(" ".into())).unwrap_err().exit_code(), crate::EXIT_USAGE);
+        std::fs::write(&file, "\n").unwrap();
+        assert_eq!(with_file.console_token(None).unwrap_err().exit_code(), crate::EXIT_USAGE);
+        let missing = run_args(&["--console-addr", "9188", "--console-token-file", "/nonexistent/token"]).unwrap();
+        assert_eq!(missing.console_token(None).unwrap_err().exit_code(), crate::EXIT_USAGE);
+        // A token file without a console to use it is a usage error.
+        assert!(run_args(&["--console-token-file", path]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

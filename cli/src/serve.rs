@@ -137,3 +137,40 @@ async fn not_ready(state: &State) -> Option<String> {
         Err(_) => Some(format!("the dispatcher did not answer within {PROBE_TIMEOUT:?}")),
     }
 }
+
+/// The web console's server (`run --console-addr`).
+pub(crate) struct ConsoleServing {
+    server: ServerHandle,
+}
+
+/// Binds `addr` and serves `console` at its root. Must run on the dispatcher's arbiter.
+pub(crate) fn start_console(addr: &str, console: actix_outbox_console::Console) -> Result<ConsoleServing, CliError> {
+    let read_only = console.is_read_only();
+    let server = HttpServer::new(move || App::new().service(console.scope("")))
+        .workers(1)
+        .disable_signals()
+        .shutdown_timeout(1)
+        .bind(addr)
+        .map_err(|e| CliError::Failed(format!("--console-addr {addr}: cannot listen: {e}")))?;
+    let bound: Vec<SocketAddr> = server.addrs();
+    let server = server.run();
+    let handle = server.handle();
+    actix::spawn(async move {
+        let _ = server.await;
+    });
+    for addr in bound {
+        if read_only {
+            info!(%addr, "serving the web console, read-only (no --console-token-file or ACTIX_OUTBOX_CONSOLE_TOKEN)");
+        } else {
+            info!(%addr, "serving the web console; changes need the operator token");
+        }
+    }
+    Ok(ConsoleServing { server: handle })
+}
+
+impl ConsoleServing {
+    /// Stops listening and waits for the answers under way.
+    pub(crate) async fn stop(self) {
+        self.server.stop(true).await;
+    }
+}

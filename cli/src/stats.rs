@@ -1,7 +1,8 @@
 //! `actix-outbox stats`: what the outbox looks like right now.
 //!
 //! With `--fifo`, also the aggregates a dead head holds back under that gate (the first
-//! [`BLOCKED_SHOWN`] and their total). Without it they are left out, JSON keys included: the
+//! [`BLOCKED_SHOWN`] and their total). The JSON is [`StatsReport`], which the web console's
+//! `/api/stats` answers too. Without it they are left out, JSON keys included: the
 //! gate is a setting of the dispatchers (`run --fifo`), not of the table, so `stats` cannot
 //! know it; and under no gate a dead row blocks nothing, so an empty list would be a claim
 //! `stats` cannot make either.
@@ -9,15 +10,14 @@
 use std::time::Duration;
 
 use clap::Args;
-use serde::Serialize;
 
-use crate::dead::{BlockedView, blocked_view, render_blocked_summary};
+use crate::dead::render_blocked_summary;
 use crate::{CliError, DatabaseArgs, FifoArgs, connect};
 use actix_outbox::Status;
 use actix_outbox::admin::Stats;
-
-/// Blocked aggregates `stats --fifo` lists (`dead blocked` lists more); [`LONG_ABOUT`] says 20.
-const BLOCKED_SHOWN: i64 = 20;
+#[cfg(doc)]
+use actix_outbox_console::report::BLOCKED_SHOWN;
+use actix_outbox_console::report::StatsReport;
 /// Characters of a blocked head's last error the `stats` table keeps.
 const ERROR_WIDTH: usize = 60;
 
@@ -56,28 +56,16 @@ pub struct StatsArgs {
     pub fifo: FifoArgs,
 }
 
-/// What `stats --json` prints: the store's [`Stats`], and the blocked aggregates when `--fifo`
-/// was given (their keys absent otherwise).
-#[derive(Serialize)]
-struct Report<'a> {
-    #[serde(flatten)]
-    stats: &'a Stats,
-    #[serde(flatten)]
-    blocked: Option<&'a BlockedView>,
-}
-
 pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
     let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let stats = actix_outbox::admin::stats(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
-    let blocked = if fifo.is_on() { Some(blocked_view(&mut conn, &url, &fifo, BLOCKED_SHOWN).await?) } else { None };
+    let report = StatsReport::read(&mut conn, &fifo).await.map_err(|e| CliError::store(&url, e))?;
     if args.json {
-        let report = Report { stats: &stats, blocked: blocked.as_ref() };
         println!("{}", serde_json::to_string(&report).expect("stats serialize"));
     } else {
-        print!("{}", render(&stats));
-        if let Some(blocked) = &blocked {
+        print!("{}", render(&report.stats));
+        if let Some(blocked) = &report.blocked {
             print!("{}", render_blocked_summary(blocked, &fifo, ERROR_WIDTH));
         }
     }

@@ -1351,6 +1351,83 @@ async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_
     assert!(tokio::net::TcpStream::connect(&addr).await.is_err(), "the server stopped with the dispatcher");
 }
 
+/// `POST path` with an empty form over plain HTTP/1.1, with extra header lines: the status code
+/// and the body.
+async fn http_post(addr: &str, path: &str, headers: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Type: application/x-www-form-urlencoded\r\n\
+         Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP head: {response:?}"));
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{head}"));
+    (status, body.to_owned())
+}
+
+#[tokio::test]
+async fn run_serves_the_console_with_the_dispatchers_health_behind_the_token() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let token_file = std::env::temp_dir().join(format!("{}.console-token", db.name));
+    std::fs::write(&token_file, "cli-console-token-7d2e\n").unwrap();
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--console-addr",
+            "0",
+            "--console-token-file",
+            token_file.to_str().unwrap(),
+        ],
+    );
+    let mut addr = None;
+    eventually(WITHIN, "the console's address is logged", || {
+        addr = run
+            .log()
+            .iter()
+            .find(|l| l.contains("serving the web console; changes need the operator token"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .map(|rest| rest.split_whitespace().next().unwrap().to_owned());
+        std::future::ready(addr.is_some())
+    })
+    .await;
+    let addr = addr.unwrap();
+    assert!(addr.starts_with("127.0.0.1:"), "a port alone listens on the loopback interface: {addr}");
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+
+    let (status, page) = http_get(&addr, "/").await;
+    assert_eq!(status, 200);
+    assert!(page.contains(r#"<div class="value" id="count-pending">0</div>"#), "{page}");
+    assert!(page.contains(r#"<td id="health-sink"><span class="ok">"#), "{page}");
+    assert!(!page.contains("read-only"), "{page}");
+    let (status, json) = http_get(&addr, "/api/stats").await;
+    assert_eq!(status, 200);
+    assert!(json.starts_with(r#"{"by_status":{"dead":0,"done":3,"pending":0,"processing":0}"#), "{json}");
+
+    // Changes need the token; the one from the file is taken (an id that is not dead: 409).
+    assert_eq!(http_post(&addr, "/dead/1/retry", "").await.0, 401);
+    let bearer = "Authorization: Bearer cli-console-token-7d2e\r\n";
+    assert_eq!(
+        http_post(&addr, "/dead/1/retry", bearer).await,
+        (409, r#"{"error":"not a dead row: 1 (no row changed)"}"#.to_owned())
+    );
+    assert_eq!(db.count_status("done").await, 3);
+
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_err(), "the console stopped with the dispatcher");
+    std::fs::remove_file(&token_file).unwrap();
+}
+
 #[tokio::test]
 async fn run_log_format_json_writes_one_json_object_a_line() {
     let db = TestDb::new().await;

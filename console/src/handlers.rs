@@ -1,0 +1,360 @@
+//! The routes of [`Console::scope`](crate::Console::scope).
+
+use std::time::Duration;
+
+use actix_outbox::GetHealth;
+use actix_web::cookie::{Cookie, SameSite};
+use actix_web::http::{StatusCode, header};
+use actix_web::{HttpRequest, HttpResponse, web};
+use chrono::Utc;
+use maud::Markup;
+use serde::Deserialize;
+
+use crate::auth::{self, Denied, Via};
+use crate::pages::{self, View};
+use crate::query::{self, DeadFilter};
+use crate::repair::{self, Repair, RepairError};
+use crate::report::{BlockedView, StatsReport};
+use crate::{Console, PAGE_SIZE, REFRESH, chart};
+
+type Data = web::Data<Console>;
+
+/// How long the overview waits for the dispatcher's health.
+const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Blocked aggregates `/blocked` lists.
+const BLOCKED_LISTED: i64 = 100;
+
+/// Where the console is mounted: the request's path less the `depth` segments of the route
+/// that matched inside the scope. Derived from the request rather than remembered from
+/// [`Console::scope`], so that links stay right when the scope is nested in another one.
+fn base(req: &HttpRequest, depth: usize) -> String {
+    let mut path = req.path().trim_end_matches('/');
+    for _ in 0..depth {
+        path = path.rsplit_once('/').map_or("", |(head, _)| head);
+    }
+    path.to_owned()
+}
+
+fn html(status: StatusCode, page: Markup) -> HttpResponse {
+    HttpResponse::build(status).content_type("text/html; charset=utf-8").body(page.into_string())
+}
+
+fn json(status: StatusCode, value: &impl serde::Serialize) -> HttpResponse {
+    HttpResponse::build(status).content_type("application/json").body(serde_json::to_string(value).unwrap_or_default())
+}
+
+/// An error on one line (a page shows it in a sentence).
+fn one_line(e: impl std::fmt::Display) -> String {
+    e.to_string().split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// The CSRF token of the request's operator session, if the console takes changes at all.
+fn session(req: &HttpRequest, console: &Console) -> Option<String> {
+    if console.is_read_only() {
+        return None;
+    }
+    auth::session_csrf(req, &console.shared.sessions)
+}
+
+fn view<'a>(console: &'a Console, base: &'a str, csrf: Option<&'a str>) -> View<'a> {
+    View { base, source: console.config.source.as_deref(), read_only: console.is_read_only(), csrf }
+}
+
+pub(crate) async fn stylesheet() -> HttpResponse {
+    HttpResponse::Ok().content_type("text/css; charset=utf-8").body(include_str!("console.css"))
+}
+
+pub(crate) async fn overview(req: HttpRequest, console: Data) -> HttpResponse {
+    let base = base(&req, 0);
+    let csrf = session(&req, &console);
+    let fifo = console.config.fifo.clone();
+    let (table, blocked) = match console.config.pool.get().await {
+        Ok(mut conn) => {
+            let table = query::overview(&mut conn).await.map_err(one_line);
+            let blocked = if fifo.is_on() {
+                Some(actix_outbox::admin::blocked_aggregates_count(&mut conn, &fifo).await.map_err(one_line))
+            } else {
+                None
+            };
+            (table, blocked)
+        }
+        Err(e) => {
+            let why = format!("no database connection: {}", one_line(e));
+            (Err(why.clone()), fifo.is_on().then_some(Err(why)))
+        }
+    };
+    let health = match &console.config.supervisor {
+        None => None,
+        Some(supervisor) => Some(match tokio::time::timeout(HEALTH_TIMEOUT, supervisor.send(GetHealth)).await {
+            Ok(Ok(health)) => Ok(health),
+            Ok(Err(_)) => Err("the dispatcher has stopped".to_owned()),
+            Err(_) => Err(format!("no answer within {HEALTH_TIMEOUT:?}")),
+        }),
+    };
+    let points = console.shared.chart.lock().unwrap_or_else(|e| e.into_inner()).points();
+    let data = pages::OverviewData { table, blocked, fifo, health, chart: chart::svg(&points, Utc::now()) };
+    html(StatusCode::OK, pages::overview(&view(&console, &base, csrf.as_deref()), &data, REFRESH.as_secs()))
+}
+
+pub(crate) async fn api_stats(console: Data) -> HttpResponse {
+    let report = async {
+        let mut conn = console.config.pool.get().await.map_err(one_line)?;
+        StatsReport::read(&mut conn, &console.config.fifo).await.map_err(one_line)
+    };
+    match report.await {
+        Ok(report) => json(StatusCode::OK, &report),
+        Err(e) => json(StatusCode::SERVICE_UNAVAILABLE, &serde_json::json!({ "error": e })),
+    }
+}
+
+/// The query string of `/dead`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct DeadQuery {
+    #[serde(default)]
+    event_type: String,
+    #[serde(default)]
+    aggregate: String,
+    #[serde(default)]
+    error: String,
+    after: Option<i64>,
+}
+
+/// A page saying the database could not be read.
+fn unavailable(v: &View<'_>, e: String) -> HttpResponse {
+    html(StatusCode::SERVICE_UNAVAILABLE, pages::outcome(v, "Database unavailable", &e, false))
+}
+
+pub(crate) async fn dead(req: HttpRequest, console: Data, q: web::Query<DeadQuery>) -> HttpResponse {
+    let base = base(&req, 1);
+    let csrf = session(&req, &console);
+    let v = view(&console, &base, csrf.as_deref());
+    let q = q.into_inner();
+    let filter = DeadFilter { event_type: q.event_type, aggregate: q.aggregate, error: q.error };
+    let page = async {
+        let mut conn = console.config.pool.get().await.map_err(one_line)?;
+        query::dead_page(&mut conn, &filter, q.after, PAGE_SIZE).await.map_err(one_line)
+    };
+    match page.await {
+        Ok(page) => html(StatusCode::OK, pages::dead(&v, &filter, q.after, &page, Utc::now())),
+        Err(e) => unavailable(&v, e),
+    }
+}
+
+pub(crate) async fn row(req: HttpRequest, console: Data, id: web::Path<i64>) -> HttpResponse {
+    let base = base(&req, 2);
+    let csrf = session(&req, &console);
+    let v = view(&console, &base, csrf.as_deref());
+    let id = id.into_inner();
+    let row = async {
+        let mut conn = console.config.pool.get().await.map_err(one_line)?;
+        query::row(&mut conn, id).await.map_err(one_line)
+    };
+    match row.await {
+        Ok(Some(row)) => html(StatusCode::OK, pages::row(&v, &row)),
+        Ok(None) => {
+            html(StatusCode::NOT_FOUND, pages::outcome(&v, "No such row", &format!("no row has id {id}"), false))
+        }
+        Err(e) => unavailable(&v, e),
+    }
+}
+
+pub(crate) async fn blocked(req: HttpRequest, console: Data) -> HttpResponse {
+    let base = base(&req, 1);
+    let csrf = session(&req, &console);
+    let v = view(&console, &base, csrf.as_deref());
+    let fifo = &console.config.fifo;
+    if !fifo.is_on() {
+        return html(StatusCode::OK, pages::blocked(&v, fifo, None));
+    }
+    let blocked = async {
+        let mut conn = console.config.pool.get().await.map_err(one_line)?;
+        BlockedView::read(&mut conn, fifo, BLOCKED_LISTED).await.map_err(one_line)
+    };
+    match blocked.await {
+        Ok(view) => html(StatusCode::OK, pages::blocked(&v, fifo, Some(&view))),
+        Err(e) => unavailable(&v, e),
+    }
+}
+
+/// A form body: `application/x-www-form-urlencoded` pairs, a name possibly repeated (`id`).
+struct Form(Vec<(String, String)>);
+
+impl Form {
+    fn parse(body: &[u8]) -> Self {
+        Form(form_urlencoded::parse(body).into_owned().collect())
+    }
+
+    fn field(&self, name: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+
+    fn all(&self, name: &str) -> impl Iterator<Item = &str> {
+        self.0.iter().filter(move |(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+}
+
+/// The answer to a refused change. Nothing was changed.
+fn refuse(req: &HttpRequest, console: &Console, base: &str, denied: Denied) -> HttpResponse {
+    let mut response = if auth::wants_json(req) {
+        json(denied.status(), &serde_json::json!({ "error": denied.message() }))
+    } else {
+        html(denied.status(), pages::outcome(&view(console, base, None), "Not changed", denied.message(), false))
+    };
+    if denied == Denied::Unauthenticated {
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer realm=\"outbox console\""));
+    }
+    response
+}
+
+/// Who is answered, once a change was allowed: JSON for a script, a page for the browser.
+struct Reply<'a> {
+    via: Via,
+    console: &'a Console,
+    base: &'a str,
+    csrf: Option<&'a str>,
+}
+
+impl Reply<'_> {
+    /// `{key: ids}` or a page saying `message` on success; `{"error": message}` or a page otherwise.
+    fn send(&self, status: StatusCode, key: &str, message: &str, ids: &[i64]) -> HttpResponse {
+        match self.via {
+            Via::Bearer if status.is_success() => json(status, &serde_json::json!({ key: ids })),
+            Via::Bearer => json(status, &serde_json::json!({ "error": message })),
+            Via::Session => {
+                let title = if status.is_success() { "Done" } else { "Not changed" };
+                let v = view(self.console, self.base, self.csrf);
+                html(status, pages::outcome(&v, title, message, status.is_success()))
+            }
+        }
+    }
+}
+
+/// Which repair a route makes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Retry,
+    Skip,
+}
+
+/// Checks the credentials, then the input, then repairs all of `ids` or none.
+async fn repair(
+    req: HttpRequest,
+    console: Data,
+    body: web::Bytes,
+    ids: Option<i64>,
+    kind: Kind,
+    depth: usize,
+) -> HttpResponse {
+    let base = base(&req, depth);
+    let form = Form::parse(&body);
+    // Credentials before anything else: a refused request learns nothing about the rows.
+    let via = match auth::authorize(&req, console.config.token.as_ref(), &console.shared.sessions, form.field("csrf")) {
+        Ok(via) => via,
+        Err(denied) => return refuse(&req, &console, &base, denied),
+    };
+    let csrf = session(&req, &console);
+    let reply = Reply { via, console: &console, base: &base, csrf: csrf.as_deref() };
+    let bad = |message: &str| reply.send(StatusCode::BAD_REQUEST, "", message, &[]);
+    let ids: Vec<i64> = match ids {
+        Some(id) => vec![id],
+        None => match form.all("id").map(|s| s.trim().parse::<i64>()).collect::<Result<Vec<_>, _>>() {
+            Ok(ids) if !ids.is_empty() => ids,
+            Ok(_) => return bad("select at least one dead row"),
+            Err(_) => return bad("an id is not a number"),
+        },
+    };
+    let reason = form.field("reason").unwrap_or("").trim();
+    let repair = match kind {
+        Kind::Retry => Repair::Retry,
+        Kind::Skip if reason.is_empty() => return bad("a skip needs a reason: say why the rows are given up"),
+        Kind::Skip => Repair::Skip { reason },
+    };
+    let outcome = async {
+        let mut conn =
+            console.config.pool.get().await.map_err(|e| RepairError::Store(actix_outbox::StoreError::Pool(e)))?;
+        repair::all_or_nothing(&mut conn, &ids, repair).await
+    };
+    let (key, done) = match kind {
+        Kind::Retry => ("retried", "(now pending, attempts reset)"),
+        Kind::Skip => ("skipped", "(now done, the reason recorded in last_error)"),
+    };
+    match outcome.await {
+        Ok(changed) => {
+            tracing::info!(ids = %repair::id_list(&changed), via = ?via, "console: {key} dead rows");
+            let rows =
+                if changed.len() == 1 { "1 dead row".to_owned() } else { format!("{} dead rows", changed.len()) };
+            let message = format!("{key} {rows} {done}: {}", repair::id_list(&changed));
+            reply.send(StatusCode::OK, key, &message, &changed)
+        }
+        Err(e @ RepairError::NotDead(_)) => reply.send(StatusCode::CONFLICT, key, &e.to_string(), &[]),
+        Err(e) => reply.send(StatusCode::SERVICE_UNAVAILABLE, key, &one_line(e), &[]),
+    }
+}
+
+pub(crate) async fn retry_one(req: HttpRequest, console: Data, id: web::Path<i64>, body: web::Bytes) -> HttpResponse {
+    repair(req, console, body, Some(id.into_inner()), Kind::Retry, 3).await
+}
+
+pub(crate) async fn skip_one(req: HttpRequest, console: Data, id: web::Path<i64>, body: web::Bytes) -> HttpResponse {
+    repair(req, console, body, Some(id.into_inner()), Kind::Skip, 3).await
+}
+
+pub(crate) async fn retry_selected(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {
+    repair(req, console, body, None, Kind::Retry, 2).await
+}
+
+pub(crate) async fn skip_selected(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {
+    repair(req, console, body, None, Kind::Skip, 2).await
+}
+
+pub(crate) async fn login_form(req: HttpRequest, console: Data) -> HttpResponse {
+    let base = base(&req, 1);
+    let csrf = session(&req, &console);
+    html(StatusCode::OK, pages::login(&view(&console, &base, csrf.as_deref()), None))
+}
+
+/// The session cookie's `Path`: the console's pages, and nothing else of the application.
+fn cookie_path(base: &str) -> String {
+    if base.is_empty() { "/".to_owned() } else { base.to_owned() }
+}
+
+pub(crate) async fn login(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {
+    let base = base(&req, 1);
+    let Some(token) = &console.config.token else {
+        return html(StatusCode::FORBIDDEN, pages::login(&view(&console, &base, None), None));
+    };
+    let form = Form::parse(&body);
+    if !token.matches(form.field("token").unwrap_or("")) {
+        let page = pages::login(&view(&console, &base, None), Some("That is not the operator token."));
+        return html(StatusCode::UNAUTHORIZED, page);
+    }
+    let (id, _csrf) = console.shared.sessions.lock().unwrap_or_else(|e| e.into_inner()).open();
+    let cookie = Cookie::build(auth::SESSION_COOKIE, id)
+        .path(cookie_path(&base))
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .secure(req.connection_info().scheme() == "https")
+        .finish();
+    tracing::info!("console: an operator logged in");
+    HttpResponse::SeeOther().insert_header((header::LOCATION, format!("{base}/"))).cookie(cookie).finish()
+}
+
+pub(crate) async fn logout(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {
+    let base = base(&req, 1);
+    let form = Form::parse(&body);
+    if auth::authorize(&req, console.config.token.as_ref(), &console.shared.sessions, form.field("csrf"))
+        == Ok(Via::Session)
+        && let Some(cookie) = req.cookie(auth::SESSION_COOKIE)
+    {
+        console.shared.sessions.lock().unwrap_or_else(|e| e.into_inner()).close(cookie.value());
+    }
+    let mut gone = Cookie::build(auth::SESSION_COOKIE, "")
+        .path(cookie_path(&base))
+        .http_only(true)
+        .same_site(SameSite::Strict)
+        .finish();
+    gone.make_removal();
+    HttpResponse::SeeOther().insert_header((header::LOCATION, format!("{base}/"))).cookie(gone).finish()
+}
