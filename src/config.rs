@@ -109,8 +109,10 @@ pub struct DispatcherConfig {
     pub sink_probe_interval: Duration,
     /// How often the dispatcher samples the outbox table (rows per status, age of the oldest
     /// unfinished row, expired leases, blocked aggregates under FIFO) into the gauges of the
-    /// `metrics` facade; one aggregate statement a sample, whose cost grows with the table (a
-    /// purged table keeps it small). `None`: no sampling. Default 5 s.
+    /// `metrics` facade; one aggregate statement a sample over the unfinished rows only, so its
+    /// cost follows the backlog, not the history the table keeps (the `done` gauge is
+    /// PostgreSQL's estimate of the table's live rows less the unfinished ones). `None`: no
+    /// sampling. Default 5 s.
     pub table_metrics_interval: Option<Duration>,
     /// What becomes of a row once its message is confirmed: kept as `done` (the default) or
     /// deleted by the same fenced statement. See [`Retention`] for the trade-off.

@@ -1,6 +1,8 @@
 //! The table sampler: every [`DispatcherConfig::table_metrics_interval`] the supervisor reads
-//! the outbox table in one aggregate statement (a second one under the FIFO gate, for the
-//! blocked aggregates) and sets the sampled gauges of the `metrics` facade. No sample starts
+//! the outbox table's unfinished rows in one aggregate statement (a second one under the FIFO
+//! gate, for the blocked aggregates) and sets the sampled gauges of the `metrics` facade. Its
+//! cost follows the backlog, not the history: the `done` gauge is the statistics collector's
+//! estimate, not a count. No sample starts
 //! while the database is known to be down (the gauges keep their last values). A sample that
 //! fails leaves the gauges as they were and counts `outbox_table_sample_errors_total`; one
 //! still running when the next is due makes that one skip.
@@ -18,7 +20,7 @@ use crate::store;
 pub(crate) async fn sample(shared: Arc<Shared>) {
     let result = async {
         let mut conn = shared.pool.get().await?;
-        let sample = store::sample(&mut conn).await?;
+        let sample = store::sample_unfinished(&mut conn).await?;
         let blocked = if shared.config.fifo.is_on() {
             Some(store::blocked_aggregates_count(&mut conn, &shared.config.fifo).await?)
         } else {

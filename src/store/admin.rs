@@ -11,7 +11,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::claim::interval;
-use super::sql::{SAMPLE_SQL, SOURCE_SQL};
+use super::sql::{SAMPLE_SQL, SAMPLE_UNFINISHED_SQL, SOURCE_SQL};
 use crate::error::StoreError;
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
@@ -36,7 +36,8 @@ pub struct Stats {
 
 /// Reads [`Stats`] (database clock).
 pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
-    // The same statement as the dispatcher's table gauges, so `stats` and the metrics agree.
+    // Exact, unlike the dispatcher's gauges (whose `done` count is an estimate): an operator's
+    // question, asked now and then, may read the history.
     let sample = sample(conn).await?;
     let mut stats = Stats {
         by_status: sample.by_status().into_iter().map(|(s, n)| (s.as_str().to_owned(), n)).collect(),
@@ -119,9 +120,15 @@ impl Sample {
     }
 }
 
-/// Reads a [`Sample`] (database clock).
+/// Reads a [`Sample`] (database clock), exact: every row is read.
 pub(crate) async fn sample(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
     Ok(diesel::sql_query(SAMPLE_SQL).get_result(conn).await?)
+}
+
+/// Reads a [`Sample`] from the unfinished rows only, its `done` count estimated: for the
+/// dispatcher's gauges, whose cost must not grow with the history a table keeps.
+pub(crate) async fn sample_unfinished(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
+    Ok(diesel::sql_query(SAMPLE_UNFINISHED_SQL).get_result(conn).await?)
 }
 
 /// Dead rows, oldest first, at most `limit`.

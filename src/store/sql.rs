@@ -12,8 +12,9 @@
 //! - the dead heads of blocked aggregates ([`BLOCKED_SQL`], [`BLOCKED_COUNT_SQL`]): subqueries
 //!   of the table correlated with itself (`prev` and `w` against `d`), and one `FROM ... WHERE`
 //!   shared by the list and the count so that they cannot disagree;
-//! - the table sample of `stats` and of the dispatcher's gauges ([`SAMPLE_SQL`]): every count
-//!   in one pass with aggregate `FILTER` clauses, and the age of the oldest unfinished row as
+//! - the table sample of `stats` and of the dispatcher's gauges ([`SAMPLE_SQL`],
+//!   [`SAMPLE_UNFINISHED_SQL`]): every count in one pass with aggregate `FILTER` clauses, a
+//!   statistics function for the estimate of `done` rows, and the age of the oldest unfinished row as
 //!   `extract(epoch FROM ...)` of a difference of timestamps, on the database clock;
 //! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`;
 //! - the outbox's default source name ([`SOURCE_SQL`]): catalog and control functions.
@@ -310,9 +311,9 @@ pub(super) const BLOCKED_COUNT_SQL: &str = concat!("\nSELECT count(*) AS n", blo
 /// aggregate_id.
 pub(super) const LOCK_AGGREGATE_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || $2, 0))";
 
-/// For the dispatcher's table metrics ([`super::sample`]): rows per status, the age in seconds
-/// of the oldest pending or processing row (NULL when none) and the count of processing rows
-/// whose lease ran out, in one pass over the table, on the database clock.
+/// For `stats` ([`super::sample`]): rows per status, the age in seconds of the oldest pending or
+/// processing row (NULL when none) and the count of processing rows whose lease ran out, in one
+/// pass over the table, on the database clock. Exact, so it reads every row, history included.
 pub(super) const SAMPLE_SQL: &str = "
 SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
        count(*) FILTER (WHERE status = 'processing') AS processing,
@@ -322,6 +323,22 @@ SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
            AS oldest,
        count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
 FROM outbox";
+
+/// The same for the dispatcher's gauges ([`super::sample_unfinished`]), every few seconds: it
+/// reads only the unfinished rows (pending, processing, dead: the predicate of the FIFO gate's
+/// partial index, which serves it), so its cost follows the backlog, not the history. The `done`
+/// count is the statistics collector's estimate of the table's live rows less the unfinished
+/// ones (0 rather than negative).
+pub(super) const SAMPLE_UNFINISHED_SQL: &str = "
+SELECT pending, processing, dead, oldest, expired,
+       greatest(pg_stat_get_live_tuples('outbox'::regclass) - pending - processing - dead, 0) AS done
+FROM (SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+             count(*) FILTER (WHERE status = 'processing') AS processing,
+             count(*) FILTER (WHERE status = 'dead') AS dead,
+             extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
+                 AS oldest,
+             count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
+      FROM outbox WHERE status IN ('pending', 'processing', 'dead')) AS unfinished";
 
 /// What the outbox's default source name ([`super::outbox_source`]) is made of, in one row:
 /// the cluster's system identifier (NULL where the role may not call `pg_control_system()`, so
