@@ -33,7 +33,7 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 pub use admin::{
     SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, outbox_source, purge_done, stats,
 };
-pub(crate) use admin::{sample, sample_unfinished};
+pub(crate) use admin::sample_unfinished;
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
