@@ -53,7 +53,7 @@ pub struct DispatcherConfig {
     pub workers: usize,
     /// Rows one claim takes at most. Default 200: each claim and each finalize flush costs a
     /// statement (planned afresh every run), so larger batches spend less database CPU per
-    /// message (benchmark: database ceiling +50 % from 50 to 200). Smaller batches spread a
+    /// message. Smaller batches spread a
     /// short backlog over more workers and bound what one crashed worker leaves waiting for its
     /// lease.
     pub batch: usize,
@@ -399,7 +399,7 @@ pub enum ConfigError {
 /// Cost: an aggregate's rows go out one at a time, one claim-publish-finalize round trip each,
 /// so a hot aggregate moves no faster than that loop. A claim reads the oldest pending rows in
 /// `(available_at, id)` order and skips each row that waits behind its aggregate with one index
-/// probe (about 5 µs each). Under `All`, that walk stops after `4 × batch` rows; when it found
+/// probe each. Under `All`, that walk stops after `4 × batch` rows; when it found
 /// fewer free rows than the batch (a long backlog of a few aggregates ahead of the others, or
 /// every aggregate's first row in flight), a skip scan visits up to `4 × batch` aggregates with
 /// unfinished rows instead, one index descent each, and the worker's next scan goes on where
@@ -447,8 +447,8 @@ pub enum Fifo {
 /// | table size, `purge` | grows until `purge --older-than` runs | stays the size of the backlog; nothing to purge |
 /// | database work per message | an `UPDATE` writing a new row version and two index entries | a `DELETE` (no new row version, no index entry) |
 ///
-/// Measured on a 2-core machine (50,000 rows of ~200 bytes), `Delete` wrote 28 % less WAL per
-/// message (1,330 bytes against 1,846): the finalize adds no row version nor index entries. Choose
+/// `Delete` writes less WAL per message (docs/benchmarks.md): the finalize adds no row version
+/// nor index entries. Choose
 /// `Keep` when the table is your record of what was sent (or `purge` runs anyway); `Delete` when
 /// the broker, or the consumers, keep that record.
 ///

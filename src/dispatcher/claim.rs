@@ -177,8 +177,8 @@ impl ClaimActor {
             return;
         }
         // Claim a whole batch or wait: claiming whatever room the last finished publish freed
-        // degenerates into a stream of one-row claims (measured: a third of all claims took a
-        // single row, and the database ceiling fell by half), each costing a full statement.
+        // degenerates into a stream of one-row claims, each costing a full statement, and the
+        // database ceiling falls with them.
         // `validate()` keeps the window at least one batch wide, so an empty window always fits.
         if room < config.batch && !probe {
             // PublishFinished claims again once a batch fits.

@@ -32,9 +32,9 @@ use crate::step::{decide, release};
 /// The level of the per-message `publish` span (fields `outbox_id`, `lease_version`, `attempt`,
 /// `event_type`).
 ///
-/// `DEBUG`, so that the default `info` logging does not pay for a span per message: measured
-/// in the benchmark, an enabled span cost the dispatcher a quarter of its CPU per message
-/// (63 against 50 µs), because the text formatter renders its fields for every message. The
+/// `DEBUG`, so that the default `info` logging does not pay for a span per message: an
+/// enabled span costs the dispatcher a large share of its CPU per message (docs/benchmarks.md),
+/// because the text formatter renders its fields for every message. The
 /// events at `info` and above inside it name the row themselves. With the `opentelemetry`
 /// feature it is `INFO`: there it is the message's span in the producer's trace.
 const PUBLISH_SPAN_LEVEL: Level = if cfg!(feature = "opentelemetry") { Level::INFO } else { Level::DEBUG };

@@ -50,8 +50,8 @@ pub(crate) fn processing() -> diesel::dsl::Eq<outbox::status, Status> {
 /// batch write finds its rows by primary key. With `status = 'processing'` the planner
 /// believes, from statistics taken while the rows were pending, that almost none are
 /// processing, and scans `outbox_leased` whole, every row in flight and the dead entries of
-/// those finalized since the last vacuum: a `mark done` of 1,000 rows among 1,600 in flight
-/// took 9.2 µs per row that way and 7.0 µs by primary key (see the crate's benchmarks).
+/// those finalized since the last vacuum, which costs more per row than the primary key
+/// (docs/benchmarks.md).
 pub(crate) fn held() -> diesel::dsl::IsNotDistinctFrom<outbox::status, Status> {
     use diesel::PgExpressionMethods;
     outbox::status.is_not_distinct_from(Status::Processing)
@@ -105,9 +105,8 @@ impl<'r, T> Batch<'r, T> {
 /// checked against its own claim's, found in the sorted ids by binary search (as
 /// [`PerRow`] finds a row's value): no join at all. Two forms before this one cost more. The
 /// row-value `IN (SELECT * FROM unnest($ids, $versions))` alone, and the `UPDATE ... FROM
-/// unnest(...)` before it, made the planner join the batch to every `processing` row: a
-/// `mark_done` of 500 rows among 20,000 processing ones measured 8.8 ms in the executor that
-/// way, 3.4 ms with the primary key. Both halves together still hash-joined the batch to the
+/// unnest(...)` before it, made the planner join the batch to every `processing` row, at a cost
+/// that grows with the rows in flight. Both halves together still hash-joined the batch to the
 /// rows found.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Fenced<'a> {

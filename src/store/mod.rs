@@ -30,10 +30,10 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfi
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
+pub(crate) use admin::sample_unfinished;
 pub use admin::{
     SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, outbox_source, purge_done, stats,
 };
-pub(crate) use admin::sample_unfinished;
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
@@ -78,7 +78,7 @@ impl std::fmt::Debug for PgPool {
 /// `plan_cache_mode = force_custom_plan`: the claim and the finalizes stay prepared, and after
 /// five runs PostgreSQL may switch a prepared statement to a generic plan. The batched finalize
 /// binds arrays, and its generic plan can assume ten elements and nest a loop over every
-/// processing row (measured 5× slower at 500 rows); the claim's plan depends on its `LIMIT` and
+/// processing row, several times slower; the claim's plan depends on its `LIMIT` and
 /// resume position. Custom plans see the real values on every run.
 const SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan";
 
