@@ -226,12 +226,27 @@ async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_
     // not yet prepared would wait for the silent database before it ran at all).
     let pool = actix_outbox::connect_pool(&proxy.route(&db.url), 1).await.unwrap();
     let (sink, mut rx) = ChannelSink::new();
-    let config = config().workers(1).batch(10).lease(Duration::from_secs(60));
+    // Nothing but the claim the test triggers may use the pool's only connection while the
+    // answers are held back: no table sampler, no poll (a poll claim in flight at the stall
+    // would find no row and keep the connection), no insert listener; the test wakes the worker.
+    let config = config()
+        .workers(1)
+        .batch(10)
+        .lease(Duration::from_secs(60))
+        .table_metrics_interval(None)
+        .poll_interval(Duration::from_secs(600))
+        .listen_for_inserts(false);
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
     all_done(&db, 1).await;
+    // The finalize's answer is in (not only its commit), so the connection is free.
+    eventually(WITHIN, "the first row's finalize answered", || async {
+        dispatcher.send(GetMetrics).await.unwrap().done == 1
+    })
+    .await;
 
     proxy.stall_downstream();
     let ids = db.seed(10, "held").await;
+    dispatcher.send(actix_outbox::WakeWorkers).await.unwrap();
     eventually(WITHIN, "the claim committed, its answer held back", || async {
         db.count_status("processing").await == 10
     })
