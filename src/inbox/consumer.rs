@@ -29,7 +29,6 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions};
 use lapin::types::{AMQPValue, ShortString};
 use lapin::{BasicProperties, Channel};
-use rand::RngExt;
 use tokio::sync::{oneshot, watch};
 use tracing::{Instrument, debug, error, info, info_span, warn};
 
@@ -42,6 +41,8 @@ use super::message::{
 };
 use super::metrics::Counters;
 use super::store::{self, AggregateOrder};
+use crate::amqp::Reconnect;
+use crate::backoff::half_jitter;
 use crate::error::StoreError;
 use crate::store::PgPool;
 
@@ -173,8 +174,8 @@ pub(crate) struct InboxConsumer {
     generation: u64,
     connecting: Option<SpawnHandle>,
     reconnect_timer: Option<SpawnHandle>,
-    /// Consecutive link failures, for the reconnect backoff.
-    link_failures: i32,
+    /// The reconnect backoff, counting link failures.
+    reconnect: Reconnect,
     lanes: Vec<Lane>,
     in_hand: usize,
     /// Deliveries in hand per link generation.
@@ -201,13 +202,13 @@ impl InboxConsumer {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
         let lanes = (0..shared.config.concurrency).map(|_| Lane::default()).collect();
         Self {
+            reconnect: Reconnect::new(shared.config.reconnect_min, shared.config.reconnect_max),
             shared,
             state: State::Running,
             session: None,
             generation: 0,
             connecting: None,
             reconnect_timer: None,
-            link_failures: 0,
             lanes,
             in_hand: 0,
             held: HashMap::new(),
@@ -234,7 +235,6 @@ impl InboxConsumer {
             Err(reason) => {
                 warn!(consumer = %self.shared.config.consumer, queue = %self.shared.config.queue, reason = %reason,
                     "inbox consumer could not connect; trying again");
-                self.link_failures = self.link_failures.saturating_add(1);
                 self.schedule_reconnect(ctx);
                 return;
             }
@@ -266,10 +266,7 @@ impl InboxConsumer {
         if self.state != State::Running {
             return;
         }
-        let config = &self.shared.config;
-        let ceiling =
-            crate::backoff::backoff_ceiling(self.link_failures - 1, config.reconnect_min, config.reconnect_max);
-        let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+        let delay = self.reconnect.next_delay();
         debug!(delay = ?delay, "inbox consumer reconnects after a pause");
         self.reconnect_timer = Some(ctx.run_later(delay, |act, ctx| {
             act.reconnect_timer = None;
@@ -288,10 +285,7 @@ impl InboxConsumer {
             self.shared.counters.set_connected(false);
             warn!(queue = %self.shared.config.queue, in_hand = self.in_hand,
                 "inbox consumer lost its broker link; unacknowledged deliveries come again; reconnecting");
-            if session.since.elapsed() >= self.shared.config.reconnect_max {
-                self.link_failures = 0;
-            }
-            self.link_failures = self.link_failures.saturating_add(1);
+            self.reconnect.lost_after(session.since.elapsed());
             if self.held.get(&generation).copied().unwrap_or(0) > 0 {
                 self.retired.insert(generation, session.link);
             }
@@ -600,9 +594,7 @@ async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>
                     requeue(&job.envelope.acker).await;
                     return Processed::Settled(Settled::Requeued);
                 }
-                let ceiling =
-                    crate::backoff::backoff_ceiling(outages, config.outage_backoff_min, config.outage_backoff_max);
-                let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+                let delay = half_jitter(outages, config.outage_backoff_min, config.outage_backoff_max);
                 outages = outages.saturating_add(1);
                 warn!(reason = %reason, retry_in = ?delay,
                     "database unavailable; holding the delivery and trying again (no attempt spent)");
@@ -785,9 +777,7 @@ async fn forward(
                     requeue(&envelope.acker).await;
                     return Settled::Requeued;
                 }
-                let ceiling =
-                    crate::backoff::backoff_ceiling(refusals, config.outage_backoff_min, config.outage_backoff_max);
-                let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+                let delay = half_jitter(refusals, config.outage_backoff_min, config.outage_backoff_max);
                 refusals = refusals.saturating_add(1);
                 error!(error = %e, exchange = %exchange, retry_in = ?delay,
                     "the broker refused a forwarded copy; holding the delivery and trying again");

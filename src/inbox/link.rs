@@ -17,11 +17,12 @@ use lapin::options::{
     QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
 use tokio::sync::{oneshot, watch};
 use tracing::debug;
 
 use super::config::InboxConfig;
+use crate::amqp::publisher_confirm::{self, Confirmed};
 use crate::url::mask_url;
 
 /// Bound on waiting for the broker's confirm of a forwarded copy.
@@ -193,7 +194,6 @@ pub(crate) async fn publish_confirmed(
     properties: BasicProperties,
     body: &[u8],
 ) -> Result<(), PublishFailure> {
-    let link = |e: lapin::Error| PublishFailure::Link(e.to_string());
     let options = BasicPublishOptions { mandatory: true, immediate: false };
     let confirmed = tokio::time::timeout(CONFIRM_TIMEOUT, async {
         channel
@@ -208,15 +208,15 @@ pub(crate) async fn publish_confirmed(
             humantime::format_duration(CONFIRM_TIMEOUT)
         ))
     })?;
-    match confirmed.map_err(link)? {
-        Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => Err(PublishFailure::Refused(format!(
-            "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} ({} {})",
-            returned.reply_code, returned.reply_text
+    match publisher_confirm::read(confirmed) {
+        Confirmed::Delivered => Ok(()),
+        Confirmed::Unroutable(reply) => Err(PublishFailure::Refused(format!(
+            "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} ({reply})"
         ))),
-        Confirmation::Nack(_) => {
+        Confirmed::Nacked(_) => {
             Err(PublishFailure::Refused(format!("the broker nacked the copy sent to exchange {exchange:?}")))
         }
-        Confirmation::NotRequested => Err(PublishFailure::Link("the channel is not in confirm mode".into())),
+        Confirmed::NotConfirmMode => Err(PublishFailure::Link("the channel is not in confirm mode".into())),
+        Confirmed::Failed(e) => Err(PublishFailure::Link(e.to_string())),
     }
 }

@@ -15,13 +15,13 @@ use futures_util::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Event};
-use rand::RngExt;
 use tokio::sync::{Notify, oneshot, watch};
 use tracing::{debug, info, warn};
 
 pub use lapin::ExchangeKind;
 
-use crate::backoff::backoff_ceiling;
+use crate::amqp::publisher_confirm::{self, Confirmed};
+use crate::amqp::{self, Reconnect};
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishFuture, PublishResult, Publisher, SinkState};
@@ -288,9 +288,8 @@ impl RabbitConfig {
             return invalid("at least one AMQP URL is needed".into());
         }
         for url in &self.urls {
-            if let Err(e) = url.parse::<lapin::uri::AMQPUri>() {
-                let masked = mask_url(url);
-                return invalid(format!("malformed AMQP URL {masked:?}: {}", e.replace(url.as_str(), &masked)));
+            if let Err(e) = amqp::check_url(url) {
+                return invalid(e);
             }
         }
         if self.unresponsive_after.is_zero() {
@@ -767,19 +766,18 @@ fn classify(
     exchange: &str,
     routing_key: &str,
 ) -> (PublishResult, LinkHealth) {
-    match sent {
-        Ok(Confirmation::Ack(None)) => (Ok(()), LinkHealth::Healthy),
-        Ok(Confirmation::Ack(Some(returned))) => (
+    match publisher_confirm::read(sent) {
+        Confirmed::Delivered => (Ok(()), LinkHealth::Healthy),
+        Confirmed::Unroutable(reply) => (
             Err(PublishError::Permanent(format!(
                 "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} \
-                 (broker returned the message: {} {})",
-                returned.reply_code, returned.reply_text
+                 (broker returned the message: {reply})"
             ))),
             LinkHealth::Healthy,
         ),
-        Ok(Confirmation::Nack(returned)) => (
-            Err(PublishError::Retryable(match returned {
-                Some(r) => format!("broker nacked the message ({} {})", r.reply_code, r.reply_text),
+        Confirmed::Nacked(reply) => (
+            Err(PublishError::Retryable(match reply {
+                Some(reply) => format!("broker nacked the message ({reply})"),
                 None => format!(
                     "broker nacked the message on exchange {exchange:?} with routing key {routing_key:?} \
                      (e.g. a full queue with overflow=reject-publish)"
@@ -787,11 +785,10 @@ fn classify(
             })),
             LinkHealth::Healthy,
         ),
-        // The channel lost confirm mode: only a new channel can restore it.
-        Ok(Confirmation::NotRequested) => {
+        Confirmed::NotConfirmMode => {
             (Err(PublishError::Unavailable("channel is not in confirm mode; reopening it".into())), LinkHealth::Broken)
         }
-        Err(e) => {
+        Confirmed::Failed(e) => {
             (Err(PublishError::Unavailable(format!("RabbitMQ channel or connection failed: {e}"))), LinkHealth::Broken)
         }
     }
@@ -822,7 +819,7 @@ impl Manager {
     async fn run(mut self, first: oneshot::Sender<Result<(), RabbitError>>) {
         let mut first = Some(first);
         let mut generation = 0_u64;
-        let mut failures = 0_i32;
+        let mut reconnect = Reconnect::new(self.config.reconnect_min, self.config.reconnect_max);
         let mut connection: Option<Connection> = None;
         loop {
             let attempt = tokio::time::timeout(self.config.connect_timeout, self.establish(connection.take())).await;
@@ -865,10 +862,7 @@ impl Manager {
                                 "RabbitMQ link lost; claiming pauses until it is back (nothing is spent meanwhile)");
                             self.link.clear_link(format!("{reason} (reconnecting)"));
                             self.link.set_blocked(None);
-                            // A link that held for a while starts the backoff afresh.
-                            if since.elapsed() >= self.config.reconnect_max {
-                                failures = 0;
-                            }
+                            reconnect.lost_after(since.elapsed());
                             if channel.status().connected() {
                                 let _ =
                                     tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "replaced".into())).await;
@@ -894,9 +888,7 @@ impl Manager {
                     self.link.clear_link(format!("{e} (reconnecting)"));
                 }
             }
-            failures = failures.saturating_add(1);
-            let ceiling = backoff_ceiling(failures - 1, self.config.reconnect_min, self.config.reconnect_max);
-            let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+            let delay = reconnect.next_delay();
             debug!(delay = ?delay, "waiting before reconnecting to RabbitMQ");
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
