@@ -15,13 +15,14 @@ use futures_util::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Event};
-use tokio::sync::{Notify, oneshot, watch};
+use tokio::sync::{Notify, oneshot};
 use tracing::{debug, info, warn};
 
 pub use lapin::ExchangeKind;
 
+use crate::amqp::connection::{LinkThread, Stop};
 use crate::amqp::publisher_confirm::{self, Confirmed};
-use crate::amqp::{self, Reconnect};
+use crate::amqp::{self, Reconnect, connection_closer};
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishFuture, PublishResult, Publisher, SinkState};
@@ -47,8 +48,6 @@ pub const DEFAULT_UNRESPONSIVE_AFTER: Duration = Duration::from_secs(5);
 /// reacting at once to connection events and failed publishes. Catches a channel the broker
 /// closed while nothing was being published.
 const LINK_CHECK_PERIOD: Duration = Duration::from_millis(250);
-/// How long a graceful close of the connection may take when the sink stops.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Computes a message's routing key; see [`RabbitConfig::routing_key`].
 pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
@@ -450,10 +449,8 @@ impl std::fmt::Debug for RabbitSink {
 /// Owned by the sink's clones; dropping the last one stops the connection thread.
 struct Handle {
     link: Arc<LinkState>,
-    /// Dropping (or setting) it tells the connection manager to close and end.
-    stop: watch::Sender<bool>,
-    /// Becomes true when the connection manager has closed the connection and ended.
-    finished: watch::Receiver<bool>,
+    /// The connection manager's thread; dropping it tells the manager to close and end.
+    thread: LinkThread,
 }
 
 impl RabbitSink {
@@ -464,23 +461,14 @@ impl RabbitSink {
     pub async fn connect(config: RabbitConfig) -> Result<Self, RabbitError> {
         config.validate()?;
         let link = Arc::new(LinkState::new(&config));
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let (finished_tx, finished_rx) = watch::channel(false);
         let (first_tx, first_rx) = oneshot::channel();
-        let manager = Manager { config, next_node: 0, link: link.clone(), stop: stop_rx, finished: finished_tx };
-        std::thread::Builder::new()
-            .name("actix-outbox-amqp".to_owned())
-            .spawn(move || {
-                // A runtime of its own, so that no arbiter's shutdown can strand the connection.
-                match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                    Ok(runtime) => runtime.block_on(manager.run(first_tx)),
-                    Err(e) => {
-                        let _ = first_tx.send(Err(RabbitError::Thread(e.to_string())));
-                    }
-                }
-            })
-            .map_err(|e| RabbitError::Thread(e.to_string()))?;
-        let handle = Arc::new(Handle { link, stop: stop_tx, finished: finished_rx });
+        let manager_link = link.clone();
+        // A runtime of its own, so that no arbiter's shutdown can strand the connection.
+        let thread = LinkThread::start("actix-outbox-amqp", move |stop| {
+            Manager { config, next_node: 0, link: manager_link, stop }.run(first_tx)
+        })
+        .map_err(|e| RabbitError::Thread(e.io().to_string()))?;
+        let handle = Arc::new(Handle { link, thread });
         match first_rx.await {
             Ok(Ok(())) => Ok(Self { handle }),
             Ok(Err(e)) => Err(e),
@@ -510,10 +498,7 @@ impl RabbitSink {
     /// publish is in flight. Safe to call more than once. Dropping the last clone does the same
     /// without waiting.
     pub async fn close(&self) {
-        let _ = self.handle.stop.send(true);
-        let mut finished = self.handle.finished.clone();
-        // An error means the manager is gone, which is what we wait for.
-        let _ = finished.wait_for(|done| *done).await;
+        self.handle.thread.close().await;
     }
 }
 
@@ -811,8 +796,7 @@ struct Manager {
     /// Index (modulo the number of URLs) of the node the next new connection goes to.
     next_node: usize,
     link: Arc<LinkState>,
-    stop: watch::Receiver<bool>,
-    finished: watch::Sender<bool>,
+    stop: Stop,
 }
 
 impl Manager {
@@ -854,7 +838,7 @@ impl Manager {
                                 "RabbitMQ stopped answering; dropping the connection and reconnecting");
                             self.link.clear_link(format!("{reason} (reconnecting)"));
                             self.link.set_blocked(None);
-                            let _ = tokio::time::timeout(CLOSE_TIMEOUT, conn.close(320, "unresponsive".into())).await;
+                            let _ = connection_closer::bounded(conn.close(320, "unresponsive".into())).await;
                             drop(conn);
                         }
                         Ended::Broken(reason) => {
@@ -864,8 +848,7 @@ impl Manager {
                             self.link.set_blocked(None);
                             reconnect.lost_after(since.elapsed());
                             if channel.status().connected() {
-                                let _ =
-                                    tokio::time::timeout(CLOSE_TIMEOUT, channel.close(200, "replaced".into())).await;
+                                let _ = connection_closer::bounded(channel.close(200, "replaced".into())).await;
                             }
                             // Only the channel may be gone: keep a healthy connection for the next channel.
                             if conn.status().connected() {
@@ -892,7 +875,7 @@ impl Manager {
             debug!(delay = ?delay, "waiting before reconnecting to RabbitMQ");
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
-                _ = self.stop.changed() => break self.shut(connection.take()).await,
+                () = self.stop.requested() => break self.shut(connection.take()).await,
             }
         }
     }
@@ -938,7 +921,7 @@ impl Manager {
         let mut check = tokio::time::interval(LINK_CHECK_PERIOD);
         loop {
             tokio::select! {
-                _ = self.stop.changed() => return Ended::Stop,
+                () = self.stop.requested() => return Ended::Stop,
                 () = self.link.broken_notify.notified() => {
                     if self.link.broken.load(Ordering::Acquire) >= generation {
                         return Ended::Broken("a publish failed on the channel".into());
@@ -972,19 +955,13 @@ impl Manager {
         }
     }
 
-    /// Closes the connection (if any) and tells publishes and `close()` that the sink is over.
+    /// Closes the connection (if any) and tells publishes that the sink is over; the thread
+    /// tells `close()` once this returns.
     async fn shut(&self, connection: Option<Connection>) {
         self.link.clear_link("the RabbitMQ sink is closed".into());
-        if let Some(conn) = connection
-            && conn.status().connected()
-        {
-            match tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await {
-                Ok(Ok(())) => debug!("RabbitMQ connection closed"),
-                Ok(Err(e)) => debug!(error = %e, "closing the RabbitMQ connection failed"),
-                Err(_) => debug!("closing the RabbitMQ connection timed out"),
-            }
+        if let Some(conn) = connection {
+            connection_closer::close_gracefully(&conn, "RabbitMQ connection").await;
         }
-        let _ = self.finished.send(true);
     }
 }
 
@@ -1017,7 +994,6 @@ mod tests {
         assert!(RabbitConfig::new("amqp://h").exchange("").validate().is_err());
         assert!(RabbitConfig::new("amqp://h").exchange("").declare_exchange(false).validate().is_ok());
     }
-
     #[test]
     fn classifies_transport_failures_as_unavailable_and_broken() {
         let err: lapin::Error = lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed).into();
