@@ -20,6 +20,13 @@ pub(crate) fn full_jitter(attempts: i32, base: Duration, cap: Duration) -> Durat
     Duration::from_micros(rand::rng().random_range(0..=micros))
 }
 
+/// A delay drawn uniformly from the upper half of `[0, min(cap, base × 2^attempts)]`: spread,
+/// yet never much shorter than the ceiling (for reconnects and held deliveries, where a near-zero
+/// pause would only hammer what is down).
+pub(crate) fn half_jitter(attempts: i32, base: Duration, cap: Duration) -> Duration {
+    backoff_ceiling(attempts, base, cap).mul_f64(rand::rng().random_range(0.5..=1.0))
+}
+
 /// `d` scaled by a random factor in `[0.75, 1.25]`, so that idle workers do not poll in step.
 pub(crate) fn jittered(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.75..=1.25))

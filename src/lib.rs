@@ -61,6 +61,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
 
+mod amqp;
 mod backoff;
 pub mod config;
 mod dispatcher;

@@ -289,8 +289,8 @@ impl InboxConfig {
         if self.consumer.contains('\0') {
             return invalid("the consumer name must not contain NUL".into());
         }
-        if let Err(e) = self.url.parse::<lapin::uri::AMQPUri>() {
-            return invalid(format!("malformed AMQP URL {:?}: {e}", mask_url(&self.url)));
+        if let Err(e) = crate::amqp::check_url(&self.url) {
+            return invalid(e);
         }
         if self.queue.is_empty() {
             return invalid("the queue name must not be empty".into());
@@ -373,6 +373,13 @@ mod tests {
 
     fn config() -> InboxConfig {
         InboxConfig::new("c", "amqp://guest:guest@127.0.0.1:5672/%2f", "q")
+    }
+
+    #[test]
+    fn a_malformed_url_is_reported_without_its_password() {
+        let e = InboxConfig::new("c", "amqp:guest:s3cret@rabbit", "q").validate().unwrap_err().to_string();
+        assert!(e.contains("malformed AMQP URL"), "{e}");
+        assert!(!e.contains("s3cret"), "the password reached the error: {e}");
     }
 
     #[test]

@@ -13,54 +13,33 @@
 //! still in hand finish on their old channel: their acknowledgement fails, the broker delivers
 //! them again, and the inbox row of any that committed makes the new copy a duplicate.
 
-use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
-use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use diesel_async::AsyncConnection;
-use futures_util::{FutureExt, StreamExt};
-use lapin::Acker;
+use futures_util::StreamExt;
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicCancelOptions, BasicNackOptions};
-use lapin::types::{AMQPValue, ShortString};
-use lapin::{BasicProperties, Channel};
-use rand::RngExt;
+use lapin::options::BasicCancelOptions;
+use lapin::types::ShortString;
 use tokio::sync::{oneshot, watch};
-use tracing::{Instrument, debug, error, info, info_span, warn};
+use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::config::{InboxConfig, LateEvents};
-use super::handler::{FailureClass, HandlerError, InboxHandler};
-use super::link::{Link, PublishFailure, publish_confirmed};
-use super::message::{
-    ATTEMPT_HEADER, CONSUMER_HEADER, ERROR_HEADER, EXCHANGE_HEADER, InboxMessage, LAST_ERROR_HEADER, QUEUE_HEADER,
-    ROUTING_KEY_HEADER,
-};
+use super::attempt::{Envelope, Job, Processed, Settled, process};
+use super::config::InboxConfig;
+use super::handler::InboxHandler;
+use super::link::Link;
+use super::message::InboxMessage;
 use super::metrics::Counters;
-use super::store::{self, AggregateOrder};
-use crate::error::StoreError;
+use super::settle::{Forward, forward};
+use crate::amqp::Reconnect;
 use crate::store::PgPool;
 
 /// How long a shutdown waits for the broker to confirm the consumer's cancellation (and so for
 /// the last prefetched deliveries to arrive) before it goes on without it.
 const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
-/// Longest reason carried in a header.
-const MAX_REASON_BYTES: usize = 4096;
-/// Bound on an acknowledgement (lapin's settle of a channel that died can be slow to come).
-const ACK_TIMEOUT: Duration = Duration::from_secs(10);
-/// Once a shutdown started, how much longer a delivery may wait for a pooled connection before
-/// it is given back to the broker (a healthy pool answers far sooner; a dead database would
-/// otherwise hold the shutdown for the pool's whole checkout timeout).
-const DRAIN_CHECKOUT_GRACE: Duration = Duration::from_secs(2);
-/// What a whole transaction may take beyond the handler's timeout (the inbox's statements and
-/// the commit) before the database counts as unreachable: a connection that went silent
-/// without closing would otherwise hold its delivery for ever.
-const STATEMENTS_GRACE: Duration = Duration::from_secs(30);
-
 /// What every consumer actor of one supervisor shares.
 pub(crate) struct Shared {
     pub(crate) config: InboxConfig,
@@ -114,55 +93,10 @@ struct Session {
     since: Instant,
 }
 
-/// Where a delivery came from and how to settle it.
-struct Envelope {
-    /// The link it came on.
-    generation: u64,
-    acker: Acker,
-    channel: Channel,
-    properties: BasicProperties,
-    /// The exchange and routing key it was first published with.
-    exchange: String,
-    routing_key: String,
-    attempt: u32,
-}
-
-/// A usable delivery waiting for, or going through, its lane.
-struct Job {
-    envelope: Envelope,
-    message: InboxMessage,
-}
-
 #[derive(Default)]
 struct Lane {
     busy: bool,
     queue: VecDeque<Job>,
-}
-
-/// How a delivery left our hands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Settled {
-    Handled,
-    LateFlagged,
-    Duplicate,
-    LateSkipped,
-    Retried,
-    DeadLettered,
-    /// Given back unhandled at shutdown.
-    Requeued,
-    /// Its channel died before it could be acknowledged: the broker delivers it again.
-    Abandoned,
-}
-
-/// What a lane's run of one job produced.
-enum Processed {
-    Settled(Settled),
-    /// A retryable failure with attempts left: republish after `delay` (off the lane).
-    Retry {
-        job: Box<Job>,
-        delay: Duration,
-        reason: String,
-    },
 }
 
 pub(crate) struct InboxConsumer {
@@ -173,8 +107,8 @@ pub(crate) struct InboxConsumer {
     generation: u64,
     connecting: Option<SpawnHandle>,
     reconnect_timer: Option<SpawnHandle>,
-    /// Consecutive link failures, for the reconnect backoff.
-    link_failures: i32,
+    /// The reconnect backoff, counting link failures.
+    reconnect: Reconnect,
     lanes: Vec<Lane>,
     in_hand: usize,
     /// Deliveries in hand per link generation.
@@ -201,13 +135,13 @@ impl InboxConsumer {
     pub(crate) fn new(shared: Arc<Shared>) -> Self {
         let lanes = (0..shared.config.concurrency).map(|_| Lane::default()).collect();
         Self {
+            reconnect: Reconnect::new(shared.config.reconnect_min, shared.config.reconnect_max),
             shared,
             state: State::Running,
             session: None,
             generation: 0,
             connecting: None,
             reconnect_timer: None,
-            link_failures: 0,
             lanes,
             in_hand: 0,
             held: HashMap::new(),
@@ -234,7 +168,6 @@ impl InboxConsumer {
             Err(reason) => {
                 warn!(consumer = %self.shared.config.consumer, queue = %self.shared.config.queue, reason = %reason,
                     "inbox consumer could not connect; trying again");
-                self.link_failures = self.link_failures.saturating_add(1);
                 self.schedule_reconnect(ctx);
                 return;
             }
@@ -266,10 +199,7 @@ impl InboxConsumer {
         if self.state != State::Running {
             return;
         }
-        let config = &self.shared.config;
-        let ceiling =
-            crate::backoff::backoff_ceiling(self.link_failures - 1, config.reconnect_min, config.reconnect_max);
-        let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
+        let delay = self.reconnect.next_delay();
         debug!(delay = ?delay, "inbox consumer reconnects after a pause");
         self.reconnect_timer = Some(ctx.run_later(delay, |act, ctx| {
             act.reconnect_timer = None;
@@ -288,10 +218,7 @@ impl InboxConsumer {
             self.shared.counters.set_connected(false);
             warn!(queue = %self.shared.config.queue, in_hand = self.in_hand,
                 "inbox consumer lost its broker link; unacknowledged deliveries come again; reconnecting");
-            if session.since.elapsed() >= self.shared.config.reconnect_max {
-                self.link_failures = 0;
-            }
-            self.link_failures = self.link_failures.saturating_add(1);
+            self.reconnect.lost_after(session.since.elapsed());
             if self.held.get(&generation).copied().unwrap_or(0) > 0 {
                 self.retired.insert(generation, session.link);
             }
@@ -551,300 +478,6 @@ fn lane_of(message: &InboxMessage, lanes: usize) -> usize {
     (h.finish() % lanes.max(1) as u64) as usize
 }
 
-/// How one attempt ended.
-enum Attempt {
-    /// Committed (or nothing to commit): acknowledge.
-    Done(Settled),
-    /// The database did not answer (or the inbox's own statements failed): hold and try again.
-    Outage(String),
-    /// The handler failed (rolled back).
-    Failed { reason: String, retryable: bool },
-}
-
-/// Why the handler did not finish, noted inside the transaction.
-enum HandlerFailure {
-    Error(HandlerError),
-    Panic(String),
-    TimedOut,
-}
-
-/// Runs one delivery to its end on its lane: attempts (held and repeated while the database is
-/// out), then acknowledges, dead-letters, or hands back a retry.
-async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Receiver<bool>) -> Processed {
-    let config = &shared.config;
-    let mut outages = 0_i32;
-    loop {
-        if !job.envelope.acker.usable() {
-            debug!("delivery's channel is gone; the broker delivers it again");
-            return Processed::Settled(Settled::Abandoned);
-        }
-        if *drain.borrow() && shared.database_out.load(Ordering::Relaxed) {
-            requeue(&job.envelope.acker).await;
-            return Processed::Settled(Settled::Requeued);
-        }
-        match attempt(&shared, &job.message, &drain).await {
-            Attempt::Done(settled) => {
-                shared.database_out.store(false, Ordering::Relaxed);
-                if settled == Settled::LateSkipped {
-                    info!(aggregate_type = %job.message.aggregate_type, aggregate_id = %job.message.aggregate_id,
-                        "late message skipped: a newer message of its aggregate was applied first");
-                }
-                ack(&job.envelope.acker).await;
-                return Processed::Settled(settled);
-            }
-            Attempt::Outage(reason) => {
-                Counters::add(&shared.counters.outage_waits, 1);
-                shared.database_out.store(true, Ordering::Relaxed);
-                if *drain.borrow() {
-                    warn!(reason = %reason, "database unavailable during shutdown; giving the delivery back");
-                    requeue(&job.envelope.acker).await;
-                    return Processed::Settled(Settled::Requeued);
-                }
-                let ceiling =
-                    crate::backoff::backoff_ceiling(outages, config.outage_backoff_min, config.outage_backoff_max);
-                let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
-                outages = outages.saturating_add(1);
-                warn!(reason = %reason, retry_in = ?delay,
-                    "database unavailable; holding the delivery and trying again (no attempt spent)");
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    _ = drain.changed() => {}
-                }
-            }
-            Attempt::Failed { reason, retryable } => {
-                let attempt = job.message.attempt;
-                if retryable && attempt < config.max_attempts {
-                    let delay = crate::backoff::full_jitter(
-                        i32::try_from(attempt - 1).unwrap_or(i32::MAX),
-                        config.retry_base,
-                        config.retry_cap,
-                    );
-                    return Processed::Retry { job: Box::new(job), delay, reason };
-                }
-                let reason = if retryable {
-                    format!("retries exhausted after {attempt} attempts; last error: {reason}")
-                } else {
-                    format!("permanent failure on attempt {attempt}: {reason}")
-                };
-                warn!(reason = %reason, "dead-lettering the message");
-                let settled =
-                    forward(&shared, &job.envelope, &job.message.body, Forward::DeadLetter(&reason), drain).await;
-                return Processed::Settled(settled);
-            }
-        }
-    }
-}
-
-/// One transaction: the order check (ordered consumers), the inbox row, and — for a new
-/// message that is not a skipped late one — the handler. Commits only if all of it succeeded.
-async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receiver<bool>) -> Attempt {
-    let config = &shared.config;
-    let mut draining = drain.clone();
-    let checkout = tokio::select! {
-        checkout = shared.pool.get() => checkout,
-        () = async {
-            let _ = draining.wait_for(|draining| *draining).await;
-            tokio::time::sleep(DRAIN_CHECKOUT_GRACE).await;
-        } => return Attempt::Outage("no database connection during shutdown".into()),
-    };
-    let mut conn = match checkout {
-        Ok(conn) => conn,
-        Err(e) => return Attempt::Outage(StoreError::from(e).to_string()),
-    };
-    let consumer = config.consumer.as_str();
-    let mut failure: Option<HandlerFailure> = None;
-    let failure_slot = &mut failure;
-    let transaction = conn.transaction(async |c| {
-        let mut newest = None;
-        if config.ordered && message.has_aggregate() {
-            let order =
-                store::advance_aggregate(c, consumer, store::AggregateRef::of(message), message.message_id).await?;
-            if let AggregateOrder::Late { newest: n } = order {
-                newest = Some(n);
-            }
-        }
-        let message: Cow<'_, InboxMessage> = match newest {
-            None => Cow::Borrowed(message),
-            Some(n) => {
-                let mut late = message.clone();
-                late.late = true;
-                late.newest_applied = Some(n);
-                Cow::Owned(late)
-            }
-        };
-        if !store::record(c, consumer, &message).await? {
-            return Ok(Settled::Duplicate);
-        }
-        if message.late && config.late_events == LateEvents::Skip {
-            return Ok(Settled::LateSkipped);
-        }
-        // The handler is called inside the guarded future, so that a panic while building
-        // its future is caught as well as one while polling it.
-        let handler = shared.handler.clone();
-        let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
-        match tokio::time::timeout(config.handler_timeout, call).await {
-            Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),
-            Ok(Ok(Err(e))) => {
-                *failure_slot = Some(HandlerFailure::Error(e));
-                Err(diesel::result::Error::RollbackTransaction)
-            }
-            Ok(Err(panic)) => {
-                *failure_slot = Some(HandlerFailure::Panic(panic_text(&*panic)));
-                Err(diesel::result::Error::RollbackTransaction)
-            }
-            Err(_) => {
-                *failure_slot = Some(HandlerFailure::TimedOut);
-                Err(diesel::result::Error::RollbackTransaction)
-            }
-        }
-    });
-    // Dropping a transaction that did not finish drops its connection (the pool discards a
-    // connection left inside a transaction): nothing it did commits, unless its COMMIT had gone
-    // out, in which case the next try finds the message recorded.
-    let bound = config.handler_timeout + STATEMENTS_GRACE;
-    let Ok(result) = tokio::time::timeout(bound, transaction).await else {
-        return Attempt::Outage(format!("the database did not answer within {}", humantime::format_duration(bound)));
-    };
-    match (result, failure) {
-        (Ok(settled), _) => Attempt::Done(settled),
-        (Err(_), Some(HandlerFailure::Error(e))) => match e.class() {
-            FailureClass::Outage => Attempt::Outage(format!("the handler lost its connection: {e}")),
-            FailureClass::Retryable => Attempt::Failed { reason: e.to_string(), retryable: true },
-            FailureClass::Permanent => Attempt::Failed { reason: e.to_string(), retryable: false },
-        },
-        (Err(_), Some(HandlerFailure::Panic(why))) => {
-            Counters::add(&shared.counters.panics, 1);
-            error!(panic = %why, "inbox handler panicked; rolled back, retried like a retryable failure");
-            Attempt::Failed { reason: format!("handler panicked: {why}"), retryable: true }
-        }
-        (Err(_), Some(HandlerFailure::TimedOut)) => Attempt::Failed {
-            reason: format!("handler timed out after {}", humantime::format_duration(config.handler_timeout)),
-            retryable: true,
-        },
-        // Our own statements (or the commit) failed: the database, not the message, is at fault.
-        (Err(e), None) => Attempt::Outage(format!("inbox transaction failed: {e}")),
-    }
-}
-
-/// Where a forwarded copy goes.
-#[derive(Clone, Copy)]
-enum Forward<'a> {
-    /// Back to the queue (default exchange) for the next attempt; the reason of this failure.
-    Retry(&'a str),
-    /// To the dead-letter exchange, with the reason.
-    DeadLetter(&'a str),
-}
-
-/// Publishes a copy (confirmed), then acknowledges the original. A copy the broker refuses is
-/// held and tried again after a backoff (given back at shutdown); a broken channel abandons the
-/// delivery to the broker's redelivery. Either way nothing is lost.
-async fn forward(
-    shared: &Shared,
-    envelope: &Envelope,
-    body: &[u8],
-    to: Forward<'_>,
-    mut drain: watch::Receiver<bool>,
-) -> Settled {
-    let config = &shared.config;
-    let dead_letter_exchange = config.dead_letter_exchange_name();
-    let (exchange, properties, success) = match to {
-        Forward::Retry(reason) => {
-            let headers = [
-                (ATTEMPT_HEADER, AMQPValue::LongInt(i32::try_from(envelope.attempt + 1).unwrap_or(i32::MAX))),
-                (LAST_ERROR_HEADER, long_string(reason)),
-            ];
-            ("", with_headers(envelope, &headers), Settled::Retried)
-        }
-        Forward::DeadLetter(reason) => {
-            let headers = [
-                (ERROR_HEADER, long_string(reason)),
-                (ATTEMPT_HEADER, AMQPValue::LongInt(i32::try_from(envelope.attempt).unwrap_or(i32::MAX))),
-                (CONSUMER_HEADER, long_string(&config.consumer)),
-                (QUEUE_HEADER, long_string(&config.queue)),
-            ];
-            (dead_letter_exchange.as_str(), with_headers(envelope, &headers), Settled::DeadLettered)
-        }
-    };
-    let mut refusals = 0_i32;
-    loop {
-        if !envelope.acker.usable() {
-            return Settled::Abandoned;
-        }
-        match publish_confirmed(&envelope.channel, exchange, &config.queue, properties.clone(), body).await {
-            Ok(()) => {
-                ack(&envelope.acker).await;
-                return success;
-            }
-            Err(PublishFailure::Link(e)) => {
-                debug!(error = %e, "forwarding failed with the channel; the broker delivers the original again");
-                return Settled::Abandoned;
-            }
-            Err(PublishFailure::Refused(e)) => {
-                if *drain.borrow() {
-                    warn!(error = %e, "forwarding refused during shutdown; giving the delivery back");
-                    requeue(&envelope.acker).await;
-                    return Settled::Requeued;
-                }
-                let ceiling =
-                    crate::backoff::backoff_ceiling(refusals, config.outage_backoff_min, config.outage_backoff_max);
-                let delay = ceiling.mul_f64(rand::rng().random_range(0.5..=1.0));
-                refusals = refusals.saturating_add(1);
-                error!(error = %e, exchange = %exchange, retry_in = ?delay,
-                    "the broker refused a forwarded copy; holding the delivery and trying again");
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    _ = drain.changed() => {}
-                }
-            }
-        }
-    }
-}
-
-/// The original's properties with `headers` added, and its first exchange and routing key kept.
-fn with_headers(envelope: &Envelope, headers: &[(&str, AMQPValue)]) -> BasicProperties {
-    let mut table = envelope.properties.headers().clone().unwrap_or_default();
-    table.insert(EXCHANGE_HEADER.into(), long_string(&envelope.exchange));
-    table.insert(ROUTING_KEY_HEADER.into(), long_string(&envelope.routing_key));
-    for (name, value) in headers {
-        table.insert((*name).into(), value.clone());
-    }
-    envelope.properties.clone().with_headers(table)
-}
-
-fn long_string(text: &str) -> AMQPValue {
-    let mut end = text.len().min(MAX_REASON_BYTES);
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
-    AMQPValue::LongString(text[..end].into())
-}
-
-async fn ack(acker: &Acker) {
-    match tokio::time::timeout(ACK_TIMEOUT, acker.ack(BasicAckOptions::default())).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => debug!("acknowledgement skipped: the channel is gone; the broker delivers the message again"),
-        Ok(Err(e)) => debug!(error = %e, "acknowledgement failed; the broker delivers the message again"),
-        Err(_) => warn!("acknowledgement not settled in time; the broker delivers the message again if it was lost"),
-    }
-}
-
-async fn requeue(acker: &Acker) {
-    let nack = acker.nack(BasicNackOptions { multiple: false, requeue: true });
-    match tokio::time::timeout(ACK_TIMEOUT, nack).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => debug!(error = %e, "nack failed; the broker delivers the message again anyway"),
-        Err(_) => warn!("nack not settled in time; the broker delivers the message again when the channel closes"),
-    }
-}
-
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".to_owned())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -857,14 +490,5 @@ mod tests {
         let lanes: std::collections::HashSet<_> =
             (0..200).map(|i| lane_of(&InboxMessage::new(i, "e", serde_json::Value::Null), 8)).collect();
         assert_eq!(lanes.len(), 8, "messages without an aggregate spread over every lane");
-    }
-
-    #[test]
-    fn long_reasons_are_cut_on_a_char_boundary() {
-        let reason = "é".repeat(MAX_REASON_BYTES);
-        match long_string(&reason) {
-            AMQPValue::LongString(s) => assert!(s.as_bytes().len() <= MAX_REASON_BYTES),
-            other => panic!("{other:?}"),
-        }
     }
 }

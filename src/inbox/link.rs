@@ -17,24 +17,22 @@ use lapin::options::{
     QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer, ExchangeKind};
-use tokio::sync::{oneshot, watch};
-use tracing::debug;
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, Consumer, ExchangeKind};
+use tokio::sync::oneshot;
 
 use super::config::InboxConfig;
+use crate::amqp::connection::{LinkThread, Stop};
+use crate::amqp::connection_closer;
+use crate::amqp::publisher_confirm::{self, Confirmed};
 use crate::url::mask_url;
 
 /// Bound on waiting for the broker's confirm of a forwarded copy.
 const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a graceful close of the connection may take.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
-
 /// An open broker connection, owned by its thread; dropping it closes the connection.
 pub(crate) struct Link {
     /// The consuming channel (confirm mode on), for acknowledgements and forwards.
     pub(crate) channel: Channel,
-    stop: Option<oneshot::Sender<()>>,
-    closed: watch::Receiver<bool>,
+    thread: LinkThread,
 }
 
 impl std::fmt::Debug for Link {
@@ -48,35 +46,18 @@ impl Link {
     /// `Err` is a one-line reason, password masked.
     pub(crate) async fn open(config: InboxConfig, tag: String) -> Result<(Link, Consumer), String> {
         let (ready_tx, ready_rx) = oneshot::channel::<Result<(Channel, Consumer), String>>();
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let (closed_tx, closed_rx) = watch::channel(false);
-        std::thread::Builder::new()
-            .name("actix-outbox-inbox-amqp".to_owned())
-            .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                    Ok(runtime) => runtime,
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(format!("could not start the link's runtime: {e}")));
-                        return;
-                    }
-                };
-                runtime.block_on(hold(config, tag, ready_tx, stop_rx));
-                let _ = closed_tx.send(true);
-            })
-            .map_err(|e| format!("could not start the link's thread: {e}"))?;
+        let thread = LinkThread::start("actix-outbox-inbox-amqp", move |stop| hold(config, tag, ready_tx, stop))
+            .map_err(|e| e.to_string())?;
         match ready_rx.await {
-            Ok(Ok((channel, consumer))) => Ok((Link { channel, stop: Some(stop_tx), closed: closed_rx }, consumer)),
+            Ok(Ok((channel, consumer))) => Ok((Link { channel, thread }, consumer)),
             Ok(Err(e)) => Err(e),
             Err(_) => Err("the link's thread ended before connecting".into()),
         }
     }
 
     /// Closes the connection gracefully and waits for the thread to finish.
-    pub(crate) async fn close(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        let _ = self.closed.wait_for(|closed| *closed).await;
+    pub(crate) async fn close(self) {
+        self.thread.close().await;
     }
 }
 
@@ -85,7 +66,7 @@ async fn hold(
     config: InboxConfig,
     tag: String,
     ready: oneshot::Sender<Result<(Channel, Consumer), String>>,
-    stop: oneshot::Receiver<()>,
+    mut stop: Stop,
 ) {
     let mut connection = None;
     let timeout = config.connect_timeout;
@@ -104,15 +85,9 @@ async fn hold(
         // Wait for the owner even when the connection died: lapin settles pending
         // acknowledgements and confirms of a dead channel (with an error) on this runtime, and a
         // runtime dropped under them would leave them pending for ever.
-        let _ = stop.await;
+        stop.requested().await;
     }
-    if conn.status().connected() {
-        match tokio::time::timeout(CLOSE_TIMEOUT, conn.close(200, "OK".into())).await {
-            Ok(Ok(())) => debug!("inbox link closed"),
-            Ok(Err(e)) => debug!(error = %e, "closing the inbox link failed"),
-            Err(_) => debug!("closing the inbox link timed out"),
-        }
-    }
+    connection_closer::close_gracefully(&conn, "inbox link").await;
 }
 
 /// Connects (into `connection`, so that the caller can close it whatever fails later), opens
@@ -193,7 +168,6 @@ pub(crate) async fn publish_confirmed(
     properties: BasicProperties,
     body: &[u8],
 ) -> Result<(), PublishFailure> {
-    let link = |e: lapin::Error| PublishFailure::Link(e.to_string());
     let options = BasicPublishOptions { mandatory: true, immediate: false };
     let confirmed = tokio::time::timeout(CONFIRM_TIMEOUT, async {
         channel
@@ -208,15 +182,15 @@ pub(crate) async fn publish_confirmed(
             humantime::format_duration(CONFIRM_TIMEOUT)
         ))
     })?;
-    match confirmed.map_err(link)? {
-        Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => Err(PublishFailure::Refused(format!(
-            "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} ({} {})",
-            returned.reply_code, returned.reply_text
+    match publisher_confirm::read(confirmed) {
+        Confirmed::Delivered => Ok(()),
+        Confirmed::Unroutable(reply) => Err(PublishFailure::Refused(format!(
+            "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} ({reply})"
         ))),
-        Confirmation::Nack(_) => {
+        Confirmed::Nacked(_) => {
             Err(PublishFailure::Refused(format!("the broker nacked the copy sent to exchange {exchange:?}")))
         }
-        Confirmation::NotRequested => Err(PublishFailure::Link("the channel is not in confirm mode".into())),
+        Confirmed::NotConfirmMode => Err(PublishFailure::Link("the channel is not in confirm mode".into())),
+        Confirmed::Failed(e) => Err(PublishFailure::Link(e.to_string())),
     }
 }

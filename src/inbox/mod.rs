@@ -100,6 +100,7 @@
 //!
 //! `examples/inbox_consumer.rs` is a complete consumer.
 
+mod attempt;
 mod config;
 mod consumer;
 mod handler;
@@ -108,6 +109,7 @@ mod message;
 mod metrics;
 #[allow(missing_docs)]
 pub mod schema;
+mod settle;
 pub mod store;
 mod supervisor;
 

@@ -1,0 +1,317 @@
+//! [`RabbitConfig`]: how the sink connects and what it publishes, with its defaults and checks.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lapin::BasicProperties;
+use lapin::types::ShortString;
+
+use super::{ExchangeKind, RabbitError};
+use crate::amqp;
+use crate::error::PublishError;
+use crate::model::OutboxMessage;
+use crate::url::mask_url;
+use crate::wire;
+
+/// The exchange published to by default.
+pub const DEFAULT_EXCHANGE: &str = "outbox";
+/// The `app_id` property set on every message by default.
+pub const DEFAULT_APP_ID: &str = "actix-outbox";
+/// How long one attempt to connect (TCP, handshake, confirms, exchange declaration) may take by
+/// default.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// First delay before reconnecting after the link is lost, by default.
+pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
+/// Longest delay between two reconnection attempts, by default.
+pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
+/// How long a broker may confirm nothing while publishes wait before the link is taken for
+/// dead, by default.
+pub const DEFAULT_UNRESPONSIVE_AFTER: Duration = Duration::from_secs(5);
+
+/// Computes a message's routing key; see [`RabbitConfig::routing_key`].
+pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
+
+/// How a [`RabbitSink`](super::RabbitSink) connects and what it publishes.
+///
+/// Start from [`RabbitConfig::new`] (every default set there) and chain setters:
+///
+/// ```
+/// use std::time::Duration;
+/// use actix_outbox::sink::{ExchangeKind, RabbitConfig};
+///
+/// let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+///     .exchange("orders")
+///     .exchange_kind(ExchangeKind::Direct)
+///     .app_id("billing")
+///     .routing_key(|m| format!("{}.{}", m.aggregate_type, m.event_type))
+///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(5));
+/// config.validate().unwrap();
+/// assert!(format!("{config:?}").contains("guest:***@"), "the password never reaches a log");
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct RabbitConfig {
+    /// The AMQP URLs of the broker, one per node of a cluster (at least one), e.g.
+    /// `amqp://guest:guest@127.0.0.1:5672/%2f` (the `%2f` is the vhost `/`). The sink connects
+    /// to the first; each later connection attempt (after a failed one, or after the link was
+    /// lost) moves on to the next, in turn. Query options are honoured by lapin;
+    /// `?heartbeat=10` bounds how long a broker that went silent without closing the TCP
+    /// connection (a dead host, a stuck network path) looks alive.
+    pub urls: Vec<String>,
+    /// The exchange every message is published to. Default [`DEFAULT_EXCHANGE`] (`outbox`).
+    pub exchange: String,
+    /// The exchange's type, used when the sink declares it. Default [`ExchangeKind::Topic`].
+    pub exchange_kind: ExchangeKind,
+    /// Whether the sink declares the exchange (durable, of [`RabbitConfig::exchange_kind`]) each
+    /// time it connects. Turn it off when the exchange is managed elsewhere; publishing to an
+    /// exchange that does not exist then fails retryably (the broker closes the channel with
+    /// 404) until someone creates it. Default `true`.
+    pub declare_exchange: bool,
+    /// The `app_id` property of every message. Default [`DEFAULT_APP_ID`].
+    pub app_id: String,
+    /// Bound on one connection attempt (TCP connect, AMQP handshake, confirm mode, exchange
+    /// declaration). Default 10 s.
+    pub connect_timeout: Duration,
+    /// Delay before the first reconnection attempt after the link is lost; it doubles on every
+    /// failed attempt up to [`RabbitConfig::reconnect_max`], with jitter. Default 100 ms.
+    pub reconnect_min: Duration,
+    /// Longest delay between reconnection attempts. Default 10 s.
+    pub reconnect_max: Duration,
+    /// The connection name shown in RabbitMQ's management UI. Default: the `app_id`.
+    pub connection_name: Option<String>,
+    /// A link whose broker has confirmed nothing for this long while publishes wait (and that
+    /// is not blocked by the broker) is taken for dead: the sink reports itself
+    /// [`SinkState::Down`](crate::SinkState::Down), drops the link and reconnects, and the waiting publishes fail as
+    /// [`PublishError::Unavailable`] (attempt refunded). Keep it below the dispatcher's publish
+    /// timeout. Default [`DEFAULT_UNRESPONSIVE_AFTER`] (5 s).
+    pub unresponsive_after: Duration,
+    /// Whether each message carries the sink's header table (`x-outbox-source`,
+    /// `x-aggregate-type`, `x-aggregate-id`, `x-attempt`; see [`wire`](crate::wire)). Default
+    /// `true`.
+    ///
+    /// Without it ("lean" messages) a message still has its `message_id` (the outbox id),
+    /// `type`, `content_type`, `timestamp`, `app_id` and the producer's own headers, and a
+    /// message whose row has no producer headers goes with no header table at all. That is
+    /// cheaper for the broker, chiefly while messages pile up in a queue (RabbitMQ keeps every
+    /// queued message's decoded header table in memory). Turn it off only when no consumer
+    /// needs the source or the aggregate: the [inbox](crate::inbox) keys on the source (a lean
+    /// message counts as one of an unnamed producer, whose ids must then be unique by
+    /// themselves) and orders by the aggregate.
+    pub outbox_headers: bool,
+    /// Whether each message carries `x-deduplication-header` = `<source>/<id>`, the key that
+    /// RabbitMQ's message-deduplication plugin reads (see [`wire::DEDUPLICATION`]). Turn it on
+    /// for brokers that run the plugin. Default `false`.
+    pub deduplication_header: bool,
+    pub(super) routing_key: Option<Arc<RoutingKeyFn>>,
+}
+
+impl std::fmt::Debug for RabbitConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitConfig")
+            .field("urls", &self.urls.iter().map(|u| mask_url(u)).collect::<Vec<_>>())
+            .field("exchange", &self.exchange)
+            .field("exchange_kind", &self.exchange_kind)
+            .field("declare_exchange", &self.declare_exchange)
+            .field("app_id", &self.app_id)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("reconnect_min", &self.reconnect_min)
+            .field("reconnect_max", &self.reconnect_max)
+            .field("connection_name", &self.connection_name)
+            .field("unresponsive_after", &self.unresponsive_after)
+            .field("outbox_headers", &self.outbox_headers)
+            .field("deduplication_header", &self.deduplication_header)
+            .field("routing_key", &if self.routing_key.is_some() { "custom" } else { "event_type" })
+            .finish()
+    }
+}
+
+impl RabbitConfig {
+    /// A configuration for the broker at `url`, with every other setting at its default.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self::cluster([url.into()])
+    }
+
+    /// A configuration for a cluster whose nodes are at `urls` (tried in turn; see
+    /// [`RabbitConfig::urls`]), with every other setting at its default.
+    ///
+    /// ```
+    /// let config = actix_outbox::sink::RabbitConfig::cluster(["amqp://rabbit-1:5672/%2f", "amqp://rabbit-2:5672/%2f"]);
+    /// assert_eq!(config.urls.len(), 2);
+    /// ```
+    pub fn cluster<U: Into<String>>(urls: impl IntoIterator<Item = U>) -> Self {
+        Self {
+            urls: urls.into_iter().map(Into::into).collect(),
+            exchange: DEFAULT_EXCHANGE.to_owned(),
+            exchange_kind: ExchangeKind::Topic,
+            declare_exchange: true,
+            app_id: DEFAULT_APP_ID.to_owned(),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            reconnect_min: DEFAULT_RECONNECT_MIN,
+            reconnect_max: DEFAULT_RECONNECT_MAX,
+            connection_name: None,
+            unresponsive_after: DEFAULT_UNRESPONSIVE_AFTER,
+            outbox_headers: true,
+            deduplication_header: false,
+            routing_key: None,
+        }
+    }
+
+    /// Sets [`RabbitConfig::outbox_headers`].
+    #[must_use]
+    pub fn outbox_headers(mut self, on: bool) -> Self {
+        self.outbox_headers = on;
+        self
+    }
+
+    /// Sets [`RabbitConfig::deduplication_header`].
+    #[must_use]
+    pub fn deduplication_header(mut self, on: bool) -> Self {
+        self.deduplication_header = on;
+        self
+    }
+
+    /// The AMQP properties and headers this configuration gives `message` (the format of
+    /// [`wire`]), or the permanent failure of a message that cannot be sent (an event type or
+    /// a producer header that AMQP cannot carry).
+    pub fn properties(&self, message: &OutboxMessage) -> Result<BasicProperties, PublishError> {
+        wire::properties(message, &self.format())
+    }
+
+    pub(super) fn format(&self) -> wire::Format {
+        wire::Format {
+            // validate() checked its length.
+            app_id: ShortString::try_new(self.app_id.as_str()).unwrap_or_default(),
+            outbox_headers: self.outbox_headers,
+            deduplication_header: self.deduplication_header,
+        }
+    }
+
+    /// Sets [`RabbitConfig::unresponsive_after`].
+    #[must_use]
+    pub fn unresponsive_after(mut self, after: Duration) -> Self {
+        self.unresponsive_after = after;
+        self
+    }
+
+    /// Sets [`RabbitConfig::exchange`].
+    #[must_use]
+    pub fn exchange(mut self, name: impl Into<String>) -> Self {
+        self.exchange = name.into();
+        self
+    }
+
+    /// Sets [`RabbitConfig::exchange_kind`].
+    #[must_use]
+    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
+        self.exchange_kind = kind;
+        self
+    }
+
+    /// Sets [`RabbitConfig::declare_exchange`].
+    #[must_use]
+    pub fn declare_exchange(mut self, declare: bool) -> Self {
+        self.declare_exchange = declare;
+        self
+    }
+
+    /// Sets [`RabbitConfig::app_id`].
+    #[must_use]
+    pub fn app_id(mut self, app_id: impl Into<String>) -> Self {
+        self.app_id = app_id.into();
+        self
+    }
+
+    /// Sets [`RabbitConfig::connect_timeout`].
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Sets [`RabbitConfig::reconnect_min`] and [`RabbitConfig::reconnect_max`].
+    #[must_use]
+    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
+        self.reconnect_min = min;
+        self.reconnect_max = max;
+        self
+    }
+
+    /// Sets [`RabbitConfig::connection_name`].
+    #[must_use]
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.connection_name = Some(name.into());
+        self
+    }
+
+    /// Replaces the routing key (by default the message's `event_type`) with `f(message)`.
+    /// A key longer than 255 bytes makes that message fail permanently.
+    #[must_use]
+    pub fn routing_key(mut self, f: impl Fn(&OutboxMessage) -> String + Send + Sync + 'static) -> Self {
+        self.routing_key = Some(Arc::new(f));
+        self
+    }
+
+    /// The routing key of `message` under this configuration.
+    pub fn routing_key_of(&self, message: &OutboxMessage) -> String {
+        match &self.routing_key {
+            Some(f) => f(message),
+            None => message.event_type.clone(),
+        }
+    }
+
+    /// Checks the URL and the rules that span fields. [`RabbitSink::connect`](super::RabbitSink::connect) calls it first.
+    pub fn validate(&self) -> Result<(), RabbitError> {
+        let invalid = |why: String| Err(RabbitError::Config(why));
+        if self.urls.is_empty() {
+            return invalid("at least one AMQP URL is needed".into());
+        }
+        for url in &self.urls {
+            if let Err(e) = amqp::check_url(url) {
+                return invalid(e);
+            }
+        }
+        if self.unresponsive_after.is_zero() {
+            return invalid("unresponsive_after must be above zero".into());
+        }
+        if ShortString::try_new(self.exchange.as_str()).is_err() {
+            return invalid(format!("exchange name is {} bytes long; AMQP allows 255", self.exchange.len()));
+        }
+        if ShortString::try_new(self.app_id.as_str()).is_err() {
+            return invalid(format!("app_id is {} bytes long; AMQP allows 255", self.app_id.len()));
+        }
+        if self.exchange.is_empty() && self.declare_exchange {
+            return invalid("the default exchange (\"\") cannot be declared; set declare_exchange(false)".into());
+        }
+        if self.connect_timeout.is_zero() {
+            return invalid("connect timeout must be above zero".into());
+        }
+        if self.reconnect_min.is_zero() || self.reconnect_min > self.reconnect_max {
+            return invalid(format!(
+                "reconnect backoff must satisfy 0 < min ({:?}) <= max ({:?})",
+                self.reconnect_min, self.reconnect_max
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validates() {
+        assert!(RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f").validate().is_ok());
+        let bad = RabbitConfig::new("http://nope").validate().unwrap_err();
+        assert!(matches!(bad, RabbitError::Config(_)), "{bad}");
+        let long = RabbitConfig::new("amqp://h").exchange("x".repeat(256)).validate().unwrap_err();
+        assert!(long.to_string().contains("256 bytes"), "{long}");
+        let backoff = RabbitConfig::new("amqp://h")
+            .reconnect_backoff(Duration::from_secs(2), Duration::from_secs(1))
+            .validate()
+            .unwrap_err();
+        assert!(backoff.to_string().contains("reconnect backoff"), "{backoff}");
+        assert!(RabbitConfig::new("amqp://h").exchange("").validate().is_err());
+        assert!(RabbitConfig::new("amqp://h").exchange("").declare_exchange(false).validate().is_ok());
+    }
+}

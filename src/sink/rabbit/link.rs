@@ -1,0 +1,305 @@
+//! The link's state that publishes and the connection manager share: the current channel and
+//! its generation, why it is down, whether the broker blocked it or went silent, and the one
+//! place a publish's confirm becomes an outcome ([`classify`]).
+
+use std::future::{Future, poll_fn};
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use lapin::options::BasicPublishOptions;
+use lapin::types::ShortString;
+use lapin::{Channel, Confirmation};
+use tokio::sync::Notify;
+
+use super::{RabbitConfig, RoutingKeyFn};
+use crate::amqp::publisher_confirm::{self, Confirmed};
+use crate::error::PublishError;
+use crate::model::OutboxMessage;
+use crate::publisher::{PublishResult, SinkState};
+use crate::url::mask_url;
+use crate::wire;
+
+/// What publishes and the connection manager share.
+pub(super) struct LinkState {
+    /// The node connected to (or last tried), password masked.
+    pub(super) url: Mutex<String>,
+    unresponsive_after: Duration,
+    /// Why the broker blocked the connection, while it does.
+    blocked: Mutex<Option<String>>,
+    /// Publishes on the current link waiting for their confirm.
+    waits: Mutex<Waits>,
+    pub(super) exchange: ShortString,
+    format: wire::Format,
+    routing_key: Option<Arc<RoutingKeyFn>>,
+    current: Mutex<Current>,
+    /// Highest link generation a publish found broken.
+    pub(super) broken: AtomicU64,
+    /// Wakes the manager when a publish finds the link broken.
+    pub(super) broken_notify: Notify,
+    pub(super) reconnects: AtomicU64,
+    /// Serialises the first poll of `basic_publish` (see [`LinkState::publish`]).
+    publish_order: Mutex<()>,
+}
+
+pub(super) struct Current {
+    pub(super) link: Option<Link>,
+    /// Why there is no link (shown in the retryable error of publishes meanwhile).
+    down_reason: String,
+}
+
+/// One channel in confirm mode; `generation` tells a failure on it from one on its successor.
+#[derive(Clone)]
+pub(super) struct Link {
+    pub(super) channel: Channel,
+    pub(super) generation: u64,
+}
+
+/// What a failed publish means for the link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LinkHealth {
+    Healthy,
+    Broken,
+}
+
+impl LinkState {
+    pub(super) fn new(config: &RabbitConfig) -> Self {
+        Self {
+            url: Mutex::new(mask_url(&config.urls[0])),
+            unresponsive_after: config.unresponsive_after,
+            blocked: Mutex::new(None),
+            waits: Mutex::new(Waits { generation: 0, count: 0, since: Instant::now() }),
+            // validate() checked both lengths.
+            exchange: ShortString::try_new(config.exchange.as_str()).unwrap_or_default(),
+            format: config.format(),
+            routing_key: config.routing_key.clone(),
+            current: Mutex::new(Current { link: None, down_reason: "not connected yet".into() }),
+            broken: AtomicU64::new(0),
+            broken_notify: Notify::new(),
+            reconnects: AtomicU64::new(0),
+            publish_order: Mutex::new(()),
+        }
+    }
+
+    pub(super) fn current(&self) -> MutexGuard<'_, Current> {
+        self.current.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn url(&self) -> String {
+        self.url.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub(super) fn set_url(&self, url: &str) {
+        *self.url.lock().unwrap_or_else(|e| e.into_inner()) = mask_url(url);
+    }
+
+    pub(super) fn set_blocked(&self, reason: Option<String>) {
+        *self.blocked.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+    }
+
+    pub(super) fn state(&self) -> SinkState {
+        if let Some(reason) = self.blocked.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return SinkState::Blocked(format!("RabbitMQ blocked the connection: {reason}"));
+        }
+        if let Some(silent) = self.unresponsive() {
+            return SinkState::Down(format!(
+                "RabbitMQ at {} confirmed nothing for {} while publishes wait",
+                self.url(),
+                humantime::format_duration(Duration::from_millis(silent.as_millis() as u64))
+            ));
+        }
+        let current = self.current();
+        match current.link {
+            Some(_) => SinkState::Up,
+            None => SinkState::Down(format!("no link to RabbitMQ at {}: {}", self.url(), current.down_reason)),
+        }
+    }
+
+    /// How long publishes on the current link have waited without any confirm, once that is
+    /// past `unresponsive_after`.
+    fn unresponsive(&self) -> Option<Duration> {
+        let waits = self.waits();
+        let silent = waits.since.elapsed();
+        (waits.count > 0 && silent >= self.unresponsive_after).then_some(silent)
+    }
+
+    pub(super) fn set_link(&self, link: Link) {
+        // Publishes stranded on the old link no longer say anything about the new one.
+        *self.waits() = Waits { generation: link.generation, count: 0, since: Instant::now() };
+        self.current().link = Some(link);
+    }
+
+    fn waits(&self) -> MutexGuard<'_, Waits> {
+        self.waits.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(super) fn clear_link(&self, reason: String) {
+        let mut current = self.current();
+        current.link = None;
+        current.down_reason = reason;
+    }
+
+    fn report_broken(&self, generation: u64) {
+        self.broken.fetch_max(generation, Ordering::AcqRel);
+        self.broken_notify.notify_one();
+    }
+
+    pub(super) async fn publish(&self, message: &OutboxMessage) -> PublishResult {
+        let routing_key = match &self.routing_key {
+            Some(f) => f(message),
+            None => message.event_type.clone(),
+        };
+        let key = ShortString::try_new(routing_key.as_str()).map_err(|e| {
+            PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
+        })?;
+        let properties = wire::properties(message, &self.format)?;
+        // The JSON text as PostgreSQL sent it: lapin copies it into its frames, nothing else does.
+        let body = message.payload.get().as_bytes();
+
+        let link = {
+            let current = self.current();
+            match &current.link {
+                Some(link) => link.clone(),
+                None => {
+                    return Err(PublishError::Unavailable(format!(
+                        "RabbitMQ link to {} is down: {}",
+                        self.url(),
+                        current.down_reason
+                    )));
+                }
+            }
+        };
+        let options = BasicPublishOptions { mandatory: true, immediate: false };
+        // Counted until its confirm arrives (or the dispatcher gives up on it), so that a broker
+        // that stops answering is noticed: see `unresponsive`.
+        let waiting = Waiting::start(self, link.generation);
+        let sent = async {
+            let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, body, properties));
+            // lapin takes the delivery tag and queues the frames in the first poll, under two
+            // separate locks. Clones publishing from several threads at once could interleave
+            // them, and then a confirm would answer another message: take the first poll under
+            // a lock of ours so that tags follow the order of the frames.
+            let first = poll_fn(|cx| {
+                let _order = self.publish_order.lock().unwrap_or_else(|e| e.into_inner());
+                Poll::Ready(publish.as_mut().poll(cx))
+            })
+            .await;
+            let confirm = match first {
+                Poll::Ready(confirm) => confirm?,
+                Poll::Pending => publish.await?,
+            };
+            confirm.await
+        }
+        .await;
+        waiting.answered();
+        let (result, health) = classify(sent, self.exchange.as_str(), &routing_key);
+        if health == LinkHealth::Broken {
+            self.report_broken(link.generation);
+        }
+        result
+    }
+}
+
+/// The publishes of one link generation waiting for a confirm, and since when the broker has
+/// said nothing to them.
+struct Waits {
+    generation: u64,
+    count: u64,
+    /// The last answer, or when the first of the waiting publishes began to wait (the silence
+    /// is measured from then, not from the last answer before an idle spell).
+    since: Instant,
+}
+
+/// One publish waiting for its confirm; dropping it (answered, failed or abandoned) stops the
+/// count.
+struct Waiting<'a> {
+    link: &'a LinkState,
+    generation: u64,
+}
+
+impl<'a> Waiting<'a> {
+    fn start(link: &'a LinkState, generation: u64) -> Self {
+        let mut waits = link.waits();
+        if waits.generation == generation {
+            if waits.count == 0 {
+                waits.since = Instant::now();
+            }
+            waits.count += 1;
+        }
+        Self { link, generation }
+    }
+
+    /// The broker answered (whatever it said): it is alive.
+    fn answered(&self) {
+        let mut waits = self.link.waits();
+        if waits.generation == self.generation {
+            waits.since = Instant::now();
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        let mut waits = self.link.waits();
+        if waits.generation == self.generation {
+            waits.count = waits.count.saturating_sub(1);
+        }
+    }
+}
+
+/// The one place where the broker's answer (or the client's failure) becomes an outcome, and
+/// where we decide whether the link must be rebuilt.
+fn classify(
+    sent: Result<Confirmation, lapin::Error>,
+    exchange: &str,
+    routing_key: &str,
+) -> (PublishResult, LinkHealth) {
+    match publisher_confirm::read(sent) {
+        Confirmed::Delivered => (Ok(()), LinkHealth::Healthy),
+        Confirmed::Unroutable(reply) => (
+            Err(PublishError::Permanent(format!(
+                "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} \
+                 (broker returned the message: {reply})"
+            ))),
+            LinkHealth::Healthy,
+        ),
+        Confirmed::Nacked(reply) => (
+            Err(PublishError::Retryable(match reply {
+                Some(reply) => format!("broker nacked the message ({reply})"),
+                None => format!(
+                    "broker nacked the message on exchange {exchange:?} with routing key {routing_key:?} \
+                     (e.g. a full queue with overflow=reject-publish)"
+                ),
+            })),
+            LinkHealth::Healthy,
+        ),
+        Confirmed::NotConfirmMode => {
+            (Err(PublishError::Unavailable("channel is not in confirm mode; reopening it".into())), LinkHealth::Broken)
+        }
+        Confirmed::Failed(e) => {
+            (Err(PublishError::Unavailable(format!("RabbitMQ channel or connection failed: {e}"))), LinkHealth::Broken)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_transport_failures_as_unavailable_and_broken() {
+        let err: lapin::Error = lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed).into();
+        let (result, health) = classify(Err(err), "outbox", "a.b");
+        assert!(
+            matches!(result, Err(PublishError::Unavailable(_))),
+            "a transport failure is the sink's, not the message's"
+        );
+        assert_eq!(health, LinkHealth::Broken);
+        let (result, health) = classify(Ok(Confirmation::Nack(None)), "outbox", "a.b");
+        assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");
+        assert_eq!(health, LinkHealth::Healthy);
+        assert_eq!(classify(Ok(Confirmation::Ack(None)), "outbox", "a.b").0, Ok(()));
+    }
+}
