@@ -15,12 +15,7 @@ use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use serde_json::{Value, json};
 
 use actix_outbox_test_support::proxy;
-// The fixtures of the library's integration tests; this binary uses only part of them.
-#[allow(dead_code)]
-#[path = "../../tests/it/support.rs"]
-mod support;
-
-use support::{ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, eventually};
+use actix_outbox_test_support::{ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, eventually};
 
 const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
 const WITHIN: Duration = Duration::from_secs(60);
