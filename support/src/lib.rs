@@ -1,8 +1,63 @@
 //! Fixtures shared by the library's integration tests (`tests/it`), the command line's tests
-//! (`cli/tests`) and the chaos run (`chaos/`), so that all of them fault the services through
-//! one implementation.
+//! (`cli/tests/cli`) and the chaos run (`chaos/`), so that all of them set up and fault the
+//! services through one implementation.
 //!
+//! - [`db`]: databases of their own on the test server ([`TestDb`], [`ScratchDb`]) and helpers
+//!   to read rows back.
+//! - [`broker`]: the test's own exchange and queues on the test broker ([`TestBroker`]).
 //! - [`proxy::Proxy`]: a TCP proxy in front of PostgreSQL or RabbitMQ that cuts, refuses,
 //!   blackholes, delays and slows its connections, and plays RabbitMQ's `connection.blocked`.
+//!
+//! Two environment variables say where the services are:
+//!
+//! - `TEST_DATABASE_URL`: the PostgreSQL server, as a URL or a `key=value` connection string;
+//!   default `postgres://root@127.0.0.1:5432/test`. Its own database is never touched: each test
+//!   creates a database of its own on that server (through the server's `postgres` database,
+//!   with every other option of the string), so the role must be allowed to create databases.
+//! - `TEST_AMQP_URL`: the RabbitMQ broker; default `amqp://guest:guest@127.0.0.1:5672/%2f`.
+//!   Each test declares exchanges and queues of its own, uniquely named.
+//!
+//! Everything a test creates is removed when its fixture is dropped, even by a panic.
 
+#![warn(missing_docs)]
+
+pub mod broker;
+pub mod db;
 pub mod proxy;
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+pub use broker::{TestBroker, amqp_addr, amqp_url};
+pub use db::{ScratchDb, TestDb, database_addr, database_url};
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+/// `outbox_it.<what>.<pid>.<n>.<random>`: unique across tests and concurrent runs.
+pub fn unique(what: &str) -> String {
+    format!("outbox_it.{what}.{}.{}.{:08x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed), rand_suffix())
+}
+
+fn rand_suffix() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos());
+    (h.finish() & 0xffff_ffff) as u32
+}
+
+/// Polls `check` until it returns true, failing the test after `within`.
+pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -15,7 +15,7 @@ use actix_outbox::{
 };
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::support::{TestDb, eventually};
+use actix_outbox_test_support::{TestDb, eventually};
 
 const WITHIN: Duration = Duration::from_secs(20);
 

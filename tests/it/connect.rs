@@ -10,7 +10,7 @@ use diesel::QueryableByName;
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
-use crate::support::{ScratchDb, TestDb, database_url};
+use actix_outbox_test_support::{ScratchDb, TestDb, database_url};
 
 /// The server of the default `TEST_DATABASE_URL`, spelled out in each form (root, trust auth).
 const HOST: &str = "127.0.0.1";

@@ -19,7 +19,7 @@ use diesel::sql_types::{BigInt, Bool, Int8, Text};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
 
 const LEASE: Duration = Duration::from_secs(60);
 const MAX_ATTEMPTS: i32 = 12;

@@ -24,7 +24,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::proxy::Proxy;
-use crate::support::{ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, database_addr as postgres_addr, eventually};
+use actix_outbox_test_support::{
+    ScratchDb, TestBroker, TestDb, amqp_addr, amqp_url, database_addr as postgres_addr, eventually,
+};
 
 const WITHIN: Duration = Duration::from_secs(60);
 

@@ -1,8 +1,9 @@
 //! Integration tests against the real PostgreSQL (and RabbitMQ for the sink). One binary, one
 //! module per area; every test gets a database of its own, so the suite runs in parallel.
 
+// The fixtures (databases, brokers, the fault proxy) are actix-outbox-test-support's, shared
+// with the command line's tests and the chaos run.
 use actix_outbox_test_support::proxy;
-mod support;
 
 mod actors;
 mod connect;

@@ -16,7 +16,7 @@ use diesel_async::SimpleAsyncConnection;
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
-use crate::support::{TestDb, eventually};
+use actix_outbox_test_support::{TestDb, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 

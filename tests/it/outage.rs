@@ -18,7 +18,7 @@ use actix_outbox::{
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::proxy::Proxy;
-use crate::support::{TestDb, database_addr, eventually};
+use actix_outbox_test_support::{TestDb, database_addr, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 

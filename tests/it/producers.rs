@@ -24,7 +24,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::AMQPValue;
 
-use crate::support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
 
 const WITHIN: Duration = Duration::from_secs(60);
 /// Events each producer writes: ids 1..=EVENTS in both databases.

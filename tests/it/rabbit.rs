@@ -17,7 +17,7 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::proxy::Proxy;
-use crate::support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 

@@ -10,7 +10,7 @@ use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, PublishError, Stat
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
-use crate::support::{TestDb, eventually};
+use actix_outbox_test_support::{TestDb, eventually};
 
 const LONG: Duration = Duration::from_secs(30);
 

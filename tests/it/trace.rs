@@ -17,7 +17,7 @@ use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 
-use crate::support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
 
 /// The process's tracing: a global subscriber with an OpenTelemetry layer (the dispatcher's
 /// spans live on its own arbiters' threads), exporting to memory.

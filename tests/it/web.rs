@@ -10,7 +10,7 @@ use diesel_async::RunQueryDsl;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
 
 #[path = "../../examples/actix_web.rs"]
 mod app;
@@ -136,7 +136,7 @@ async fn orders_over_http_reach_a_real_queue() {
 async fn the_first_order_reaches_the_demo_queue_instead_of_going_dead() {
     let db = TestDb::new().await;
     let mut broker = TestBroker::new("web-demo").await;
-    let demo = crate::support::unique("demo");
+    let demo = actix_outbox_test_support::unique("demo");
     broker.remove_at_end(demo.clone(), broker.exchange.clone());
     let settings = app::Settings {
         database_url: db.url.clone(),

@@ -1,7 +1,7 @@
 //! The FIFO-gated claim on a table of a million rows: its plan, its buffers and its timing.
 //!
 //! ```text
-//! cargo run --example fifo_explain            # DATABASE_URL defaults to a database of its own
+//! cargo run --release -p actix-outbox-tools   # DATABASE_URL defaults to a database of its own
 //! ```
 //!
 //! Fills `outbox_fifo_explain` (created if missing, emptied if not) with 1,000,000 rows: 990,000

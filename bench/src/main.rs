@@ -1,0 +1,286 @@
+//! The benchmark: the dispatcher's throughput and latency beside the raw ceilings of the same
+//! machine, all measured in one run.
+//!
+//! ```text
+//! cargo run --release -p actix-outbox-bench -- --messages 100000
+//! ```
+//!
+//! It needs PostgreSQL and RabbitMQ (the README's quick-start addresses; `DATABASE_URL` and
+//! `AMQP_URL` override them). It creates a database of its own (`<DATABASE_URL's name>_<pid>`),
+//! migrates it, declares an exchange and a durable queue of its own (`outbox_bench_<pid>`), and
+//! drops all three at the end, also when a phase fails.
+//!
+//! Every run (`--runs`, default 3; the report shows each run and the median) measures:
+//!
+//! 1. **broker ceiling**: raw lapin, no database. The same messages (same body, properties and
+//!    headers as the RabbitMQ sink sends, persistent, `mandatory`, publisher confirms) with the
+//!    same in-flight depth as the dispatcher (`processes × workers × max_in_flight`, one
+//!    connection and one confirm channel per process, like the sink; `--raw-channels` tries
+//!    more), and the same consumer draining the queue as end to end. Timed from the start to
+//!    the last confirm *and* the last delivery at the consumer.
+//! 2. **database ceiling**: the dispatcher itself (claim, fenced batched finalize) with a sink
+//!    that does nothing, from `--messages` pending rows to every row `done`.
+//! 3. **end to end**: the dispatcher with the RabbitMQ sink, from `--messages` pending rows to
+//!    every row `done` (so every publish confirmed) and every id received by a consumer that
+//!    drains the queue (auto-ack) and counts distinct ids.
+//! 4. the ratio end-to-end ÷ min(broker ceiling, database ceiling).
+//! 5. **idle latency**: with the dispatcher idle, `--latency-samples` rows are inserted one at a
+//!    time, `--latency-interval` apart, each in its own transaction. For each row:
+//!    *commit → confirm* = from the instant the producer's `INSERT` (autocommit) returned, to the
+//!    instant the dispatcher's sink saw the broker's publisher confirm for that row; and
+//!    *commit → delivery* = from the same instant to the consumer receiving the message. Both
+//!    ends are read from the system wall clock (`SystemTime`, one clock on one machine): the
+//!    producer and consumer run in this process, the dispatcher in a child.
+//! 6. **peak RSS**: `VmHWM` of each dispatcher process (`/proc/self/status`), read when it stops;
+//!    the dispatcher runs in child processes (this binary re-executed), so the benchmark's own
+//!    seeding, consumer and bookkeeping are not counted.
+//!
+//! Beside the rates it prints where the CPU went: the busy time of the whole machine per
+//! message in each throughput phase (`/proc/stat`: PostgreSQL, RabbitMQ, the dispatcher, the
+//! consumer and anything else running), the dispatcher processes' own CPU per message, and,
+//! end to end, the share of the machine's PostgreSQL and RabbitMQ server processes
+//! (`/proc/<pid>/stat` of every `postgres` and `beam.smp` process). On a machine where
+//! everything shares a few cores, end to end costs about the sum of the two ceilings' CPU per
+//! message, and these columns show it.
+//!
+//! `--phases` picks phases (`broker,database,e2e,latency`); `--json` prints one JSON document.
+//! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
+//! `VACUUM ANALYZE`d, so every phase starts from the same state. The dispatcher runs with its
+//! default settings except those given on the command line, and a pool of `workers + 2`
+//! connections per process, like `actix-outbox run`. `--processes N` starts N dispatcher
+//! processes against the same table (and N publishing processes for the broker ceiling).
+//! Every wait is bounded by `--phase-timeout`; children exit when this process goes away.
+//!
+//! `--fifo` turns the per-aggregate gate on for every row; the seeded rows belong to 1,000
+//! aggregates (`aggregate_id = n % 1000`), so the gate admits at most one row per aggregate at
+//! a time. The broker ceiling does not depend on it.
+//!
+//! The code follows the two roles: [`parent`] sets up, runs the phases ([`parent`]'s `phases`),
+//! tallies the consumer and reports; [`child`] is a dispatcher or a raw publisher, started by
+//! the parent as this binary with a hidden subcommand. [`procstat`] reads `/proc`, [`message`]
+//! is what both kinds of child send.
+
+// The two roles of the binary: the parent orchestrates, the children (this binary re-executed)
+// are the processes it measures.
+mod child;
+mod message;
+mod parent;
+mod procstat;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use actix_outbox::DispatcherConfig;
+use clap::{Args, Parser, Subcommand};
+use serde::Serialize;
+type BoxError = Box<dyn std::error::Error>;
+
+const DEFAULT_DATABASE_URL: &str = "postgres://root@127.0.0.1:5432/actix_outbox_bench";
+const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+/// The routing key (event type) of every benchmark message; the queue is bound with `#`.
+const EVENT_TYPE: &str = "bench.event";
+/// Ids of the broker ceiling's messages start here, far from the table's identity values, so
+/// the consumer can never mistake one phase's messages for another's.
+const RAW_ID_BASE: i64 = 1 << 40;
+/// How often a dispatcher child reports its `done` counter.
+const REPORT_PERIOD: Duration = Duration::from_millis(5);
+/// How long the dispatcher is left idle before the latency samples start.
+const SETTLE: Duration = Duration::from_secs(1);
+
+#[derive(Parser)]
+#[command(about = "Throughput and latency of actix-outbox beside the raw ceilings of this machine")]
+struct Cli {
+    #[command(subcommand)]
+    child: Option<ChildRole>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+/// The benchmark's options (the dispatcher children receive the relevant ones again).
+#[derive(Args, Clone, Debug, Serialize)]
+struct Opts {
+    /// Rows (messages) per throughput phase.
+    #[arg(long, default_value_t = 100_000)]
+    messages: usize,
+    /// Claim actors per dispatcher process.
+    #[arg(long, default_value_t = actix_outbox::config::DEFAULT_WORKERS)]
+    workers: usize,
+    /// Rows one claim takes at most.
+    #[arg(long, default_value_t = actix_outbox::config::DEFAULT_BATCH)]
+    batch: usize,
+    /// Rows one worker holds claimed at once (default: the dispatcher's, 2 × batch).
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+    /// Turn the per-aggregate FIFO gate on for every row (`Fifo::All`); the seeded rows spread
+    /// over 1,000 aggregates.
+    #[arg(long)]
+    fifo: bool,
+    /// What becomes of a confirmed row, as `actix-outbox run --retention`: kept `done`, or
+    /// deleted (`Retention::Delete`).
+    #[arg(long, value_enum, default_value = "keep")]
+    retention: RetentionArg,
+    /// Confirm channels of each raw publisher (broker ceiling); the sink uses one.
+    #[arg(long, default_value_t = 1)]
+    raw_channels: usize,
+    /// Send no header table, as `actix-outbox run --no-outbox-headers`: the sink without its
+    /// own headers, and the raw publisher likewise (the other properties stay).
+    #[arg(long)]
+    no_outbox_headers: bool,
+    /// Dispatcher processes against the same table.
+    #[arg(long, default_value_t = 1)]
+    processes: usize,
+    /// Phases to run, in this order (the ratio needs the first three).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "broker,database,e2e,latency")]
+    phases: Vec<Phase>,
+    /// Runs; the report gives each run and the median.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Approximate size of each message body (JSON) in bytes.
+    #[arg(long, default_value_t = 256)]
+    payload_bytes: usize,
+    /// Rows inserted one at a time for the idle-latency figure (0 skips it).
+    #[arg(long, default_value_t = 100)]
+    latency_samples: usize,
+    /// Pause between two latency rows.
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    #[serde(serialize_with = "as_millis")]
+    latency_interval: Duration,
+    /// Bound on every phase (a phase that takes longer fails the benchmark).
+    #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
+    #[serde(serialize_with = "as_millis")]
+    phase_timeout: Duration,
+    /// Print one JSON document instead of the tables.
+    #[arg(long)]
+    json: bool,
+    /// Server and name prefix of the benchmark's database (`_<pid>` is appended).
+    #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
+    #[serde(skip)]
+    database_url: String,
+    /// The RabbitMQ broker.
+    #[arg(long, env = "AMQP_URL", default_value = DEFAULT_AMQP_URL)]
+    #[serde(skip)]
+    amqp_url: String,
+}
+
+/// `--retention`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum RetentionArg {
+    /// Confirmed rows stay `done` (the dispatcher's default).
+    Keep,
+    /// Confirmed rows are deleted.
+    Delete,
+}
+
+/// One measurement of a run.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Phase {
+    /// Raw lapin, no database.
+    Broker,
+    /// The dispatcher with a do-nothing sink.
+    Database,
+    /// The dispatcher with the RabbitMQ sink, and a consumer.
+    E2e,
+    /// Idle latency.
+    Latency,
+}
+
+fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(d.as_millis() as u64)
+}
+
+impl Opts {
+    /// The dispatcher configuration every child runs with.
+    fn dispatcher_config(&self) -> DispatcherConfig {
+        let mut config = DispatcherConfig::default().workers(self.workers).batch(self.batch);
+        if self.fifo {
+            config = config.fifo(actix_outbox::Fifo::All);
+        }
+        if let Some(n) = self.max_in_flight {
+            config = config.max_in_flight(n);
+        }
+        if self.retention == RetentionArg::Delete {
+            config = config.retention(actix_outbox::Retention::Delete);
+        }
+        config
+    }
+
+    /// Publishes one dispatcher process may have in flight at most.
+    fn depth_per_process(&self) -> usize {
+        self.workers * self.dispatcher_config().in_flight_limit()
+    }
+
+    fn pad(&self) -> String {
+        "x".repeat(self.payload_bytes.saturating_sub(24))
+    }
+}
+
+/// Roles this binary plays when it re-executes itself (not for humans).
+#[derive(Subcommand)]
+enum ChildRole {
+    /// One dispatcher process.
+    #[command(hide = true)]
+    ChildDispatcher(DispatcherChild),
+    /// One raw-lapin publishing process (the broker ceiling).
+    #[command(hide = true)]
+    ChildBroker(BrokerChild),
+}
+
+#[derive(Args, Debug)]
+struct DispatcherChild {
+    #[arg(long)]
+    db: String,
+    #[arg(long)]
+    exchange: String,
+    /// `null` (do nothing) or `rabbit`.
+    #[arg(long)]
+    sink: String,
+    /// Print `confirm <id> <unix nanos>` for every confirmed publish.
+    #[arg(long)]
+    report_confirms: bool,
+}
+
+#[derive(Args, Debug)]
+struct BrokerChild {
+    #[arg(long)]
+    exchange: String,
+    #[arg(long)]
+    first_id: i64,
+    #[arg(long)]
+    count: usize,
+    /// The outbox source the dispatcher derives from the benchmark's database, for the
+    /// `x-outbox-source` header and the deduplication key, as the sink sends them.
+    #[arg(long)]
+    source: String,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        // Colour only on a terminal, and not under NO_COLOR.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()) && std::env::var_os("NO_COLOR").is_none())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn,lapin=error".into()),
+        )
+        .init();
+    let result = match cli.child {
+        Some(ChildRole::ChildDispatcher(role)) => {
+            actix::System::new().block_on(child::dispatcher(role, cli.opts)).map(|()| ExitCode::SUCCESS)
+        }
+        Some(ChildRole::ChildBroker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
+        None => runtime().and_then(|rt| rt.block_on(parent::main(cli.opts))),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, BoxError> {
+    Ok(tokio::runtime::Builder::new_current_thread().enable_all().build()?)
+}

@@ -1,0 +1,171 @@
+//! The parent: sets up, runs the phases, reports, cleans up.
+//!
+//! It owns everything the run creates (the database, the exchange, the queue and the consumer
+//! on it) and starts the children of each phase (`kids`); `phases` measures, `tally` is what
+//! the consumer saw, `report` prints it.
+
+mod kids;
+mod phases;
+mod report;
+mod tally;
+
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+
+use diesel::sql_types::Text;
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+
+use crate::{BoxError, Opts};
+use phases::one_run;
+use report::{Machine, Report, median_of, print_report};
+use tally::Tally;
+
+/// Names of everything the benchmark creates, derived from its pid.
+struct Names {
+    database_url: String,
+    admin_url: String,
+    database: String,
+    exchange: String,
+    queue: String,
+}
+
+impl Names {
+    fn new(opts: &Opts) -> Result<Self, BoxError> {
+        let base = opts.database_url.split('?').next().unwrap_or_default();
+        let (server, prefix) = base.rsplit_once('/').ok_or("DATABASE_URL has no database name")?;
+        if prefix.is_empty() || !server.contains("://") {
+            return Err("DATABASE_URL must look like postgres://user@host:port/name".into());
+        }
+        let database = format!("{prefix}_{}", std::process::id());
+        let name = format!("outbox_bench_{}", std::process::id());
+        Ok(Self {
+            database_url: format!("{server}/{database}"),
+            admin_url: format!("{server}/postgres"),
+            database,
+            exchange: name.clone(),
+            queue: name,
+        })
+    }
+}
+
+/// The whole benchmark: every run, the report, and the cleanup whatever happened.
+pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
+    if opts.messages == 0 || opts.runs == 0 || opts.processes == 0 {
+        return Err("--messages, --runs and --processes must be at least 1".into());
+    }
+    opts.dispatcher_config().validate()?;
+    let names = Names::new(&opts)?;
+    // Ctrl-C still cleans up: the children see their stdin close and stop.
+    let result = tokio::select! {
+        result = bench(&opts, &names) => result,
+        _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
+    };
+    let cleanup = cleanup(&opts, &names).await;
+    let report = result?;
+    if let Err(e) = cleanup {
+        eprintln!("bench: cleanup failed: {e}");
+    }
+    if opts.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_report(&report);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn cleanup(opts: &Opts, names: &Names) -> Result<(), BoxError> {
+    let mut admin = AsyncPgConnection::establish(&names.admin_url).await?;
+    admin.batch_execute(&format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", names.database)).await?;
+    let conn = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+    let channel = conn.create_channel().await?;
+    channel.queue_delete(names.queue.as_str().into(), QueueDeleteOptions::default()).await?;
+    channel.exchange_delete(names.exchange.as_str().into(), ExchangeDeleteOptions::default()).await?;
+    let _ = conn.close(200, "bench cleanup".into()).await;
+    Ok(())
+}
+
+async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError> {
+    actix_outbox::ensure_database(&names.database_url).await?;
+    actix_outbox::migrate(&names.database_url).await?;
+    let mut db = AsyncPgConnection::establish(&names.database_url).await?;
+    #[derive(diesel::QueryableByName)]
+    struct Version {
+        #[diesel(sql_type = Text)]
+        v: String,
+    }
+    let postgres: Version =
+        diesel::sql_query("SELECT current_setting('server_version') AS v").get_result(&mut db).await?;
+    // What the dispatchers will stamp their messages with, for the raw publisher to do the same.
+    let source = actix_outbox::admin::outbox_source(&mut db).await?;
+
+    // The exchange (as the sink declares it) and a durable queue that takes everything.
+    let amqp = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+    let channel = amqp.create_channel().await?;
+    let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
+    channel
+        .exchange_declare(names.exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
+        .await?;
+    let queue_options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(names.queue.as_str().into(), queue_options, FieldTable::default()).await?;
+    channel
+        .queue_bind(
+            names.queue.as_str().into(),
+            names.exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let mut deliveries = channel
+        .basic_consume(
+            names.queue.as_str().into(),
+            "bench".into(),
+            BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() },
+            FieldTable::default(),
+        )
+        .await?;
+    let consumer = {
+        let tally = tally.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(delivery)) = deliveries.next().await {
+                let id = delivery.properties.message_id().as_ref().and_then(|m| m.as_str().parse::<i64>().ok());
+                let mut tally = tally.lock().unwrap_or_else(|e| e.into_inner());
+                match id {
+                    Some(id) => tally.record(id),
+                    None => tally.stray += 1,
+                }
+            }
+        })
+    };
+
+    let mut runs = Vec::new();
+    for run in 0..opts.runs {
+        if !opts.json {
+            eprintln!("run {}/{}...", run + 1, opts.runs);
+        }
+        runs.push(one_run(opts, names, &source, run, &mut db, &tally).await?);
+    }
+    consumer.abort();
+    let _ = amqp.close(200, "bench done".into()).await;
+    let median = median_of(&runs);
+    Ok(Report {
+        date: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+        machine: Machine {
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            postgres: postgres.v,
+            note: "PostgreSQL, RabbitMQ, the dispatcher and the benchmark share these cores",
+        },
+        options: opts,
+        in_flight_per_process: opts.depth_per_process(),
+        runs,
+        median,
+    })
+}

@@ -1,0 +1,419 @@
+//! The phases of one run (broker ceiling, database ceiling, end to end, idle latency) and
+//! what each cost.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime};
+
+use diesel::sql_types::{BigInt, Int4, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+
+use super::Names;
+use super::kids::Kids;
+use super::report::RunResult;
+use super::tally::{Tally, tally_of};
+use crate::procstat::{Server, ServerTicks, machine_busy_seconds};
+use crate::{BoxError, EVENT_TYPE, Opts, Phase, RAW_ID_BASE, REPORT_PERIOD, RetentionArg, SETTLE};
+
+#[derive(Debug, Clone, Copy)]
+struct Spent {
+    wall: Duration,
+    cpu_seconds: Option<f64>,
+    /// CPU time of the dispatcher processes alone (dispatcher phases only).
+    dispatcher_cpu_seconds: Option<f64>,
+    /// Most rows done but not yet seen by the consumer at once (end to end only).
+    consumer_lag: Option<u64>,
+    /// CPU seconds of the PostgreSQL and of the RabbitMQ processes over the phase.
+    postgres_cpu_seconds: f64,
+    rabbitmq_cpu_seconds: f64,
+}
+
+impl Spent {
+    fn since(started: Instant, busy_before: Option<f64>, servers_before: &ServerTicks) -> Self {
+        let wall = started.elapsed();
+        let cpu_seconds = busy_before.zip(machine_busy_seconds()).map(|(before, after)| after - before);
+        let servers = ServerTicks::read();
+        Self {
+            wall,
+            cpu_seconds,
+            dispatcher_cpu_seconds: None,
+            consumer_lag: None,
+            postgres_cpu_seconds: servers_before.spent_since(&servers, Server::Postgres),
+            rabbitmq_cpu_seconds: servers_before.spent_since(&servers, Server::Rabbitmq),
+        }
+    }
+
+    /// A server's CPU per message, when any was seen (none off Linux).
+    fn server_us_per_message(seconds: f64, n: usize) -> Option<f64> {
+        (seconds > 0.0).then(|| seconds * 1e6 / n as f64)
+    }
+
+    fn rate(&self, n: usize) -> f64 {
+        n as f64 / self.wall.as_secs_f64()
+    }
+
+    fn cpu_us_per_message(&self, n: usize) -> Option<f64> {
+        self.cpu_seconds.map(|s| s * 1e6 / n as f64)
+    }
+
+    fn dispatcher_us_per_message(&self, n: usize) -> Option<f64> {
+        self.dispatcher_cpu_seconds.map(|s| s * 1e6 / n as f64)
+    }
+}
+
+/// The options a child needs, before its subcommand (clap reads them at the top level).
+fn common_args(opts: &Opts) -> Vec<String> {
+    let mut args = vec![
+        "--workers".to_owned(),
+        opts.workers.to_string(),
+        "--batch".to_owned(),
+        opts.batch.to_string(),
+        "--payload-bytes".to_owned(),
+        opts.payload_bytes.to_string(),
+        "--amqp-url".to_owned(),
+        opts.amqp_url.clone(),
+        "--phase-timeout".to_owned(),
+        humantime::format_duration(opts.phase_timeout).to_string(),
+        "--raw-channels".to_owned(),
+        opts.raw_channels.to_string(),
+    ];
+    if let Some(n) = opts.max_in_flight {
+        args.extend(["--max-in-flight".to_owned(), n.to_string()]);
+    }
+    if opts.fifo {
+        args.push("--fifo".to_owned());
+    }
+    if opts.retention == RetentionArg::Delete {
+        args.extend(["--retention".to_owned(), "delete".to_owned()]);
+    }
+    if opts.no_outbox_headers {
+        args.push("--no-outbox-headers".to_owned());
+    }
+    args
+}
+
+fn dispatcher_args(opts: &Opts, names: &Names, sink: &str, report_confirms: bool) -> Vec<String> {
+    let mut args = common_args(opts);
+    args.extend(
+        ["child-dispatcher", "--db", &names.database_url, "--exchange", &names.exchange, "--sink", sink]
+            .map(str::to_owned),
+    );
+    if report_confirms {
+        args.push("--report-confirms".to_owned());
+    }
+    args
+}
+
+/// Splits `total` as evenly as possible over `parts`.
+fn shares(total: usize, parts: usize) -> impl Iterator<Item = usize> {
+    (0..parts).map(move |i| total / parts + usize::from(i < total % parts))
+}
+
+/// One run: every phase `--phases` asks for, in order, and the figures they give.
+pub(super) async fn one_run(
+    opts: &Opts,
+    names: &Names,
+    source: &str,
+    run: usize,
+    db: &mut AsyncPgConnection,
+    tally: &Mutex<Tally>,
+) -> Result<RunResult, BoxError> {
+    let n = opts.messages;
+    let mut result = RunResult::default();
+    let mut peak_kib = 0_u64;
+
+    let phase = |p: Phase| opts.phases.contains(&p);
+
+    // 1. Broker ceiling.
+    if phase(Phase::Broker) {
+        let spent = broker_ceiling(opts, names, source, run, tally).await?;
+        result.broker_ceiling_msg_s = Some(spent.rate(n));
+        result.broker_cpu_us_per_msg = spent.cpu_us_per_message(n);
+    }
+
+    // 2. Database ceiling.
+    if phase(Phase::Database) {
+        let (first, _) = seed(db, n, opts).await?;
+        let spent = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
+        verify_done(db, n, opts.retention == RetentionArg::Delete).await?;
+        result.database_ceiling_msg_s = Some(spent.rate(n));
+        result.database_cpu_us_per_msg = spent.cpu_us_per_message(n);
+        result.database_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
+    }
+
+    // 3. End to end.
+    if phase(Phase::E2e) {
+        let (first, _) = seed(db, n, opts).await?;
+        let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+        verify_done(db, n, opts.retention == RetentionArg::Delete).await?;
+        result.end_to_end_msg_s = Some(spent.rate(n));
+        result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
+        result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
+        result.end_to_end_postgres_us_per_msg = Spent::server_us_per_message(spent.postgres_cpu_seconds, n);
+        result.end_to_end_rabbitmq_us_per_msg = Spent::server_us_per_message(spent.rabbitmq_cpu_seconds, n);
+        result.end_to_end_consumer_lag = spent.consumer_lag;
+        result.end_to_end_duplicates = tally_of(tally).duplicates;
+    }
+
+    // 4. The ratio.
+    if let (Some(e2e), Some(broker), Some(database)) =
+        (result.end_to_end_msg_s, result.broker_ceiling_msg_s, result.database_ceiling_msg_s)
+    {
+        result.ratio = Some(e2e / broker.min(database));
+    }
+
+    // 5. Idle latency.
+    if phase(Phase::Latency) && opts.latency_samples > 0 {
+        let latency = idle_latency(opts, names, db, tally, &mut peak_kib).await?;
+        result.latency_confirm_p50_ms = Some(latency.0);
+        result.latency_confirm_p99_ms = Some(latency.1);
+        result.latency_delivery_p50_ms = Some(latency.2);
+        result.latency_delivery_p99_ms = Some(latency.3);
+    }
+    result.peak_rss_mib = (peak_kib > 0).then(|| peak_kib as f64 / 1024.0);
+    Ok(result)
+}
+
+/// Raw lapin publishing of `--messages` messages from `--processes` children; returns msg/s.
+async fn broker_ceiling(
+    opts: &Opts,
+    names: &Names,
+    source: &str,
+    run: usize,
+    tally: &Mutex<Tally>,
+) -> Result<Spent, BoxError> {
+    let n = opts.messages;
+    let first_raw = RAW_ID_BASE + (run * n) as i64;
+    let mut args = Vec::new();
+    let mut next = first_raw;
+    for count in shares(n, opts.processes) {
+        let mut child = common_args(opts);
+        child.extend(["child-broker", "--exchange", &names.exchange, "--source", source].map(str::to_owned));
+        child.extend(["--first-id".to_owned(), next.to_string(), "--count".to_owned(), count.to_string()]);
+        args.push(child);
+        next += count as i64;
+    }
+    tally_of(tally).expect(first_raw, n, false);
+    let mut kids = Kids::spawn(&args)?;
+    kids.ready(Duration::from_secs(30)).await?;
+    let servers = ServerTicks::read();
+    let busy = machine_busy_seconds();
+    let started = Instant::now();
+    kids.go();
+    let deadline = tokio::time::Instant::now() + opts.phase_timeout;
+    let mut confirms = HashMap::new();
+    let mut ended = None;
+    let mut open = true;
+    while ended.is_none() {
+        tokio::select! {
+            // The children exit once their last confirm is in; the consumer may still be busy.
+            line = kids.lines.recv(), if open => match line {
+                Some(line) => kids.apply(line, &mut confirms)?,
+                None => open = false,
+            },
+            () = tokio::time::sleep(REPORT_PERIOD) => {}
+            () = tokio::time::sleep_until(deadline) => return Err("broker ceiling phase timed out".into()),
+        }
+        if kids.kids.iter().all(|k| k.last.is_some()) && tally_of(tally).distinct == n {
+            ended = Some(Spent::since(started, busy, &servers));
+        }
+    }
+    let failed: u64 = kids.kids.iter().filter_map(|k| k.last.as_ref()?.get("failed")?.as_u64()).sum();
+    if failed > 0 {
+        return Err(format!("broker ceiling: {failed} publishes were not acked").into());
+    }
+    drop(kids);
+    ended.ok_or_else(|| "broker ceiling ended without a time".into())
+}
+
+/// Empties the table, inserts `n` pending rows in one statement, vacuums and analyses it.
+/// Returns the first id and the count.
+async fn seed(db: &mut AsyncPgConnection, n: usize, opts: &Opts) -> Result<(i64, usize), BoxError> {
+    db.batch_execute("TRUNCATE outbox").await?;
+    #[derive(diesel::QueryableByName)]
+    struct Range {
+        #[diesel(sql_type = BigInt)]
+        first: i64,
+        #[diesel(sql_type = BigInt)]
+        last: i64,
+    }
+    let range: Range = diesel::sql_query(
+        "WITH inserted AS (
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'bench', (g % 1000)::text, $3, jsonb_build_object('n', g, 'pad', repeat('x', $2))
+             FROM generate_series(1, $1) AS g
+             RETURNING id)
+         SELECT min(id) AS first, max(id) AS last FROM inserted",
+    )
+    .bind::<BigInt, _>(n as i64)
+    .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
+    .bind::<Text, _>(EVENT_TYPE)
+    .get_result(db)
+    .await?;
+    if range.last - range.first + 1 != n as i64 {
+        return Err(format!("seeded ids are not contiguous: {}..={}", range.first, range.last).into());
+    }
+    db.batch_execute("VACUUM ANALYZE outbox").await?;
+    Ok((range.first, n))
+}
+
+/// Fails unless exactly `n` rows exist and all are `done` (none at all with `--retention delete`).
+async fn verify_done(db: &mut AsyncPgConnection, n: usize, deleted: bool) -> Result<(), BoxError> {
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        done: i64,
+        #[diesel(sql_type = BigInt)]
+        total: i64,
+    }
+    let c: Count =
+        diesel::sql_query("SELECT count(*) FILTER (WHERE status = 'done') AS done, count(*) AS total FROM outbox")
+            .get_result(db)
+            .await?;
+    if deleted {
+        if c.total != 0 {
+            return Err(format!("expected every row deleted, found {} rows ({} done)", c.total, c.done).into());
+        }
+    } else if c.done != n as i64 || c.total != n as i64 {
+        return Err(format!("expected {n} rows all done, found {} done of {}", c.done, c.total).into());
+    }
+    Ok(())
+}
+
+/// Runs the dispatcher children with `sink` over the seeded table until `n` rows are done
+/// (and, with RabbitMQ, the consumer has every id); returns the time from `go`.
+#[allow(clippy::too_many_arguments)]
+async fn dispatch(
+    opts: &Opts,
+    names: &Names,
+    sink: &str,
+    n: usize,
+    tally: &Mutex<Tally>,
+    first: i64,
+    peak_kib: &mut u64,
+) -> Result<Spent, BoxError> {
+    let rabbit = sink == "rabbit";
+    tally_of(tally).expect(first, n, false);
+    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, sink, false)).collect();
+    let mut kids = Kids::spawn(&args)?;
+    kids.ready(Duration::from_secs(30)).await?;
+    let servers = ServerTicks::read();
+    let busy = machine_busy_seconds();
+    let started = Instant::now();
+    kids.go();
+    let deadline = tokio::time::Instant::now() + opts.phase_timeout;
+    let mut confirms = HashMap::new();
+    let mut max_lag = 0_u64;
+    let mut spent = loop {
+        tokio::select! {
+            line = kids.lines.recv() => match line {
+                Some(line) => kids.apply(line, &mut confirms)?,
+                None => return Err("dispatcher children vanished".into()),
+            },
+            () = tokio::time::sleep(REPORT_PERIOD) => {}
+            () = tokio::time::sleep_until(deadline) => {
+                return Err(format!("{sink} phase timed out with {} of {n} rows done", kids.done()).into());
+            }
+        }
+        let consumed = tally_of(tally).distinct;
+        if rabbit {
+            max_lag = max_lag.max(kids.done().saturating_sub(consumed as u64));
+        }
+        if kids.done() >= n as u64 && (!rabbit || consumed == n) {
+            break Spent::since(started, busy, &servers);
+        }
+    };
+    let mut dispatcher_cpu = 0.0;
+    for report in kids.stop(Duration::from_secs(30)).await? {
+        *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
+        dispatcher_cpu += report.get("cpu_seconds").and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
+    }
+    spent.dispatcher_cpu_seconds = dispatcher_cpu.is_finite().then_some(dispatcher_cpu);
+    spent.consumer_lag = rabbit.then_some(max_lag);
+    Ok(spent)
+}
+
+/// Inserts rows one at a time while the dispatcher idles; returns commit → confirm p50, p99
+/// and commit → delivery p50, p99 in milliseconds.
+async fn idle_latency(
+    opts: &Opts,
+    names: &Names,
+    db: &mut AsyncPgConnection,
+    tally: &Mutex<Tally>,
+    peak_kib: &mut u64,
+) -> Result<(f64, f64, f64, f64), BoxError> {
+    db.batch_execute("TRUNCATE outbox").await?;
+    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", true)).collect();
+    let mut kids = Kids::spawn(&args)?;
+    kids.ready(Duration::from_secs(30)).await?;
+    kids.go();
+    let mut confirms = HashMap::new();
+    let settle = tokio::time::Instant::now() + SETTLE;
+    while let Ok(Some(line)) = tokio::time::timeout_at(settle, kids.lines.recv()).await {
+        kids.apply(line, &mut confirms)?;
+    }
+
+    #[derive(diesel::QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+    }
+    let insert = |n: usize| {
+        diesel::sql_query(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
+             RETURNING id",
+        )
+        .bind::<Text, _>((n % 1000).to_string())
+        .bind::<Text, _>(EVENT_TYPE)
+        .bind::<BigInt, _>(n as i64)
+        .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
+    };
+    // The ids are known only once inserted: record every arrival, whatever its id.
+    tally_of(tally).expect(0, 0, true);
+    let mut commits: Vec<(i64, SystemTime)> = Vec::with_capacity(opts.latency_samples);
+    let mut next_tick = tokio::time::Instant::now();
+    for sample in 0..opts.latency_samples {
+        tokio::time::sleep_until(next_tick).await;
+        next_tick += opts.latency_interval;
+        let id: Id = insert(sample).get_result(db).await?;
+        // The autocommit INSERT has returned: the row is committed and visible.
+        let committed = SystemTime::now();
+        commits.push((id.id, committed));
+        while let Ok(line) = kids.lines.try_recv() {
+            kids.apply(line, &mut confirms)?;
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let all_in = |confirms: &HashMap<i64, SystemTime>, tally: &Tally| {
+        let arrivals = tally.arrivals.as_ref();
+        commits.iter().all(|(id, _)| confirms.contains_key(id) && arrivals.is_some_and(|a| a.contains_key(id)))
+    };
+    while !all_in(&confirms, &tally_of(tally)) {
+        match tokio::time::timeout_at(deadline, kids.lines.recv()).await {
+            Ok(Some(line)) => kids.apply(line, &mut confirms)?,
+            Ok(None) => return Err("dispatcher children vanished".into()),
+            Err(_) => return Err("latency rows were not all confirmed within 30 s".into()),
+        }
+    }
+    for report in kids.stop(Duration::from_secs(30)).await? {
+        *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
+    }
+    let arrivals = tally_of(tally).arrivals.take().unwrap_or_default();
+    let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
+    let mut to_confirm: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, confirms[id])).collect();
+    let mut to_delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
+    Ok((
+        percentile(&mut to_confirm, 0.50),
+        percentile(&mut to_confirm, 0.99),
+        percentile(&mut to_delivery, 0.50),
+        percentile(&mut to_delivery, 0.99),
+    ))
+}
+
+/// Nearest-rank percentile.
+fn percentile(values: &mut [f64], p: f64) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let rank = ((p * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
+}

@@ -1,0 +1,184 @@
+//! One run's figures, their median over the runs, and the report: a table, or `--json`.
+
+use serde::Serialize;
+
+use crate::{Opts, RetentionArg};
+
+/// One run's figures.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(super) struct RunResult {
+    pub(super) broker_ceiling_msg_s: Option<f64>,
+    pub(super) database_ceiling_msg_s: Option<f64>,
+    pub(super) end_to_end_msg_s: Option<f64>,
+    pub(super) ratio: Option<f64>,
+    /// Busy CPU time of the whole machine per message, in microseconds, for the broker
+    /// ceiling, the database ceiling and end to end.
+    pub(super) broker_cpu_us_per_msg: Option<f64>,
+    pub(super) database_cpu_us_per_msg: Option<f64>,
+    pub(super) end_to_end_cpu_us_per_msg: Option<f64>,
+    /// CPU time of the dispatcher processes alone per message, in microseconds, in the
+    /// database-ceiling and end-to-end phases.
+    pub(super) database_dispatcher_us_per_msg: Option<f64>,
+    pub(super) end_to_end_dispatcher_us_per_msg: Option<f64>,
+    /// CPU time of the PostgreSQL and of the RabbitMQ processes per message end to end, in
+    /// microseconds (parts of `end_to_end_cpu_us_per_msg`).
+    pub(super) end_to_end_postgres_us_per_msg: Option<f64>,
+    pub(super) end_to_end_rabbitmq_us_per_msg: Option<f64>,
+    pub(super) latency_confirm_p50_ms: Option<f64>,
+    pub(super) latency_confirm_p99_ms: Option<f64>,
+    pub(super) latency_delivery_p50_ms: Option<f64>,
+    pub(super) latency_delivery_p99_ms: Option<f64>,
+    /// Largest `VmHWM` of the dispatcher processes, over the phases that ran them.
+    pub(super) peak_rss_mib: Option<f64>,
+    /// Duplicate deliveries the consumer saw in the end-to-end phase (at-least-once).
+    pub(super) end_to_end_duplicates: usize,
+    /// Most messages confirmed (rows done) but not yet at the consumer at once, end to end:
+    /// a consumer that falls behind makes the broker queue (and store) messages.
+    pub(super) end_to_end_consumer_lag: Option<u64>,
+}
+
+#[derive(Serialize)]
+pub(super) struct Report<'a> {
+    pub(super) date: String,
+    pub(super) machine: Machine,
+    pub(super) options: &'a Opts,
+    pub(super) in_flight_per_process: usize,
+    pub(super) runs: Vec<RunResult>,
+    pub(super) median: RunResult,
+}
+
+#[derive(Serialize)]
+pub(super) struct Machine {
+    pub(super) cores: usize,
+    pub(super) postgres: String,
+    pub(super) note: &'static str,
+}
+
+pub(super) fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 }
+}
+
+pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
+    let m = |f: fn(&RunResult) -> Option<f64>| {
+        let values: Vec<f64> = runs.iter().filter_map(f).collect();
+        (!values.is_empty()).then(|| median(values))
+    };
+    RunResult {
+        broker_ceiling_msg_s: m(|r| r.broker_ceiling_msg_s),
+        database_ceiling_msg_s: m(|r| r.database_ceiling_msg_s),
+        end_to_end_msg_s: m(|r| r.end_to_end_msg_s),
+        ratio: m(|r| r.ratio),
+        broker_cpu_us_per_msg: m(|r| r.broker_cpu_us_per_msg),
+        database_cpu_us_per_msg: m(|r| r.database_cpu_us_per_msg),
+        end_to_end_cpu_us_per_msg: m(|r| r.end_to_end_cpu_us_per_msg),
+        database_dispatcher_us_per_msg: m(|r| r.database_dispatcher_us_per_msg),
+        end_to_end_dispatcher_us_per_msg: m(|r| r.end_to_end_dispatcher_us_per_msg),
+        end_to_end_postgres_us_per_msg: m(|r| r.end_to_end_postgres_us_per_msg),
+        end_to_end_rabbitmq_us_per_msg: m(|r| r.end_to_end_rabbitmq_us_per_msg),
+        latency_confirm_p50_ms: m(|r| r.latency_confirm_p50_ms),
+        latency_confirm_p99_ms: m(|r| r.latency_confirm_p99_ms),
+        latency_delivery_p50_ms: m(|r| r.latency_delivery_p50_ms),
+        latency_delivery_p99_ms: m(|r| r.latency_delivery_p99_ms),
+        peak_rss_mib: m(|r| r.peak_rss_mib),
+        end_to_end_duplicates: runs.iter().map(|r| r.end_to_end_duplicates).max().unwrap_or(0),
+        end_to_end_consumer_lag: runs.iter().filter_map(|r| r.end_to_end_consumer_lag).max(),
+    }
+}
+
+pub(super) fn print_report(report: &Report<'_>) {
+    let o = report.options;
+    println!(
+        "actix-outbox bench  {}  {} cores (shared by PostgreSQL {}, RabbitMQ, the dispatcher and the bench)",
+        report.date, report.machine.cores, report.machine.postgres
+    );
+    println!(
+        "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  retention {}  headers {}  runs {}",
+        o.messages,
+        o.payload_bytes,
+        o.workers,
+        o.batch,
+        report.in_flight_per_process,
+        o.processes,
+        if o.fifo { "on (1,000 aggregates)" } else { "off" },
+        if o.retention == RetentionArg::Delete { "delete" } else { "keep" },
+        if o.no_outbox_headers { "none" } else { "outbox" },
+        o.runs
+    );
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+    let rate = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
+    let pct = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{:.0}%", v * 100.0));
+    let us = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
+    let columns = [
+        ("run", 8),
+        ("broker/s", 9),
+        ("db/s", 9),
+        ("e2e/s", 9),
+        ("ratio", 6),
+        ("cpu:broker", 10),
+        ("cpu:db", 7),
+        ("cpu:e2e", 8),
+        ("disp:db", 8),
+        ("disp:e2e", 8),
+        ("pg:e2e", 7),
+        ("mq:e2e", 7),
+        ("conf p50", 9),
+        ("conf p99", 9),
+        ("dlv p50", 8),
+        ("dlv p99", 8),
+        ("rss MiB", 8),
+        ("dups", 5),
+    ];
+    let line = |cells: &[String]| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(columns)
+            .enumerate()
+            .map(|(i, (cell, (_, w)))| if i == 0 { format!("{cell:<w$}") } else { format!("{cell:>w$}") })
+            .collect();
+        println!("{}", text.join(" "));
+    };
+    line(&columns.map(|(name, _)| name.to_owned()));
+    let row = |name: &str, r: &RunResult| {
+        line(&[
+            name.to_owned(),
+            rate(r.broker_ceiling_msg_s),
+            rate(r.database_ceiling_msg_s),
+            rate(r.end_to_end_msg_s),
+            pct(r.ratio),
+            us(r.broker_cpu_us_per_msg),
+            us(r.database_cpu_us_per_msg),
+            us(r.end_to_end_cpu_us_per_msg),
+            us(r.database_dispatcher_us_per_msg),
+            us(r.end_to_end_dispatcher_us_per_msg),
+            us(r.end_to_end_postgres_us_per_msg),
+            us(r.end_to_end_rabbitmq_us_per_msg),
+            ms(r.latency_confirm_p50_ms),
+            ms(r.latency_confirm_p99_ms),
+            ms(r.latency_delivery_p50_ms),
+            ms(r.latency_delivery_p99_ms),
+            ms(r.peak_rss_mib),
+            r.end_to_end_duplicates.to_string(),
+        ])
+    };
+    for (i, r) in report.runs.iter().enumerate() {
+        row(&format!("{}", i + 1), r);
+    }
+    row(&format!("median/{}", report.runs.len()), &report.median);
+    println!(
+        "broker = raw lapin, no database (msg/s); db = the dispatcher with a do-nothing sink; e2e = the dispatcher"
+    );
+    println!("with the RabbitMQ sink, to every row done and every id at the consumer; ratio = e2e / min(broker, db);");
+    println!("cpu:* = busy CPU time of the whole machine per message in that phase (us, all processes);");
+    println!("disp:* = CPU time of the dispatcher processes alone per message (us);");
+    println!("pg:e2e, mq:e2e = CPU time of the PostgreSQL, of the RabbitMQ processes per message end to end (us);");
+    println!(
+        "conf/dlv = idle latency (ms, {} rows {} apart) from the producer's commit to the sink's publisher confirm / to",
+        o.latency_samples,
+        humantime::format_duration(o.latency_interval)
+    );
+    println!(
+        "the consumer's delivery; rss = largest peak RSS (VmHWM) of one dispatcher process; dups = duplicate deliveries."
+    );
+}

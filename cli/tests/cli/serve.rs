@@ -1,0 +1,200 @@
+//! `run --metrics-addr` and `--console-addr`: what `run` serves over HTTP.
+
+use std::time::{Duration, Instant};
+
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
+
+use crate::common::*;
+
+/// `GET path` over plain HTTP/1.1: the status code and the body.
+async fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP head: {response:?}"));
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{head}"));
+    (status, body.to_owned())
+}
+
+/// Polls `check` until it returns something, failing the test after [`WITHIN`].
+async fn until<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + WITHIN;
+    loop {
+        if let Some(found) = check().await {
+            return found;
+        }
+        assert!(Instant::now() < deadline, "timed out after {WITHIN:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The value of the series `series` (name and labels, as printed) in a Prometheus text page.
+fn sample(page: &str, series: &str) -> Option<f64> {
+    page.lines().find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+}
+
+/// The address `run` logged it serves its probes on.
+async fn served_addr(run: &Dispatcher) -> String {
+    let mut addr = None;
+    eventually(WITHIN, "the probe address is logged", || {
+        addr = run
+            .log()
+            .iter()
+            .find(|l| l.contains("serving /metrics"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .map(|rest| rest.split_whitespace().next().unwrap().to_owned());
+        std::future::ready(addr.is_some())
+    })
+    .await;
+    addr.unwrap()
+}
+
+#[tokio::test]
+async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_broker() {
+    const ROWS: usize = 50;
+    let db = TestDb::new().await;
+    db.seed(ROWS, "agg").await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let proxy = crate::proxy::Proxy::start(amqp_addr()).await;
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &proxy.amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--batch",
+            "10",
+            "--poll-interval",
+            "100ms",
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
+    );
+    let addr = served_addr(&run).await;
+    assert_eq!(http_get(&addr, "/health/live").await, (200, "ok".to_owned()));
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+
+    // The table gauges are sampled every 5 s: wait for a sample taken after the last row.
+    let page = until("the sampled gauge says every row is done", async || {
+        let page = http_get(&addr, "/metrics").await.1;
+        (sample(&page, "outbox_rows{status=\"done\"}") == Some(ROWS as f64)).then_some(page)
+    })
+    .await;
+    let done = db.count_status("done").await as f64;
+    assert_eq!(sample(&page, "outbox_published_total"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_finalized_total{outcome=\"done\"}"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_claimed_total"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_rows{status=\"pending\"}"), Some(0.0), "{page}");
+    assert_eq!(sample(&page, "outbox_in_flight"), Some(0.0), "{page}");
+    assert_eq!(sample(&page, "outbox_sink_up"), Some(1.0), "{page}");
+    assert_eq!(sample(&page, "outbox_publish_seconds_count"), Some(done), "{page}");
+    assert_eq!(sample(&page, "outbox_delivery_lag_seconds_count"), Some(done), "{page}");
+    assert!(!page.contains("worker") && !page.contains("owner="), "no process-specific label: {page}");
+    assert!(page.contains("# HELP outbox_claimed_total Rows leased by claims"), "{page}");
+    assert!(page.contains("# HELP outbox_rows Rows in the outbox table per status"), "{page}");
+    assert_eq!(http_get(&addr, "/health/ready").await, (200, "ready".to_owned()));
+
+    // The broker goes away: not ready, with the reason; back: ready again.
+    proxy.refuse(true);
+    proxy.sever();
+    let reason = until("readiness says 503 while the broker is unreachable", async || {
+        let (status, body) = http_get(&addr, "/health/ready").await;
+        (status == 503).then_some(body)
+    })
+    .await;
+    assert!(reason.starts_with("the sink is down"), "{reason}");
+    assert_eq!(reason.lines().count(), 1, "{reason}");
+    assert_eq!(http_get(&addr, "/health/live").await.0, 200, "live while the broker is away");
+    proxy.refuse(false);
+    eventually(WITHIN, "ready again once the broker is back", || {
+        let addr = addr.clone();
+        async move { http_get(&addr, "/health/ready").await.0 == 200 }
+    })
+    .await;
+
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_err(), "the server stopped with the dispatcher");
+}
+
+/// `POST path` with an empty form over plain HTTP/1.1, with extra header lines: the status code
+/// and the body.
+async fn http_post(addr: &str, path: &str, headers: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\n{headers}Content-Type: application/x-www-form-urlencoded\r\n\
+         Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or_else(|| panic!("no HTTP head: {response:?}"));
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or_else(|| panic!("{head}"));
+    (status, body.to_owned())
+}
+
+#[tokio::test]
+async fn run_serves_the_console_with_the_dispatchers_health_behind_the_token() {
+    let db = TestDb::new().await;
+    db.seed(3, "agg").await;
+    let (broker, _queue) = TestBroker::with_queue("cli").await;
+    let token_file = std::env::temp_dir().join(format!("{}.console-token", db.name));
+    std::fs::write(&token_file, "cli-console-token-7d2e\n").unwrap();
+    let mut run = Dispatcher::start(
+        &db.url,
+        &[
+            "--amqp-url",
+            &amqp_url(),
+            "--exchange",
+            &broker.exchange,
+            "--no-declare",
+            "--console-addr",
+            "0",
+            "--console-token-file",
+            token_file.to_str().unwrap(),
+        ],
+    );
+    let mut addr = None;
+    eventually(WITHIN, "the console's address is logged", || {
+        addr = run
+            .log()
+            .iter()
+            .find(|l| l.contains("serving the web console; changes need the operator token"))
+            .and_then(|l| l.split("addr=").nth(1))
+            .map(|rest| rest.split_whitespace().next().unwrap().to_owned());
+        std::future::ready(addr.is_some())
+    })
+    .await;
+    let addr = addr.unwrap();
+    assert!(addr.starts_with("127.0.0.1:"), "a port alone listens on the loopback interface: {addr}");
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+
+    let (status, page) = http_get(&addr, "/").await;
+    assert_eq!(status, 200);
+    assert!(page.contains(r#"<div class="value" id="count-pending">0</div>"#), "{page}");
+    assert!(page.contains(r#"<td id="health-sink"><span class="ok">"#), "{page}");
+    assert!(!page.contains("read-only"), "{page}");
+    let (status, json) = http_get(&addr, "/api/stats").await;
+    assert_eq!(status, 200);
+    assert!(json.starts_with(r#"{"by_status":{"dead":0,"done":3,"pending":0,"processing":0}"#), "{json}");
+
+    // Changes need the token; the one from the file is taken (an id that is not dead: 409).
+    assert_eq!(http_post(&addr, "/dead/1/retry", "").await.0, 401);
+    let bearer = "Authorization: Bearer cli-console-token-7d2e\r\n";
+    assert_eq!(
+        http_post(&addr, "/dead/1/retry", bearer).await,
+        (409, r#"{"error":"not a dead row: 1 (no row changed)"}"#.to_owned())
+    );
+    assert_eq!(db.count_status("done").await, 3);
+
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    assert!(tokio::net::TcpStream::connect(&addr).await.is_err(), "the console stopped with the dispatcher");
+    std::fs::remove_file(&token_file).unwrap();
+}
