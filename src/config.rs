@@ -407,7 +407,7 @@ pub enum ConfigError {
 /// aggregates. `EventTypes` walks the pending rows without that bound (a bounded walk could
 /// leave unlisted rows, which never wait, behind a window of blocked listed ones), so there a
 /// claim pays one probe for every blocked listed row ahead of the free rows it finds.
-/// `examples/fifo_explain.rs` measures both on a million-row table. Gate only the event types
+/// `fifo-explain` (the workspace's `tools/`) measures both on a million-row table. Gate only the event types
 /// that need order.
 ///
 /// ```

@@ -110,7 +110,7 @@ pub mod admin {
 }
 
 /// The claim and finalize protocol itself, and hooks that crash actors on request: for the
-/// crate's own tests, for drills, and for tools that inspect the claim (`examples/fifo_explain.rs`).
+/// crate's own tests, for drills, and for tools that inspect the claim (`fifo-explain` in the workspace's `tools/`).
 /// Behind the `test-util` feature; nothing here is covered by semver.
 #[cfg(feature = "test-util")]
 pub mod testing {
