@@ -139,7 +139,7 @@ async fn an_operator_reads_the_table_and_retries_a_dead_row_in_chromium() {
     // The overview's counts are the table's.
     client.goto(&format!("{base}/")).await.unwrap();
     for (status, css) in [("pending", "#count-pending"), ("processing", "#count-processing"), ("dead", "#count-dead")] {
-        assert_eq!(text(&client, css).await, db.count(status).await.to_string(), "{status}");
+        assert_eq!(text(&client, css).await, db.count_status(status).await.to_string(), "{status}");
     }
     assert_eq!(text(&client, "#count-pending").await, "4");
     assert_eq!(text(&client, "#count-dead").await, "3");

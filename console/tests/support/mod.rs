@@ -1,52 +1,31 @@
-//! Fixtures of the console's tests: a database of each test's own on the real PostgreSQL
-//! server, and rows written into it in any state.
-//!
-//! `TEST_DATABASE_URL` names the server (default `postgres://root@127.0.0.1:5432/test`); each
-//! test creates a uniquely named database there, migrates it with `actix_outbox::migrate`, and
-//! drops it when its fixture is dropped, so tests run in parallel.
+//! Fixtures of the console's tests: the shared [`TestDb`](actix_outbox_test_support::TestDb) (a
+//! database of each test's own on the real PostgreSQL server, migrated, dropped at the end), and
+//! rows written into it in any state.
 #![allow(dead_code)] // each test binary uses part of it
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::ops::Deref;
 
-use actix_outbox::{ConnectionString, PgPool};
 use diesel::sql_types::{BigInt, Integer, Nullable, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-static COUNTER: AtomicU32 = AtomicU32::new(0);
+/// The shared fixture, with what the console's tests add.
+pub struct TestDb(actix_outbox_test_support::TestDb);
 
-fn server() -> ConnectionString {
-    let url = std::env::var("TEST_DATABASE_URL").unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".into());
-    ConnectionString::parse(&url).unwrap_or_else(|e| panic!("TEST_DATABASE_URL: {e}"))
-}
+impl Deref for TestDb {
+    type Target = actix_outbox_test_support::TestDb;
 
-fn database_url(name: &str) -> String {
-    server().with_database(name).expose().to_owned()
-}
-
-/// A uniquely named, migrated database with a pool, dropped when the test ends.
-pub struct TestDb {
-    pub name: String,
-    pub url: String,
-    pub pool: PgPool,
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl TestDb {
     pub async fn new() -> Self {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-        let name =
-            format!("outbox_console_{}_{}_{nanos:08x}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed));
-        let mut admin = AsyncPgConnection::establish(&database_url("postgres"))
-            .await
-            .expect("PostgreSQL must be running on 127.0.0.1:5432 (see README)");
-        admin.batch_execute(&format!("CREATE DATABASE {name}")).await.expect("create test database");
-        let url = database_url(&name);
-        actix_outbox::migrate(&url).await.expect("migrate test database");
-        let pool = actix_outbox::connect_pool(&url, 4).await.expect("pool");
-        TestDb { name, url, pool }
+        TestDb(actix_outbox_test_support::TestDb::new().await)
     }
 
     pub async fn conn(&self) -> AsyncPgConnection {
-        AsyncPgConnection::establish(&self.url).await.expect("connect to test database")
+        self.0.conn().await
     }
 
     /// Inserts a row of `status` (`pending`, `processing`, `done`, `dead`) and returns its id.
@@ -96,38 +75,6 @@ impl TestDb {
             .await
             .expect("read a row");
         (s.status, s.attempts, s.last_error)
-    }
-
-    /// Rows per status, counted by the database.
-    pub async fn count(&self, status: &str) -> i64 {
-        #[derive(diesel::QueryableByName)]
-        struct N {
-            #[diesel(sql_type = BigInt)]
-            n: i64,
-        }
-        let mut conn = self.conn().await;
-        let n: N = diesel::sql_query("SELECT count(*) AS n FROM outbox WHERE status = $1")
-            .bind::<Text, _>(status)
-            .get_result(&mut conn)
-            .await
-            .expect("count rows");
-        n.n
-    }
-}
-
-impl Drop for TestDb {
-    fn drop(&mut self) {
-        let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
-        // Drop runs inside the test's runtime (maybe while it unwinds): clean up on a thread.
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                if let Ok(mut admin) = AsyncPgConnection::establish(&database_url("postgres")).await {
-                    let _ = admin.batch_execute(&sql).await;
-                }
-            });
-        })
-        .join();
     }
 }
 
