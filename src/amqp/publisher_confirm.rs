@@ -6,16 +6,25 @@ use std::fmt;
 use lapin::Confirmation;
 use lapin::message::BasicReturnMessage;
 
-/// The broker's reply code and text attached to a returned or nacked message.
+/// The broker's reply code and text attached to a returned or nacked message, and the
+/// returned message's own `message_id`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reply {
     pub(crate) code: u16,
     pub(crate) text: String,
+    /// lapin hands a returned message to a confirm of the channel that need not be the returned
+    /// delivery's own (seen with several publishes in flight): a reader that knows what it sent
+    /// checks this against its own id.
+    pub(crate) message_id: Option<String>,
 }
 
 impl Reply {
     fn of(returned: &BasicReturnMessage) -> Self {
-        Self { code: returned.reply_code, text: returned.reply_text.to_string() }
+        Self {
+            code: returned.reply_code,
+            text: returned.reply_text.to_string(),
+            message_id: returned.delivery.properties.message_id().as_ref().map(|id| id.to_string()),
+        }
     }
 }
 

@@ -194,7 +194,7 @@ impl LinkState {
         }
         .await;
         waiting.answered();
-        let (result, health) = classify(sent, self.exchange.as_str(), &routing_key);
+        let (result, health) = classify(sent, self.exchange.as_str(), &routing_key, message.id);
         if health == LinkHealth::Broken {
             self.report_broken(link.generation);
         }
@@ -255,9 +255,22 @@ fn classify(
     sent: Result<Confirmation, lapin::Error>,
     exchange: &str,
     routing_key: &str,
+    id: i64,
 ) -> (PublishResult, LinkHealth) {
     match publisher_confirm::read(sent) {
         Confirmed::Delivered => (Ok(()), LinkHealth::Healthy),
+        // Another publish's return, handed to this confirm: this message was acked, but nothing
+        // says where it went. Publishing it again costs a duplicate at most; taking the other
+        // message's return for its own would send a routable row dead (and hold its aggregate
+        // under the FIFO gate).
+        Confirmed::Unroutable(reply) if reply.message_id.as_deref().is_some_and(|m| m != id.to_string()) => (
+            Err(PublishError::Retryable(format!(
+                "the broker's confirm came with another message's return (message_id {}, {reply}); publishing \
+                 again",
+                reply.message_id.as_deref().unwrap_or_default()
+            ))),
+            LinkHealth::Healthy,
+        ),
         Confirmed::Unroutable(reply) => (
             Err(PublishError::Permanent(format!(
                 "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} \
@@ -291,15 +304,34 @@ mod tests {
     #[test]
     fn classifies_transport_failures_as_unavailable_and_broken() {
         let err: lapin::Error = lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed).into();
-        let (result, health) = classify(Err(err), "outbox", "a.b");
+        let (result, health) = classify(Err(err), "outbox", "a.b", 7);
         assert!(
             matches!(result, Err(PublishError::Unavailable(_))),
             "a transport failure is the sink's, not the message's"
         );
         assert_eq!(health, LinkHealth::Broken);
-        let (result, health) = classify(Ok(Confirmation::Nack(None)), "outbox", "a.b");
+        let (result, health) = classify(Ok(Confirmation::Nack(None)), "outbox", "a.b", 7);
         assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");
         assert_eq!(health, LinkHealth::Healthy);
-        assert_eq!(classify(Ok(Confirmation::Ack(None)), "outbox", "a.b").0, Ok(()));
+        assert_eq!(classify(Ok(Confirmation::Ack(None)), "outbox", "a.b", 7).0, Ok(()));
+    }
+
+    fn returned(message_id: &str) -> Confirmation {
+        let mut delivery = lapin::message::Delivery::mock(0, "outbox".into(), "a.b".into(), false, Vec::new());
+        delivery.properties = lapin::BasicProperties::default().with_message_id(message_id.into());
+        let reply = lapin::message::BasicReturnMessage { delivery, reply_code: 312, reply_text: "NO_ROUTE".into() };
+        Confirmation::Ack(Some(reply))
+    }
+
+    #[test]
+    fn a_return_counts_only_for_the_message_it_carries() {
+        let (own, _) = classify(Ok(returned("7")), "outbox", "a.b", 7);
+        assert!(matches!(own, Err(PublishError::Permanent(ref m)) if m.starts_with("unroutable:")), "{own:?}");
+        let (other, health) = classify(Ok(returned("9")), "outbox", "a.b", 7);
+        assert!(
+            matches!(other, Err(PublishError::Retryable(ref m)) if m.contains("another message's return (message_id 9")),
+            "another publish's return must not send this row dead: {other:?}"
+        );
+        assert_eq!(health, LinkHealth::Healthy);
     }
 }
