@@ -13,8 +13,8 @@ pub(crate) struct Reply {
     pub(crate) code: u16,
     pub(crate) text: String,
     /// lapin hands a returned message to a confirm of the channel that need not be the returned
-    /// delivery's own (seen with several publishes in flight): a reader that knows what it sent
-    /// checks this against its own id.
+    /// delivery's own (with several publishes in flight, to any confirm of the ack that covers
+    /// it): the sink's desk credits it to its own message by this id.
     pub(crate) message_id: Option<String>,
 }
 

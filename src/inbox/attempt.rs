@@ -39,6 +39,8 @@ pub(super) struct Envelope {
     pub(super) generation: u64,
     pub(super) acker: Acker,
     pub(super) channel: Channel,
+    /// One forward at a time on `channel` (see `Link::forwards`).
+    pub(super) forwards: Arc<tokio::sync::Mutex<()>>,
     pub(super) properties: BasicProperties,
     /// The exchange and routing key it was first published with.
     pub(super) exchange: String,

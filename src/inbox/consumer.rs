@@ -230,7 +230,9 @@ impl InboxConsumer {
 
     fn received(&mut self, mut delivery: Delivery, ctx: &mut Context<Self>) {
         // Deliveries come from the current session's stream (checked by the caller).
-        let Some((channel, generation)) = self.session.as_ref().map(|s| (s.link.channel.clone(), s.generation)) else {
+        let Some((channel, forwards, generation)) =
+            self.session.as_ref().map(|s| (s.link.channel.clone(), s.link.forwards.clone(), s.generation))
+        else {
             return;
         };
         Counters::add(&self.shared.counters.received, 1);
@@ -247,6 +249,7 @@ impl InboxConsumer {
             generation,
             acker: delivery.acker,
             channel,
+            forwards,
             properties: delivery.properties,
             exchange,
             routing_key,

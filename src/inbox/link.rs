@@ -10,6 +10,7 @@
 //! connection and ends when the [`Link`] is dropped or closed, and not before, even when the
 //! connection died: lapin fails the pending acknowledgements of a dead channel on that runtime.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::options::{
@@ -32,6 +33,10 @@ const CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 pub(crate) struct Link {
     /// The consuming channel (confirm mode on), for acknowledgements and forwards.
     pub(crate) channel: Channel,
+    /// Held by a forward from publish to confirm: with one forward in flight on the channel, a
+    /// message the broker returns is that forward's (lapin hands a return to whichever confirm
+    /// it resolves next, which need not be the returned message's own).
+    pub(crate) forwards: Arc<tokio::sync::Mutex<()>>,
     thread: LinkThread,
 }
 
@@ -49,7 +54,7 @@ impl Link {
         let thread = LinkThread::start("actix-outbox-inbox-amqp", move |stop| hold(config, tag, ready_tx, stop))
             .map_err(|e| e.to_string())?;
         match ready_rx.await {
-            Ok(Ok((channel, consumer))) => Ok((Link { channel, thread }, consumer)),
+            Ok(Ok((channel, consumer))) => Ok((Link { channel, forwards: Arc::default(), thread }, consumer)),
             Ok(Err(e)) => Err(e),
             Err(_) => Err("the link's thread ended before connecting".into()),
         }

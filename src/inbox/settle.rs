@@ -66,7 +66,11 @@ pub(super) async fn forward(
         if !envelope.acker.usable() {
             return Settled::Abandoned;
         }
-        match publish_confirmed(&envelope.channel, exchange, &config.queue, properties.clone(), body).await {
+        let published = {
+            let _one_at_a_time = envelope.forwards.lock().await;
+            publish_confirmed(&envelope.channel, exchange, &config.queue, properties.clone(), body).await
+        };
+        match published {
             Ok(()) => {
                 ack(&envelope.acker).await;
                 return success;

@@ -93,6 +93,44 @@ async fn message_carries_every_property_and_header() {
     assert_eq!((row.attempts, row.last_error), (1, None));
 }
 
+/// Many `mandatory` publishes in flight on the sink's one channel, one in seven unroutable: the
+/// broker returns those and acks several publishes at once, and lapin hands a return to any
+/// confirm of that ack. Each publish still reads its own fate: every returned message (and only
+/// those) is unroutable, every routed one is Ok and on the queue.
+#[actix_rt::test]
+async fn each_returned_message_is_reported_to_its_own_publish() {
+    let mut broker = TestBroker::new("returns").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let queue = broker.queue(&["order.created"], FieldTable::default()).await;
+    let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
+    let unroutable = |id: i64| id % 7 == 3;
+    let (mut wrong, mut returned, mut routed) = (Vec::new(), BTreeSet::new(), BTreeSet::new());
+    for round in 0..5_i64 {
+        let publishes = (1..=200).map(|n| {
+            let id = round * 1000 + n;
+            let kind = if unroutable(id) { "order.vanished" } else { "order.created" };
+            let sink = sink.clone();
+            async move { (id, sink.publish(message(id, kind)).await) }
+        });
+        for (id, result) in futures_util::future::join_all(publishes).await {
+            match (&result, unroutable(id)) {
+                (Err(PublishError::Permanent(e)), true) if e.starts_with("unroutable:") => {
+                    returned.insert(id);
+                }
+                (Ok(()), false) => {
+                    routed.insert(id);
+                }
+                _ => wrong.push((id, result)),
+            }
+        }
+    }
+    sink.close().await;
+    assert_eq!(wrong, Vec::new(), "a publish read another message's fate");
+    assert_eq!((returned.len(), routed.len()), (142, 858));
+    let delivered: BTreeSet<i64> = broker.take(&queue, 858).await.iter().map(message_id).collect();
+    assert_eq!(delivered, routed, "exactly the routed messages are on the queue");
+}
+
 /// (b) 500 rows through 4 workers: 500 messages, 500 distinct message ids, all rows done.
 #[actix_rt::test]
 async fn five_hundred_rows_through_four_workers() {

@@ -2,20 +2,16 @@
 //! its generation, why it is down, whether the broker blocked it or went silent, and the one
 //! place a publish's confirm becomes an outcome ([`classify`]).
 
-use std::future::{Future, poll_fn};
-use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
-use lapin::{Channel, Confirmation};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, oneshot};
 
+use super::confirms::{Desk, Outgoing};
 use super::{RabbitConfig, RoutingKeyFn};
-use crate::amqp::publisher_confirm::{self, Confirmed};
+use crate::amqp::publisher_confirm::Confirmed;
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishResult, SinkState};
@@ -40,8 +36,6 @@ pub(super) struct LinkState {
     /// Wakes the manager when a publish finds the link broken.
     pub(super) broken_notify: Notify,
     pub(super) reconnects: AtomicU64,
-    /// Serialises the first poll of `basic_publish` (see [`LinkState::publish`]).
-    publish_order: Mutex<()>,
 }
 
 pub(super) struct Current {
@@ -50,10 +44,11 @@ pub(super) struct Current {
     down_reason: String,
 }
 
-/// One channel in confirm mode; `generation` tells a failure on it from one on its successor.
+/// One channel in confirm mode, and the desk that publishes on it (see
+/// [`confirms`](super::confirms)); `generation` tells a failure on it from one on its successor.
 #[derive(Clone)]
 pub(super) struct Link {
-    pub(super) channel: Channel,
+    pub(super) desk: Desk,
     pub(super) generation: u64,
 }
 
@@ -79,7 +74,6 @@ impl LinkState {
             broken: AtomicU64::new(0),
             broken_notify: Notify::new(),
             reconnects: AtomicU64::new(0),
-            publish_order: Mutex::new(()),
         }
     }
 
@@ -146,17 +140,15 @@ impl LinkState {
         self.broken_notify.notify_one();
     }
 
-    pub(super) async fn publish(&self, message: &OutboxMessage) -> PublishResult {
+    pub(super) async fn publish(&self, message: Arc<OutboxMessage>) -> PublishResult {
         let routing_key = match &self.routing_key {
-            Some(f) => f(message),
+            Some(f) => f(&message),
             None => message.event_type.clone(),
         };
         let key = ShortString::try_new(routing_key.as_str()).map_err(|e| {
             PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
         })?;
-        let properties = wire::properties(message, &self.format)?;
-        // The JSON text as PostgreSQL sent it: lapin copies it into its frames, nothing else does.
-        let body = message.payload.get().as_bytes();
+        let properties = wire::properties(&message, &self.format)?;
 
         let link = {
             let current = self.current();
@@ -171,30 +163,27 @@ impl LinkState {
                 }
             }
         };
-        let options = BasicPublishOptions { mandatory: true, immediate: false };
         // Counted until its confirm arrives (or the dispatcher gives up on it), so that a broker
         // that stops answering is noticed: see `unresponsive`.
         let waiting = Waiting::start(self, link.generation);
-        let sent = async {
-            let mut publish = pin!(link.channel.basic_publish(self.exchange.clone(), key, options, body, properties));
-            // lapin takes the delivery tag and queues the frames in the first poll, under two
-            // separate locks. Clones publishing from several threads at once could interleave
-            // them, and then a confirm would answer another message: take the first poll under
-            // a lock of ours so that tags follow the order of the frames.
-            let first = poll_fn(|cx| {
-                let _order = self.publish_order.lock().unwrap_or_else(|e| e.into_inner());
-                Poll::Ready(publish.as_mut().poll(cx))
-            })
-            .await;
-            let confirm = match first {
-                Poll::Ready(confirm) => confirm?,
-                Poll::Pending => publish.await?,
-            };
-            confirm.await
-        }
-        .await;
+        let (answer, answered) = oneshot::channel();
+        let confirmed = match link.desk.send(Outgoing { message, routing_key: key, properties, answer }) {
+            // A desk that is gone (its link was replaced, or the sink's thread stopped) drops
+            // the answer: the channel it published on is no longer ours.
+            Ok(()) => answered.await.ok(),
+            Err(_) => None,
+        };
         waiting.answered();
-        let (result, health) = classify(sent, self.exchange.as_str(), &routing_key, message.id);
+        let (result, health) = match confirmed {
+            Some(confirmed) => classify(confirmed, self.exchange.as_str(), &routing_key),
+            None => (
+                Err(PublishError::Unavailable(format!(
+                    "RabbitMQ link to {} closed before the broker answered",
+                    self.url()
+                ))),
+                LinkHealth::Broken,
+            ),
+        };
         if health == LinkHealth::Broken {
             self.report_broken(link.generation);
         }
@@ -251,26 +240,9 @@ impl Drop for Waiting<'_> {
 
 /// The one place where the broker's answer (or the client's failure) becomes an outcome, and
 /// where we decide whether the link must be rebuilt.
-fn classify(
-    sent: Result<Confirmation, lapin::Error>,
-    exchange: &str,
-    routing_key: &str,
-    id: i64,
-) -> (PublishResult, LinkHealth) {
-    match publisher_confirm::read(sent) {
+fn classify(confirmed: Confirmed, exchange: &str, routing_key: &str) -> (PublishResult, LinkHealth) {
+    match confirmed {
         Confirmed::Delivered => (Ok(()), LinkHealth::Healthy),
-        // Another publish's return, handed to this confirm: this message was acked, but nothing
-        // says where it went. Publishing it again costs a duplicate at most; taking the other
-        // message's return for its own would send a routable row dead (and hold its aggregate
-        // under the FIFO gate).
-        Confirmed::Unroutable(reply) if reply.message_id.as_deref().is_some_and(|m| m != id.to_string()) => (
-            Err(PublishError::Retryable(format!(
-                "the broker's confirm came with another message's return (message_id {}, {reply}); publishing \
-                 again",
-                reply.message_id.as_deref().unwrap_or_default()
-            ))),
-            LinkHealth::Healthy,
-        ),
         Confirmed::Unroutable(reply) => (
             Err(PublishError::Permanent(format!(
                 "unroutable: exchange {exchange:?} has no binding for routing key {routing_key:?} \
@@ -300,38 +272,24 @@ fn classify(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::amqp::publisher_confirm::Reply;
 
     #[test]
     fn classifies_transport_failures_as_unavailable_and_broken() {
         let err: lapin::Error = lapin::ErrorKind::InvalidConnectionState(lapin::ConnectionState::Closed).into();
-        let (result, health) = classify(Err(err), "outbox", "a.b", 7);
+        let (result, health) = classify(Confirmed::Failed(err), "outbox", "a.b");
         assert!(
             matches!(result, Err(PublishError::Unavailable(_))),
             "a transport failure is the sink's, not the message's"
         );
         assert_eq!(health, LinkHealth::Broken);
-        let (result, health) = classify(Ok(Confirmation::Nack(None)), "outbox", "a.b", 7);
+        let (result, health) = classify(Confirmed::Nacked(None), "outbox", "a.b");
         assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");
         assert_eq!(health, LinkHealth::Healthy);
-        assert_eq!(classify(Ok(Confirmation::Ack(None)), "outbox", "a.b", 7).0, Ok(()));
-    }
-
-    fn returned(message_id: &str) -> Confirmation {
-        let mut delivery = lapin::message::Delivery::mock(0, "outbox".into(), "a.b".into(), false, Vec::new());
-        delivery.properties = lapin::BasicProperties::default().with_message_id(message_id.into());
-        let reply = lapin::message::BasicReturnMessage { delivery, reply_code: 312, reply_text: "NO_ROUTE".into() };
-        Confirmation::Ack(Some(reply))
-    }
-
-    #[test]
-    fn a_return_counts_only_for_the_message_it_carries() {
-        let (own, _) = classify(Ok(returned("7")), "outbox", "a.b", 7);
-        assert!(matches!(own, Err(PublishError::Permanent(ref m)) if m.starts_with("unroutable:")), "{own:?}");
-        let (other, health) = classify(Ok(returned("9")), "outbox", "a.b", 7);
-        assert!(
-            matches!(other, Err(PublishError::Retryable(ref m)) if m.contains("another message's return (message_id 9")),
-            "another publish's return must not send this row dead: {other:?}"
-        );
+        assert_eq!(classify(Confirmed::Delivered, "outbox", "a.b").0, Ok(()));
+        let returned = Reply { code: 312, text: "NO_ROUTE".into(), message_id: Some("7".into()) };
+        let (result, health) = classify(Confirmed::Unroutable(returned), "outbox", "a.b");
+        assert!(matches!(result, Err(PublishError::Permanent(ref m)) if m.starts_with("unroutable:")), "{result:?}");
         assert_eq!(health, LinkHealth::Healthy);
     }
 }

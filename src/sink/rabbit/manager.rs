@@ -9,9 +9,10 @@ use futures_util::StreamExt;
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, Event};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
+use super::confirms;
 use super::link::{Link, LinkState};
 use super::{RabbitConfig, RabbitError};
 use crate::amqp::connection::Stop;
@@ -63,7 +64,11 @@ impl Manager {
             match attempt {
                 Ok((conn, channel)) => {
                     generation += 1;
-                    self.link.set_link(Link { channel: channel.clone(), generation });
+                    // The channel's desk lives on this thread until its link is dropped and its
+                    // last publish answered.
+                    let (desk, requests) = mpsc::unbounded_channel();
+                    tokio::spawn(confirms::run(channel.clone(), self.link.exchange.clone(), requests));
+                    self.link.set_link(Link { desk, generation });
                     if let Some(first) = first.take() {
                         info!(url = %self.link.url(), exchange = %self.link.exchange, "connected to RabbitMQ");
                         if first.send(Ok(())).is_err() {

@@ -5,6 +5,7 @@
 //! on [`RabbitSink`]; the mapping itself is `link::classify`, the only place that does it.
 
 mod config;
+mod confirms;
 mod error;
 mod link;
 mod manager;
@@ -60,10 +61,11 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 /// the [`RabbitSink`] is dropped or [`RabbitSink::close`] is called. That makes the sink safe to
 /// create from any arbiter (or from plain tokio) and to use from any other.
 ///
-/// Publishes themselves do not hop threads: each one calls `basic_publish` on the shared channel
-/// from the dispatcher's arbiter and awaits its own [`PublisherConfirm`](lapin::PublisherConfirm),
-/// so many publishes are in flight on the channel at once. lapin's channel and confirm futures
-/// are runtime-agnostic; only the connection's I/O is tied to the sink's runtime.
+/// Each publish hands its message to the link's publishing task on that thread, which
+/// publishes it on the shared channel (many publishes are in flight at once) and reads every
+/// confirm of the channel in one place. That is what makes a returned message's outcome its own:
+/// the broker acks several publishes at once, and lapin hands a returned message to any confirm
+/// of that ack; the task credits the return to the publish whose `message_id` it carries.
 ///
 /// # Outcomes
 ///
@@ -174,7 +176,7 @@ impl RabbitSink {
 impl Publisher for RabbitSink {
     fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
         let link = self.handle.link.clone();
-        Box::pin(async move { link.publish(&message).await })
+        Box::pin(async move { link.publish(message).await })
     }
 
     /// [`SinkState::Down`] while there is no link (connecting, reconnecting, closed) or the
