@@ -85,8 +85,9 @@ impl Settings {
 
 /// What the handlers share (besides the dispatcher's address).
 struct AppState {
-    /// The handlers' own pool. The dispatcher has another one: a connection is driven by the
-    /// runtime that opened it, and the HTTP workers' runtimes stop before the dispatcher drains.
+    /// The handlers' pool. The dispatcher has one of its own, so that a burst of requests cannot
+    /// hold up its claims (sharing one works too: no connection is tied to the runtime of the
+    /// HTTP worker that opened it).
     pool: PgPool,
     sink: RabbitSink,
     metrics: PrometheusHandle,

@@ -17,6 +17,7 @@ mod fence;
 mod fifo;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod finalize;
+mod io;
 mod prepared;
 mod producer;
 mod sql;
@@ -122,11 +123,15 @@ async fn open(target: &ConnectionString) -> Result<AsyncPgConnection, Box<dyn st
     // The driver's timeout covers opening the socket; this one also covers a server that
     // accepts it and never answers.
     let hosts = config.get_hosts().len().max(config.get_hostaddrs().len()).max(1) as u32;
+    // Opened, and driven, on the crate's own runtime: see `io`.
     let connecting = async {
-        let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-            AsyncPgConnection::try_from_client_and_connection(client, connection).await?,
-        )
+        io::on_connection_runtime(async move {
+            let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                AsyncPgConnection::try_from_client_and_connection(client, connection).await?,
+            )
+        })
+        .await?
     };
     match tokio::time::timeout(per_host * hosts, connecting).await {
         Ok(connected) => connected,
@@ -141,6 +146,10 @@ async fn open(target: &ConnectionString) -> Result<AsyncPgConnection, Box<dyn st
 /// [`ConnectionString`]), each opened as [`connect`] does and set up for the dispatcher.
 /// Connections are made lazily, so this fails only on a malformed connection string;
 /// [`check_connection`] proves the database is reachable.
+///
+/// The pool may be shared by any runtimes (an actix-web app's workers and the dispatcher): each
+/// connection's socket is driven on a thread of the crate's own, not by the runtime that
+/// happened to open it, so it keeps working after that runtime stops.
 pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, StoreError> {
     let target = ConnectionString::parse(database_url)?;
     let mut config = ManagerConfig::<AsyncPgConnection>::default();

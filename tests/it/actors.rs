@@ -691,3 +691,44 @@ async fn delete_retention_deletes_each_confirmed_row_and_keeps_the_dead_ones() {
     assert_eq!(published, expected, "every other row published once (the flaky one on its second attempt)");
     assert_eq!((m.done, m.dead, m.retried, m.lost_leases), (59, 1, 1, 0), "{m:?}");
 }
+
+/// A pool shared with an actix-web app gets connections opened by its HTTP workers, whose
+/// runtimes stop at shutdown before the dispatcher drains. Connections opened on a runtime
+/// that has since stopped still serve the dispatcher: every row done on the first attempt.
+#[actix_rt::test]
+async fn pooled_connections_outlive_the_runtime_that_opened_them() {
+    let db = TestDb::new().await;
+    let ids = db.seed(30, "a").await;
+    let pool = actix_outbox::connect_pool(&db.url, 4).await.unwrap();
+    let opener = pool.clone();
+    std::thread::spawn(move || {
+        let worker = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        worker.block_on(async {
+            // Four at once, so that the pool opens four connections here.
+            let conns = futures_util::future::join_all((0..4).map(|_| opener.get())).await;
+            for conn in conns {
+                let mut conn = conn.unwrap();
+                diesel_async::RunQueryDsl::execute(diesel::sql_query("SELECT 1"), &mut *conn).await.unwrap();
+            }
+        });
+        // The runtime ends here, as an HTTP worker's does at shutdown.
+    })
+    .join()
+    .unwrap();
+    assert_eq!(pool.state().connections, 4, "the four connections are kept, idle");
+
+    let (sink, mut rx) = ChannelSink::new();
+    let dispatcher = OutboxSupervisor::start(config().workers(2), pool.clone(), sink).unwrap();
+    all_done(&db, 30).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let mut got: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
+    got.sort();
+    assert_eq!(got, ids);
+    assert!(db.rows().await.iter().all(|r| r.attempts == 1), "no row needed a second attempt");
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!(
+        (m.retried, m.claim_errors, m.finalize_retries, m.finalize_errors),
+        (0, 0, 0, 0),
+        "no statement failed on a connection opened by the stopped runtime"
+    );
+}
