@@ -3,29 +3,29 @@
 use std::time::Duration;
 
 /// Claim actors started by default.
-pub const DEFAULT_WORKERS: usize = 4;
+const DEFAULT_WORKERS: usize = 4;
 /// Rows one claim takes at most by default.
-pub const DEFAULT_BATCH: usize = 200;
+const DEFAULT_BATCH: usize = 200;
 /// How long a claim owns its rows by default.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 /// Claims a row gets before it goes dead, by default.
-pub const DEFAULT_MAX_ATTEMPTS: i32 = 12;
+const DEFAULT_MAX_ATTEMPTS: i32 = 12;
 /// Full-jitter backoff base by default.
-pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
+const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
 /// Full-jitter backoff cap by default.
-pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
+const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
 /// Bound on one publish by default; well under the lease.
-pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a claim that came back short, by default.
-pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// Payload bytes a dispatcher holds claimed at once, by default (64 MiB).
-pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 /// Pause between two probes of an unavailable sink, by default.
-pub const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
+const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How often the dispatcher samples the outbox table for its gauges, by default.
-pub const DEFAULT_TABLE_METRICS_INTERVAL: Duration = Duration::from_secs(5);
+const DEFAULT_TABLE_METRICS_INTERVAL: Duration = Duration::from_secs(5);
 /// Age (since `created_at`) past which a deferral sends the row dead, by default.
-pub const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// How a dispatcher claims, publishes and finalizes.
 ///
@@ -155,7 +155,7 @@ impl Default for DispatcherConfig {
 }
 
 /// `<hostname>:<pid>`: unique per process, readable in `lease_owner`.
-pub fn default_owner() -> String {
+pub(crate) fn default_owner() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_owned())

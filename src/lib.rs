@@ -60,12 +60,14 @@
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod amqp;
 mod backoff;
-pub mod config;
-mod dispatcher;
+mod config;
+pub mod dispatcher;
 mod error;
+#[cfg(feature = "inbox")]
 pub mod inbox;
 mod metrics;
 mod model;
@@ -85,27 +87,33 @@ mod trace;
 mod url;
 pub mod wire;
 
+// The dispatcher and its configuration.
 pub use config::{ConfigError, DispatcherConfig, Fifo, Retention};
-pub use dispatcher::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
-pub use error::{Error, PublishError, StoreError};
+pub use dispatcher::supervisor::OutboxSupervisor;
 pub use metrics::MetricsSnapshot;
-pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
-pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher, SinkState};
-pub use store::{
-    MIGRATIONS, PgPool, check_connection, connect, connect_pool, enqueue, enqueue_many, enqueue_ordered,
-    ensure_database, lock_aggregate, migrate, migrate_blocking, pending_migrations,
-};
-pub use url::{ConnectionString, InvalidConnectionString, mask_url};
+// The producer's side.
+pub use model::{NewEvent, OutboxMessage};
+pub use store::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
+// The database.
+pub use store::{PgPool, connect_pool, migrate};
+pub use url::{ConnectionString, InvalidConnectionString};
+// The publish step and its outcome.
+pub use error::{Error, PublishError, StoreError};
+pub use publisher::{PublishResult, Publisher};
 
-/// Operator queries: what the `actix-outbox` command line shows and repairs, for applications
-/// that do the same from Rust (an admin page, a health check, a scheduled purge).
+/// Setting up and operating an outbox database from Rust: what the `actix-outbox` command line
+/// does (create the database, check and apply migrations, show the table, repair dead rows,
+/// purge), for applications that do the same (an admin page, a health check, a scheduled
+/// purge, a `main` that migrates before the actix system starts).
 ///
-/// Each takes a connection (from [`connect`], or a pooled one), so it can run inside the
-/// caller's transaction. None of them touches a row that is `processing`.
+/// The queries take a connection (from [`connect`], or a pooled one), so each can run inside
+/// the caller's transaction. None of them touches a row that is `processing`.
 pub mod admin {
+    pub use crate::model::{OutboxRow, Status, UnknownStatus};
     pub use crate::store::{
-        BlockedAggregate, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count, dead_list, dead_retry,
-        dead_retry_all, dead_skip, outbox_source, purge_done, stats,
+        BlockedAggregate, MIGRATIONS, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count,
+        check_connection, connect, dead_list, dead_retry, dead_retry_all, dead_skip, ensure_database, migrate_blocking,
+        outbox_source, pending_migrations, purge_done, stats,
     };
 }
 
@@ -114,12 +122,22 @@ pub mod admin {
 /// Behind the `test-util` feature; nothing here is covered by semver.
 #[cfg(feature = "test-util")]
 pub mod testing {
-    pub use crate::dispatcher::{CrashFinalizer, CrashWorker};
+    pub use crate::dispatcher::supervisor::{CrashFinalizer, CrashWorker};
     pub use crate::step::{Step, decide};
     pub use crate::store::{
         AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, claim, delete_done,
         explain_claim, extend_leases, mark_dead, mark_done, release_unanswered, reschedule, settled,
     };
+
+    /// The inbox's crash hook and its SQL (recording a message, the per-aggregate high-water
+    /// mark), for tests of the inbox's guarantees.
+    #[cfg(feature = "inbox")]
+    pub mod inbox {
+        pub use crate::inbox::supervisor::CrashConsumer;
+        pub use crate::inbox::store::{
+            AggregateOrder, AggregateRef, advance_aggregate, is_recorded, last_applied, record,
+        };
+    }
 }
 
 /// The README's Rust blocks, compiled by `cargo test --doc`.

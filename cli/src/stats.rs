@@ -76,7 +76,7 @@ pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
 fn render(stats: &Stats) -> String {
     let mut out = String::from("rows by status\n");
     // Lifecycle order, not the map's alphabetical one.
-    for status in Status::ALL.map(Status::as_str) {
+    for status in Status::ALL.iter().map(|s| s.as_str()) {
         let n = stats.by_status.get(status).copied().unwrap_or(0);
         out += &format!("  {status:<12}{n:>10}\n");
     }

@@ -389,7 +389,7 @@ async fn status_is_written_and_read_as_the_columns_text() {
     use diesel::sql_types::Text;
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    for status in Status::ALL {
+    for &status in Status::ALL {
         let back: (String, Status) =
             diesel::select((status.into_sql::<Text>(), status.into_sql::<Text>())).get_result(&mut conn).await.unwrap();
         assert_eq!(back, (status.as_str().to_owned(), status));

@@ -16,10 +16,7 @@ use tokio::sync::oneshot;
 
 pub use lapin::ExchangeKind;
 
-pub use config::{
-    DEFAULT_APP_ID, DEFAULT_CONNECT_TIMEOUT, DEFAULT_EXCHANGE, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN,
-    DEFAULT_UNRESPONSIVE_AFTER, RabbitConfig, RoutingKeyFn,
-};
+pub use config::{RabbitConfig, RoutingKeyFn};
 pub use error::RabbitError;
 use link::LinkState;
 use manager::Manager;
