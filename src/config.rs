@@ -1,4 +1,5 @@
-//! Dispatcher configuration: defaults in one place, validated before anything starts.
+//! Dispatcher configuration: defaults in one place (documented on `DispatcherConfig::default`),
+//! validated before anything starts.
 
 use std::time::Duration;
 
@@ -129,6 +130,38 @@ pub struct DispatcherConfig {
 }
 
 impl Default for DispatcherConfig {
+    /// Every setting at its default, each also named on its field:
+    ///
+    /// | setting | default |
+    /// | --- | --- |
+    /// | [`workers`](DispatcherConfig::workers) | 4 |
+    /// | [`batch`](DispatcherConfig::batch) | 200 |
+    /// | [`max_in_flight`](DispatcherConfig::max_in_flight) | `None`: `2 × batch` |
+    /// | [`max_in_flight_bytes`](DispatcherConfig::max_in_flight_bytes) | 64 MiB |
+    /// | [`lease`](DispatcherConfig::lease) | 60 s |
+    /// | [`max_attempts`](DispatcherConfig::max_attempts) | 12 |
+    /// | [`backoff_base`](DispatcherConfig::backoff_base) | 1 s |
+    /// | [`backoff_cap`](DispatcherConfig::backoff_cap) | 300 s |
+    /// | [`publish_timeout`](DispatcherConfig::publish_timeout) | 10 s |
+    /// | [`poll_interval`](DispatcherConfig::poll_interval) | 500 ms |
+    /// | [`max_defer_age`](DispatcherConfig::max_defer_age) | 7 days |
+    /// | [`owner`](DispatcherConfig::owner) | `<hostname>:<pid>` |
+    /// | [`finalize_batch`](DispatcherConfig::finalize_batch) | 1000 |
+    /// | [`fifo`](DispatcherConfig::fifo) | [`Fifo::Off`] |
+    /// | [`listen_for_inserts`](DispatcherConfig::listen_for_inserts) | `true` |
+    /// | [`sink_probe_interval`](DispatcherConfig::sink_probe_interval) | 500 ms |
+    /// | [`table_metrics_interval`](DispatcherConfig::table_metrics_interval) | `Some(5 s)` |
+    /// | [`retention`](DispatcherConfig::retention) | [`Retention::Keep`] |
+    /// | [`source`](DispatcherConfig::source) | `None`: derived from the database |
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use actix_outbox::DispatcherConfig;
+    ///
+    /// let config = DispatcherConfig::default();
+    /// assert_eq!((config.workers, config.batch, config.max_attempts), (4, 200, 12));
+    /// assert_eq!((config.lease, config.publish_timeout), (Duration::from_secs(60), Duration::from_secs(10)));
+    /// ```
     fn default() -> Self {
         Self {
             workers: DEFAULT_WORKERS,

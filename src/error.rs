@@ -36,7 +36,7 @@ pub enum StoreError {
     /// 3D000). [`ensure_database`](crate::ensure_database) creates it; `actix-outbox migrate`
     /// does both.
     #[error(
-        "database {database:?} does not exist: create it first with `actix_outbox::ensure_database(url)` \
+        "database {database:?} does not exist: create it first with `actix_outbox::admin::ensure_database(url)` \
          (`actix-outbox migrate` creates it and migrates)"
     )]
     NoDatabase {

@@ -33,7 +33,8 @@
 //!
 //! ```no_run
 //! use actix_outbox::sink::ChannelSink;
-//! use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown};
+//! use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor};
+//! use actix_outbox::dispatcher::Shutdown;
 //! use diesel_async::AsyncConnection;
 //!
 //! #[actix::main]
@@ -133,10 +134,10 @@ pub mod testing {
     /// mark), for tests of the inbox's guarantees.
     #[cfg(feature = "inbox")]
     pub mod inbox {
-        pub use crate::inbox::supervisor::CrashConsumer;
         pub use crate::inbox::store::{
             AggregateOrder, AggregateRef, advance_aggregate, is_recorded, last_applied, record,
         };
+        pub use crate::inbox::supervisor::CrashConsumer;
     }
 }
 

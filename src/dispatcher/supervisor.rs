@@ -34,7 +34,8 @@ const SINK_CHECK_PERIOD: Duration = Duration::from_millis(100);
 ///
 /// ```no_run
 /// use actix_outbox::sink::ChannelSink;
-/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool, migrate};
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, connect_pool, migrate};
+/// use actix_outbox::dispatcher::Shutdown;
 ///
 /// #[actix::main]
 /// async fn main() -> Result<(), Box<dyn std::error::Error>> {

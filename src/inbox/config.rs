@@ -1,4 +1,5 @@
-//! [`InboxConfig`]: what a consumer consumes and how it retries, with every default named.
+//! [`InboxConfig`]: what a consumer consumes and how it retries, with every default named
+//! (the table is on `InboxConfig::new`).
 
 use std::time::Duration;
 
@@ -177,7 +178,25 @@ macro_rules! setters {
 
 impl InboxConfig {
     /// A consumer named `consumer` of `queue` on the broker at `url`, every other setting at
-    /// its default.
+    /// its default (each also named on its field):
+    ///
+    /// | setting | default |
+    /// | --- | --- |
+    /// | [`prefetch`](InboxConfig::prefetch) | 64 |
+    /// | [`concurrency`](InboxConfig::concurrency) | 4 |
+    /// | [`max_attempts`](InboxConfig::max_attempts) | 5 |
+    /// | [`retry_base`](InboxConfig::retry_base), [`retry_cap`](InboxConfig::retry_cap) | 1 s, 60 s |
+    /// | [`handler_timeout`](InboxConfig::handler_timeout) | 30 s |
+    /// | [`outage_backoff_min`](InboxConfig::outage_backoff_min), [`outage_backoff_max`](InboxConfig::outage_backoff_max) | 100 ms, 5 s |
+    /// | [`connect_timeout`](InboxConfig::connect_timeout) | 10 s |
+    /// | [`reconnect_min`](InboxConfig::reconnect_min), [`reconnect_max`](InboxConfig::reconnect_max) | 100 ms, 10 s |
+    /// | [`dead_letter_exchange`](InboxConfig::dead_letter_exchange) | `None`: `<queue>.dlx` |
+    /// | [`dead_letter_queue`](InboxConfig::dead_letter_queue) | `None`: `<queue>.dlq` |
+    /// | [`declare_dead_letter`](InboxConfig::declare_dead_letter) | `true` |
+    /// | [`ordered`](InboxConfig::ordered) | `false` |
+    /// | [`raw_bodies`](InboxConfig::raw_bodies) | `false` |
+    /// | [`late_events`](InboxConfig::late_events) | [`LateEvents::Skip`] |
+    /// | [`connection_name`](InboxConfig::connection_name) | `None`: `actix-outbox inbox <consumer>` |
     pub fn new(consumer: impl Into<String>, url: impl Into<String>, queue: impl Into<String>) -> Self {
         Self {
             consumer: consumer.into(),

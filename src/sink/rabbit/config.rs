@@ -126,7 +126,27 @@ impl std::fmt::Debug for RabbitConfig {
 }
 
 impl RabbitConfig {
-    /// A configuration for the broker at `url`, with every other setting at its default.
+    /// A configuration for the broker at `url`, with every other setting at its default (each
+    /// also named on its field):
+    ///
+    /// | setting | default |
+    /// | --- | --- |
+    /// | [`exchange`](RabbitConfig::exchange) | `outbox` |
+    /// | [`exchange_kind`](RabbitConfig::exchange_kind) | [`ExchangeKind::Topic`] |
+    /// | [`declare_exchange`](RabbitConfig::declare_exchange) | `true` |
+    /// | [`app_id`](RabbitConfig::app_id) | `actix-outbox` |
+    /// | [`connect_timeout`](RabbitConfig::connect_timeout) | 10 s |
+    /// | [`reconnect_min`](RabbitConfig::reconnect_min), [`reconnect_max`](RabbitConfig::reconnect_max) | 100 ms, 10 s |
+    /// | [`connection_name`](RabbitConfig::connection_name) | `None`: the `app_id` |
+    /// | [`unresponsive_after`](RabbitConfig::unresponsive_after) | 5 s |
+    /// | [`outbox_headers`](RabbitConfig::outbox_headers) | `true` |
+    /// | [`deduplication_header`](RabbitConfig::deduplication_header) | `false` |
+    /// | [`routing_key`](RabbitConfig::routing_key) | the event type |
+    ///
+    /// ```
+    /// let config = actix_outbox::sink::RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f");
+    /// assert_eq!((config.exchange.as_str(), config.app_id.as_str()), ("outbox", "actix-outbox"));
+    /// ```
     pub fn new(url: impl Into<String>) -> Self {
         Self::cluster([url.into()])
     }

@@ -82,7 +82,8 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 /// # Example
 ///
 /// ```no_run
-/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool};
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, connect_pool};
+/// use actix_outbox::dispatcher::Shutdown;
 /// use actix_outbox::sink::{RabbitConfig, RabbitSink};
 ///
 /// #[actix::main]
