@@ -107,7 +107,7 @@ pub use publisher::{PublishResult, Publisher};
 /// purge), for applications that do the same (an admin page, a health check, a scheduled
 /// purge, a `main` that migrates before the actix system starts).
 ///
-/// The queries take a connection (from [`connect`], or a pooled one), so each can run inside
+/// The queries take a connection (from [`connect`](crate::admin::connect), or a pooled one), so each can run inside
 /// the caller's transaction. None of them touches a row that is `processing`.
 pub mod admin {
     pub use crate::model::{OutboxRow, Status, UnknownStatus};

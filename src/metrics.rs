@@ -1,5 +1,5 @@
 //! The dispatcher's metrics: counters kept in process ([`MetricsSnapshot`], through
-//! [`GetMetrics`](crate::GetMetrics)) and the same, with gauges and histograms, emitted
+//! [`GetMetrics`](crate::dispatcher::GetMetrics)) and the same, with gauges and histograms, emitted
 //! through the facade of the `metrics` crate.
 //!
 //! The library only emits: without a recorder installed, the facade drops everything at the

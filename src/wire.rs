@@ -23,7 +23,7 @@
 //!
 //! An outbox id is unique in its table only: two producer databases both have a row 1. The
 //! pair `(source, message_id)` is unique across every outbox, and it is what consumers
-//! deduplicate on (the [inbox](crate::inbox) does). The source is, by default,
+//! deduplicate on (the inbox, `actix_outbox::inbox`, does). The source is, by default,
 //! `<system identifier>/<database>/<schema>.outbox`, derived when the dispatcher starts from
 //! PostgreSQL's `pg_control_system()`, `current_database()` and the table's schema, so no two
 //! outboxes share one without configuration; [`DispatcherConfig::source`] sets it by hand

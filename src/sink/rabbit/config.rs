@@ -94,7 +94,7 @@ pub struct RabbitConfig {
     /// message whose row has no producer headers goes with no header table at all. That is
     /// cheaper for the broker, chiefly while messages pile up in a queue (RabbitMQ keeps every
     /// queued message's decoded header table in memory). Turn it off only when no consumer
-    /// needs the source or the aggregate: the [inbox](crate::inbox) keys on the source (a lean
+    /// needs the source or the aggregate: the inbox (`actix_outbox::inbox`) keys on the source (a lean
     /// message counts as one of an unnamed producer, whose ids must then be unique by
     /// themselves) and orders by the aggregate.
     pub outbox_headers: bool,
