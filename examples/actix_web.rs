@@ -44,8 +44,7 @@ use std::time::Duration;
 
 use actix::Addr;
 use actix_outbox::dispatcher::Shutdown;
-use actix_outbox::sink::SinkState;
-use actix_outbox::sink::{RabbitConfig, RabbitSink};
+use actix_outbox::sink::{RabbitConfig, RabbitSink, SinkState};
 use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, PgPool, Publisher, StoreError};
 use actix_web::{App, HttpResponse, HttpServer, web};
 use diesel::sql_types::{BigInt, Text};

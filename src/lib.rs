@@ -23,18 +23,34 @@
 //! updates 0 rows and logs a lost lease. Delivery is at-least-once; every message carries its
 //! outbox id so that consumers deduplicate.
 //!
-//! ## Layers
-//! - the store (`src/store/`): the schema, models and every SQL statement; knows no actor and
-//!   no sink. Its operator queries are public in [`admin`].
-//! - [`sink`]: publishers; know no database.
-//! - the actors ([`OutboxSupervisor`] and its claim, publish and finalize actors) connect the two.
+//! ## What is where
+//!
+//! - The crate root: what an application uses. Start a dispatcher ([`OutboxSupervisor`],
+//!   [`DispatcherConfig`]), write events in the business transaction ([`NewEvent`],
+//!   [`enqueue`]), set the database up ([`migrate`], [`connect_pool`]), plug a sink in
+//!   ([`Publisher`], [`OutboxMessage`], [`PublishError`]).
+//! - [`dispatcher`]: the messages the supervisor answers ([`Shutdown`](dispatcher::Shutdown),
+//!   [`GetHealth`](dispatcher::GetHealth), ...).
+//! - [`sink`]: the sinks that ship with the crate ([`RabbitSink`](sink::RabbitSink),
+//!   [`ChannelSink`](sink::ChannelSink), [`ActorPublisher`](sink::ActorPublisher)) and what a
+//!   sink of one's own returns.
+//! - [`admin`]: what the `actix-outbox` command line does, from Rust: one-off connections,
+//!   migrations and checks, the table's counts, dead rows and their repair.
+//! - [`schema`] (the table, for Diesel queries of one's own) and [`wire`] (the message format).
+//! - `inbox`, with the `inbox` feature: the consumer side, one effect per message.
+//! - `testing`, with the `test-util` feature: the claim protocol and crash hooks, for tests and
+//!   drills; not covered by semver.
+//!
+//! Inside, three layers: the store (`src/store/`: the schema, models and every SQL statement;
+//! it knows no actor and no sink), the sinks (they know no database), and the actors (the
+//! supervisor and its claim, publish and finalize actors) that connect the two.
 //!
 //! ## Example
 //!
 //! ```no_run
+//! use actix_outbox::dispatcher::Shutdown;
 //! use actix_outbox::sink::ChannelSink;
 //! use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor};
-//! use actix_outbox::dispatcher::Shutdown;
 //! use diesel_async::AsyncConnection;
 //!
 //! #[actix::main]

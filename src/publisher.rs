@@ -72,8 +72,8 @@ impl std::fmt::Display for SinkState {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use actix_outbox::{OutboxMessage, PublishError, Publisher};
 /// use actix_outbox::sink::PublishFuture;
+/// use actix_outbox::{OutboxMessage, PublishError, Publisher};
 ///
 /// #[derive(Debug)]
 /// struct Stdout;

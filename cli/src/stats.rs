@@ -13,8 +13,7 @@ use clap::Args;
 
 use crate::dead::render_blocked_summary;
 use crate::{CliError, DatabaseArgs, FifoArgs, connect};
-use actix_outbox::admin::Stats;
-use actix_outbox::admin::Status;
+use actix_outbox::admin::{Stats, Status};
 #[cfg(doc)]
 use actix_outbox_console::report::BLOCKED_SHOWN;
 use actix_outbox_console::report::StatsReport;

@@ -3,8 +3,7 @@
 //! Nothing here uses `PreEscaped` on a value from the table.
 
 use actix_outbox::Fifo;
-use actix_outbox::admin::BlockedAggregate;
-use actix_outbox::admin::{OutboxRow, Status};
+use actix_outbox::admin::{BlockedAggregate, OutboxRow, Status};
 use actix_outbox::dispatcher::Health;
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};

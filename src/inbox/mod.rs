@@ -1,5 +1,7 @@
 //! The consumer side: an inbox that turns the dispatcher's at-least-once delivery into exactly
-//! one effect per message, for services that consume from RabbitMQ into PostgreSQL.
+//! one effect per message, for services that consume from RabbitMQ into PostgreSQL. Behind the
+//! `inbox` feature (`actix-outbox = { version = "0.1", features = ["inbox"] }`): a service that
+//! only produces does not compile it.
 //!
 //! ```text
 //!  RabbitMQ queue ──delivery──▶ InboxConsumer (lane by aggregate, prefetch window, manual acks)

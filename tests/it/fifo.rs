@@ -7,8 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Addr;
-use actix_outbox::admin::Status;
-use actix_outbox::admin::{BlockedAggregate, blocked_aggregates, dead_retry, dead_skip};
+use actix_outbox::admin::{BlockedAggregate, Status, blocked_aggregates, dead_retry, dead_skip};
 use actix_outbox::dispatcher::Fence;
 use actix_outbox::sink::{ChannelSink, SinkAction};
 use actix_outbox::testing::{Claim, ClaimParams, Reschedule, mark_dead, mark_done};

@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use actix_outbox::dispatcher::{GetHealth, GetMetrics, Shutdown};
-use actix_outbox::sink::SinkState;
-use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::sink::{ChannelSink, SinkAction, SinkState};
 use actix_outbox::{DispatcherConfig, Fifo, NewEvent, OutboxSupervisor, PublishError};
 use diesel_async::SimpleAsyncConnection;
 use metrics_util::MetricKind;

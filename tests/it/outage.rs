@@ -10,8 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use actix_outbox::dispatcher::{GetMetrics, Shutdown};
-use actix_outbox::sink::{ChannelSink, SinkAction};
-use actix_outbox::sink::{PublishFuture, SinkState};
+use actix_outbox::sink::{ChannelSink, PublishFuture, SinkAction, SinkState};
 use actix_outbox::testing::CrashFinalizer;
 use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor, PublishError, Publisher};
 use tokio::sync::mpsc::UnboundedReceiver;

@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use actix_outbox::admin::Status;
 use actix_outbox::dispatcher::{GetMetrics, Shutdown};
-use actix_outbox::sink::ExchangeKind;
-use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::sink::{ExchangeKind, RabbitConfig, RabbitError, RabbitSink};
 use actix_outbox::wire;
 use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher};
 use lapin::message::Delivery;

@@ -5,8 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix_outbox::dispatcher::{GetMetrics, Shutdown};
-use actix_outbox::sink::PublishFuture;
-use actix_outbox::sink::RabbitSink;
+use actix_outbox::sink::{PublishFuture, RabbitSink};
 use actix_outbox::{MetricsSnapshot, OutboxMessage, OutboxSupervisor, Publisher};
 use serde::Serialize;
 

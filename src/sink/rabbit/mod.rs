@@ -82,9 +82,9 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 /// # Example
 ///
 /// ```no_run
-/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, connect_pool};
 /// use actix_outbox::dispatcher::Shutdown;
 /// use actix_outbox::sink::{RabbitConfig, RabbitSink};
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, connect_pool};
 ///
 /// #[actix::main]
 /// async fn main() -> Result<(), Box<dyn std::error::Error>> {
