@@ -114,7 +114,7 @@ pub use store::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 // The database.
 pub use store::{PgPool, connect_pool, migrate};
 pub use url::{ConnectionString, InvalidConnectionString};
-// The publish step and its outcome.
+// The publish step and its outcome; the errors.
 pub use error::{Error, PublishError, StoreError};
 pub use publisher::{PublishResult, Publisher};
 
@@ -123,8 +123,9 @@ pub use publisher::{PublishResult, Publisher};
 /// purge), for applications that do the same (an admin page, a health check, a scheduled
 /// purge, a `main` that migrates before the actix system starts).
 ///
-/// The queries take a connection (from [`connect`](crate::admin::connect), or a pooled one), so each can run inside
-/// the caller's transaction. None of them touches a row that is `processing`.
+/// The queries take a connection (from [`connect`](crate::admin::connect), or a pooled one),
+/// so each can run inside the caller's transaction. None of them touches a row that is
+/// `processing`.
 pub mod admin {
     pub use crate::model::{OutboxRow, Status, UnknownStatus};
     pub use crate::store::{
