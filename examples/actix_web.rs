@@ -43,8 +43,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use actix::Addr;
-use actix_outbox::sink::{RabbitConfig, RabbitSink};
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, PgPool, Publisher, Shutdown, SinkState, StoreError};
+use actix_outbox::dispatcher::Shutdown;
+use actix_outbox::sink::{RabbitConfig, RabbitSink, SinkState};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, PgPool, Publisher, StoreError};
 use actix_web::{App, HttpResponse, HttpServer, web};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -135,8 +136,10 @@ fn prometheus() -> PrometheusHandle {
 /// Creates and migrates the database, creates the `orders` table, connects the sink, starts the
 /// dispatcher and binds the HTTP server. `signals`: whether SIGTERM/SIGINT stop the server.
 pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxError> {
-    if actix_outbox::ensure_database(&settings.database_url).await? {
-        tracing::info!(url = %actix_outbox::mask_url(&settings.database_url), "created the database");
+    if actix_outbox::admin::ensure_database(&settings.database_url).await? {
+        // A `ConnectionString` shows the URL with its password masked.
+        let url = actix_outbox::ConnectionString::parse(&settings.database_url)?;
+        tracing::info!(%url, "created the database");
     }
     actix_outbox::migrate(&settings.database_url).await?;
     let outbox_pool = actix_outbox::connect_pool(&settings.database_url, 4).await?;
@@ -156,7 +159,7 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     if let Some(queue) = &settings.demo_queue {
         bind_demo_queue(&settings.amqp_url, &settings.exchange, queue)
             .await
-            .map_err(|e| format!("RabbitMQ at {}: {e}", actix_outbox::mask_url(&settings.amqp_url)))?;
+            .map_err(|e| format!("RabbitMQ (binding the demo queue): {e}"))?;
         tracing::info!(queue = %queue, exchange = %settings.exchange,
             "order events wait in the demo queue (bound for order.#); read them with \
              `cargo run --example inbox_consumer -- --queue {queue} --no-bind`");

@@ -10,8 +10,9 @@
 
 use std::time::Duration;
 
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
 use actix_outbox::sink::{ChannelSink, SinkAction};
-use actix_outbox::{DispatcherConfig, GetMetrics, NewEvent, OutboxSupervisor, PublishError, Shutdown};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, PublishError};
 use diesel_async::AsyncConnection;
 
 #[actix::main]
@@ -24,10 +25,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let url = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/actix_outbox_in_process".into());
-    if let Err(e) = actix_outbox::ensure_database(&url).await {
+    // Its `Display` masks the password.
+    let shown = actix_outbox::ConnectionString::parse(&url)?;
+    if let Err(e) = actix_outbox::admin::ensure_database(&url).await {
         eprintln!(
-            "PostgreSQL at {} is unreachable ({e}); start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-            actix_outbox::mask_url(&url)
+            "PostgreSQL at {shown} is unreachable ({e}); start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
         );
         std::process::exit(1);
     }

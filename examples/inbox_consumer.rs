@@ -80,7 +80,7 @@ struct Args {
     #[arg(long)]
     delete_queue: bool,
     /// Deliveries the broker sends ahead of their acknowledgements
-    #[arg(long, value_name = "N", default_value_t = inbox::DEFAULT_PREFETCH)]
+    #[arg(long, value_name = "N", default_value_t = InboxConfig::new("", "", "").prefetch)]
     prefetch: u16,
 }
 
@@ -175,13 +175,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .unwrap_or_else(|| DEFAULT_DATABASE_URL.into());
     let amqp_url =
         args.amqp_url.clone().or_else(|| std::env::var("AMQP_URL").ok()).unwrap_or_else(|| DEFAULT_AMQP_URL.into());
-    let masked = actix_outbox::mask_url(&database_url);
+    // Its `Display` masks the password.
+    let masked = actix_outbox::ConnectionString::parse(&database_url)?;
     if args.delete_queue {
         return delete_queues(&args.queue, &amqp_url).await;
     }
 
     // The database: created if missing, the inbox migrated, the example's own table.
-    actix_outbox::ensure_database(&database_url)
+    actix_outbox::admin::ensure_database(&database_url)
         .await
         .map_err(|e| format!("PostgreSQL at {masked}: {}", one_line(&e)))?;
     for version in inbox::migrate_inbox(&database_url).await? {
@@ -192,9 +193,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
 
     // The queue and its binding, on a short-lived connection of the example's own (this is the
     // System's arbiter, which lives as long as the program).
-    declare_topology(&args, &amqp_url)
-        .await
-        .map_err(|e| format!("RabbitMQ at {}: {e}", actix_outbox::mask_url(&amqp_url)))?;
+    declare_topology(&args, &amqp_url).await.map_err(|e| format!("RabbitMQ (declaring the queue): {e}"))?;
 
     let config = InboxConfig::new(&args.consumer, &amqp_url, &args.queue).prefetch(args.prefetch);
     let consumer = InboxSupervisor::start(config, pool, RecordEvent)?;

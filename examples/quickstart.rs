@@ -20,8 +20,9 @@ use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use actix_outbox::dispatcher::Shutdown;
 use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::StreamExt;
@@ -61,14 +62,15 @@ async fn run() -> Result<ExitCode, BoxError> {
     let database_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     let amqp_url = std::env::var("AMQP_URL").unwrap_or_else(|_| DEFAULT_AMQP_URL.into());
 
-    // Both services first, so that one run names every one that is missing.
-    let database = actix_outbox::ensure_database(&database_url).await;
+    // Both services first, so that one run names every one that is missing. (A
+    // `ConnectionString` shows the URL with its password masked.)
+    let shown = actix_outbox::ConnectionString::parse(&database_url)?;
+    let database = actix_outbox::admin::ensure_database(&database_url).await;
     let sink = RabbitSink::connect(RabbitConfig::new(&amqp_url).connection_name("actix-outbox quickstart")).await;
     let mut down = Vec::new();
     if let Err(e) = &database {
         down.push(format!(
-            "PostgreSQL is not reachable at {} ({}). Start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
-            actix_outbox::mask_url(&database_url),
+            "PostgreSQL is not reachable at {shown} ({}). Start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
             one_line(e)
         ));
     }
@@ -88,7 +90,7 @@ async fn run() -> Result<ExitCode, BoxError> {
     }
     let sink = sink?;
     if database? {
-        println!("created database {}", actix_outbox::mask_url(&database_url));
+        println!("created database {shown}");
     }
     actix_outbox::migrate(&database_url).await?;
     let pool = actix_outbox::connect_pool(&database_url, 4).await?;

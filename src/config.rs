@@ -1,31 +1,32 @@
-//! Dispatcher configuration: defaults in one place, validated before anything starts.
+//! Dispatcher configuration: defaults in one place (documented on `DispatcherConfig::default`),
+//! validated before anything starts.
 
 use std::time::Duration;
 
 /// Claim actors started by default.
-pub const DEFAULT_WORKERS: usize = 4;
+const DEFAULT_WORKERS: usize = 4;
 /// Rows one claim takes at most by default.
-pub const DEFAULT_BATCH: usize = 200;
+const DEFAULT_BATCH: usize = 200;
 /// How long a claim owns its rows by default.
-pub const DEFAULT_LEASE: Duration = Duration::from_secs(60);
+const DEFAULT_LEASE: Duration = Duration::from_secs(60);
 /// Claims a row gets before it goes dead, by default.
-pub const DEFAULT_MAX_ATTEMPTS: i32 = 12;
+const DEFAULT_MAX_ATTEMPTS: i32 = 12;
 /// Full-jitter backoff base by default.
-pub const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
+const DEFAULT_BACKOFF_BASE: Duration = Duration::from_secs(1);
 /// Full-jitter backoff cap by default.
-pub const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
+const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
 /// Bound on one publish by default; well under the lease.
-pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a claim that came back short, by default.
-pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
 /// Payload bytes a dispatcher holds claimed at once, by default (64 MiB).
-pub const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
+const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 /// Pause between two probes of an unavailable sink, by default.
-pub const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
+const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How often the dispatcher samples the outbox table for its gauges, by default.
-pub const DEFAULT_TABLE_METRICS_INTERVAL: Duration = Duration::from_secs(5);
+const DEFAULT_TABLE_METRICS_INTERVAL: Duration = Duration::from_secs(5);
 /// Age (since `created_at`) past which a deferral sends the row dead, by default.
-pub const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
 /// How a dispatcher claims, publishes and finalizes.
 ///
@@ -129,6 +130,38 @@ pub struct DispatcherConfig {
 }
 
 impl Default for DispatcherConfig {
+    /// Every setting at its default, each also named on its field:
+    ///
+    /// | setting | default |
+    /// | --- | --- |
+    /// | [`workers`](DispatcherConfig::workers) | 4 |
+    /// | [`batch`](DispatcherConfig::batch) | 200 |
+    /// | [`max_in_flight`](DispatcherConfig::max_in_flight) | `None`: `2 × batch` |
+    /// | [`max_in_flight_bytes`](DispatcherConfig::max_in_flight_bytes) | 64 MiB |
+    /// | [`lease`](DispatcherConfig::lease) | 60 s |
+    /// | [`max_attempts`](DispatcherConfig::max_attempts) | 12 |
+    /// | [`backoff_base`](DispatcherConfig::backoff_base) | 1 s |
+    /// | [`backoff_cap`](DispatcherConfig::backoff_cap) | 300 s |
+    /// | [`publish_timeout`](DispatcherConfig::publish_timeout) | 10 s |
+    /// | [`poll_interval`](DispatcherConfig::poll_interval) | 500 ms |
+    /// | [`max_defer_age`](DispatcherConfig::max_defer_age) | 7 days |
+    /// | [`owner`](DispatcherConfig::owner) | `<hostname>:<pid>` |
+    /// | [`finalize_batch`](DispatcherConfig::finalize_batch) | 1000 |
+    /// | [`fifo`](DispatcherConfig::fifo) | [`Fifo::Off`] |
+    /// | [`listen_for_inserts`](DispatcherConfig::listen_for_inserts) | `true` |
+    /// | [`sink_probe_interval`](DispatcherConfig::sink_probe_interval) | 500 ms |
+    /// | [`table_metrics_interval`](DispatcherConfig::table_metrics_interval) | `Some(5 s)` |
+    /// | [`retention`](DispatcherConfig::retention) | [`Retention::Keep`] |
+    /// | [`source`](DispatcherConfig::source) | `None`: derived from the database |
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use actix_outbox::DispatcherConfig;
+    ///
+    /// let config = DispatcherConfig::default();
+    /// assert_eq!((config.workers, config.batch, config.max_attempts), (4, 200, 12));
+    /// assert_eq!((config.lease, config.publish_timeout), (Duration::from_secs(60), Duration::from_secs(10)));
+    /// ```
     fn default() -> Self {
         Self {
             workers: DEFAULT_WORKERS,
@@ -155,7 +188,7 @@ impl Default for DispatcherConfig {
 }
 
 /// `<hostname>:<pid>`: unique per process, readable in `lease_owner`.
-pub fn default_owner() -> String {
+pub(crate) fn default_owner() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .ok()
         .map(|h| h.trim().to_owned())

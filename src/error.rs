@@ -33,10 +33,10 @@ pub enum StoreError {
     #[error("migration failed: {}", with_causes(.0.as_ref()))]
     Migration(#[source] Cause),
     /// The database the migrations were to go into does not exist (the server answered SQLSTATE
-    /// 3D000). [`ensure_database`](crate::ensure_database) creates it; `actix-outbox migrate`
+    /// 3D000). [`ensure_database`](crate::admin::ensure_database) creates it; `actix-outbox migrate`
     /// does both.
     #[error(
-        "database {database:?} does not exist: create it first with `actix_outbox::ensure_database(url)` \
+        "database {database:?} does not exist: create it first with `actix_outbox::admin::ensure_database(url)` \
          (`actix-outbox migrate` creates it and migrates)"
     )]
     NoDatabase {
@@ -148,7 +148,7 @@ pub enum PublishError {
     /// The sink cannot take messages right now (its link is down, it is reconnecting, the
     /// transport failed mid-publish): not this message's fault. The row goes back to pending
     /// at once with its attempt refunded, and the dispatcher stops claiming until the sink is
-    /// back (see [`SinkState`](crate::SinkState)). Never sends a row dead. A message whose
+    /// back (see [`SinkState`](crate::sink::SinkState)). Never sends a row dead. A message whose
     /// transport failed after it was handed over may have arrived: it is published again with
     /// the same id.
     #[error("sink unavailable: {0}")]
@@ -200,8 +200,8 @@ impl PublishError {
 /// Starting checks the configuration and nothing else: the pool it is given connects lazily,
 /// and a database that is down at start is a transient failure the claim actors retry (each
 /// logged), like one that goes down later. To fail fast on an unreachable or unmigrated
-/// database, call [`check_connection`](crate::check_connection) and
-/// [`pending_migrations`](crate::pending_migrations) before starting; both
+/// database, call [`check_connection`](crate::admin::check_connection) and
+/// [`pending_migrations`](crate::admin::pending_migrations) before starting; both
 /// return a [`StoreError`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

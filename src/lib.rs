@@ -23,17 +23,34 @@
 //! updates 0 rows and logs a lost lease. Delivery is at-least-once; every message carries its
 //! outbox id so that consumers deduplicate.
 //!
-//! ## Layers
-//! - the store (`src/store/`): the schema, models and every SQL statement; knows no actor and
-//!   no sink. Its operator queries are public in [`admin`].
-//! - [`sink`]: publishers; know no database.
-//! - the actors ([`OutboxSupervisor`] and its claim, publish and finalize actors) connect the two.
+//! ## What is where
+//!
+//! - The crate root: what an application uses. Start a dispatcher ([`OutboxSupervisor`],
+//!   [`DispatcherConfig`]), write events in the business transaction ([`NewEvent`],
+//!   [`enqueue`]), set the database up ([`migrate`], [`connect_pool`]), plug a sink in
+//!   ([`Publisher`], [`OutboxMessage`], [`PublishError`]).
+//! - [`dispatcher`]: the messages the supervisor answers ([`Shutdown`](dispatcher::Shutdown),
+//!   [`GetHealth`](dispatcher::GetHealth), ...).
+//! - [`sink`]: the sinks that ship with the crate ([`RabbitSink`](sink::RabbitSink),
+//!   [`ChannelSink`](sink::ChannelSink), [`ActorPublisher`](sink::ActorPublisher)) and what a
+//!   sink of one's own returns.
+//! - [`admin`]: what the `actix-outbox` command line does, from Rust: one-off connections,
+//!   migrations and checks, the table's counts, dead rows and their repair.
+//! - [`schema`] (the table, for Diesel queries of one's own) and [`wire`] (the message format).
+//! - `inbox`, with the `inbox` feature: the consumer side, one effect per message.
+//! - `testing`, with the `test-util` feature: the claim protocol and crash hooks, for tests and
+//!   drills; not covered by semver.
+//!
+//! Inside, three layers: the store (`src/store/`: the schema, models and every SQL statement;
+//! it knows no actor and no sink), the sinks (they know no database), and the actors (the
+//! supervisor and its claim, publish and finalize actors) that connect the two.
 //!
 //! ## Example
 //!
 //! ```no_run
+//! use actix_outbox::dispatcher::Shutdown;
 //! use actix_outbox::sink::ChannelSink;
-//! use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown};
+//! use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor};
 //! use diesel_async::AsyncConnection;
 //!
 //! #[actix::main]
@@ -60,12 +77,14 @@
 //! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs, unreachable_pub, missing_debug_implementations, rust_2018_idioms)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod amqp;
 mod backoff;
-pub mod config;
-mod dispatcher;
+mod config;
+pub mod dispatcher;
 mod error;
+#[cfg(feature = "inbox")]
 pub mod inbox;
 mod metrics;
 mod model;
@@ -85,27 +104,34 @@ mod trace;
 mod url;
 pub mod wire;
 
+// The dispatcher and its configuration.
 pub use config::{ConfigError, DispatcherConfig, Fifo, Retention};
-pub use dispatcher::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
-pub use error::{Error, PublishError, StoreError};
+pub use dispatcher::supervisor::OutboxSupervisor;
 pub use metrics::MetricsSnapshot;
-pub use model::{Fence, NewEvent, OutboxMessage, OutboxRow, Status, UnknownStatus};
-pub use publisher::{ActorPublisher, Publish, PublishFuture, PublishResult, Publisher, SinkState};
-pub use store::{
-    MIGRATIONS, PgPool, check_connection, connect, connect_pool, enqueue, enqueue_many, enqueue_ordered,
-    ensure_database, lock_aggregate, migrate, migrate_blocking, pending_migrations,
-};
-pub use url::{ConnectionString, InvalidConnectionString, mask_url};
+// The producer's side.
+pub use model::{NewEvent, OutboxMessage};
+pub use store::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
+// The database.
+pub use store::{PgPool, connect_pool, migrate};
+pub use url::{ConnectionString, InvalidConnectionString};
+// The publish step and its outcome; the errors.
+pub use error::{Error, PublishError, StoreError};
+pub use publisher::{PublishResult, Publisher};
 
-/// Operator queries: what the `actix-outbox` command line shows and repairs, for applications
-/// that do the same from Rust (an admin page, a health check, a scheduled purge).
+/// Setting up and operating an outbox database from Rust: what the `actix-outbox` command line
+/// does (create the database, check and apply migrations, show the table, repair dead rows,
+/// purge), for applications that do the same (an admin page, a health check, a scheduled
+/// purge, a `main` that migrates before the actix system starts).
 ///
-/// Each takes a connection (from [`connect`], or a pooled one), so it can run inside the
-/// caller's transaction. None of them touches a row that is `processing`.
+/// The queries take a connection (from [`connect`](crate::admin::connect), or a pooled one),
+/// so each can run inside the caller's transaction. None of them touches a row that is
+/// `processing`.
 pub mod admin {
+    pub use crate::model::{OutboxRow, Status, UnknownStatus};
     pub use crate::store::{
-        BlockedAggregate, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count, dead_list, dead_retry,
-        dead_retry_all, dead_skip, outbox_source, purge_done, stats,
+        BlockedAggregate, MIGRATIONS, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count,
+        check_connection, connect, dead_list, dead_retry, dead_retry_all, dead_skip, ensure_database, migrate_blocking,
+        outbox_source, pending_migrations, purge_done, stats,
     };
 }
 
@@ -114,12 +140,22 @@ pub mod admin {
 /// Behind the `test-util` feature; nothing here is covered by semver.
 #[cfg(feature = "test-util")]
 pub mod testing {
-    pub use crate::dispatcher::{CrashFinalizer, CrashWorker};
+    pub use crate::dispatcher::supervisor::{CrashFinalizer, CrashWorker};
     pub use crate::step::{Step, decide};
     pub use crate::store::{
         AggregateKey, Bury, Claim, ClaimParams, HeadsScan, ReadyPosition, Reschedule, Rescheduled, claim, delete_done,
         explain_claim, extend_leases, mark_dead, mark_done, release_unanswered, reschedule, settled,
     };
+
+    /// The inbox's crash hook and its SQL (recording a message, the per-aggregate high-water
+    /// mark), for tests of the inbox's guarantees.
+    #[cfg(feature = "inbox")]
+    pub mod inbox {
+        pub use crate::inbox::store::{
+            AggregateOrder, AggregateRef, advance_aggregate, is_recorded, last_applied, record,
+        };
+        pub use crate::inbox::supervisor::CrashConsumer;
+    }
 }
 
 /// The README's Rust blocks, compiled by `cargo test --doc`.

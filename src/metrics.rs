@@ -1,5 +1,5 @@
 //! The dispatcher's metrics: counters kept in process ([`MetricsSnapshot`], through
-//! [`GetMetrics`](crate::GetMetrics)) and the same, with gauges and histograms, emitted
+//! [`GetMetrics`](crate::dispatcher::GetMetrics)) and the same, with gauges and histograms, emitted
 //! through the facade of the `metrics` crate.
 //!
 //! The library only emits: without a recorder installed, the facade drops everything at the
@@ -252,7 +252,7 @@ pub(crate) fn describe(metrics: &Metrics, sampled: bool) {
         return;
     }
     // The sampled gauges read 0 until the first sample, a few seconds after start.
-    for status in crate::Status::ALL {
+    for status in crate::admin::Status::ALL {
         metrics::gauge!("outbox_rows", "status" => status.as_str()).increment(0.0);
     }
     metrics::gauge!("outbox_oldest_unfinished_age_seconds").increment(0.0);

@@ -26,6 +26,7 @@ use crate::schema::outbox;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, AsExpression, FromSqlRow)]
 #[diesel(sql_type = Text)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Status {
     /// Waiting to be claimed once `available_at` has passed.
     Pending,
@@ -38,8 +39,8 @@ pub enum Status {
 }
 
 impl Status {
-    /// Every status, in lifecycle order.
-    pub const ALL: [Status; 4] = [Status::Pending, Status::Processing, Status::Done, Status::Dead];
+    /// Every status, in lifecycle order. A slice, not an array: a later version may add one.
+    pub const ALL: &'static [Status] = &[Status::Pending, Status::Processing, Status::Done, Status::Dead];
 
     /// The text stored in the `status` column.
     pub fn as_str(self) -> &'static str {
@@ -61,13 +62,13 @@ impl fmt::Display for Status {
 /// A `status` value that is none of the four known ones.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("unknown outbox status {0:?}")]
-pub struct UnknownStatus(pub String);
+pub struct UnknownStatus(String);
 
 impl FromStr for Status {
     type Err = UnknownStatus;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Status::ALL.into_iter().find(|status| status.as_str() == s).ok_or_else(|| UnknownStatus(s.to_owned()))
+        Status::ALL.iter().copied().find(|status| status.as_str() == s).ok_or_else(|| UnknownStatus(s.to_owned()))
     }
 }
 

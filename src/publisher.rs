@@ -72,7 +72,8 @@ impl std::fmt::Display for SinkState {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use actix_outbox::{OutboxMessage, PublishError, PublishFuture, Publisher};
+/// use actix_outbox::sink::PublishFuture;
+/// use actix_outbox::{OutboxMessage, PublishError, Publisher};
 ///
 /// #[derive(Debug)]
 /// struct Stdout;
@@ -125,7 +126,8 @@ pub struct Publish {
 ///
 /// ```
 /// use actix::prelude::*;
-/// use actix_outbox::{ActorPublisher, Publish, PublishResult};
+/// use actix_outbox::PublishResult;
+/// use actix_outbox::sink::{ActorPublisher, Publish};
 ///
 /// struct Webhook;
 /// impl Actor for Webhook {

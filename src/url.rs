@@ -197,15 +197,17 @@ impl std::error::Error for InvalidConnectionString {}
 /// `key=value` string everything from the first pair that does not parse to the end is masked
 /// when it names a secret or holds a `user:password@` shape (`not a url` is shown as typed).
 ///
+/// ```text
+/// postgres://app:s3cret@db:5432/app                  → postgres://app:***@db:5432/app
+/// postgres://app@db/app?password=s3cret&sslmode=disable → postgres://app@db/app?password=***&sslmode=disable
+/// host=db user=app password=s3cret dbname=app        → host=db user=app password=*** dbname=app
+/// amqps://guest:s3cret@rabbit/%2f?heartbeat=10       → amqps://guest:***@rabbit/%2f?heartbeat=10
+/// postgres://root@127.0.0.1/app                      → postgres://root@127.0.0.1/app
 /// ```
-/// use actix_outbox::mask_url;
-/// assert_eq!(mask_url("postgres://app:s3cret@db:5432/app"), "postgres://app:***@db:5432/app");
-/// assert_eq!(mask_url("postgres://app@db/app?password=s3cret&sslmode=disable"), "postgres://app@db/app?password=***&sslmode=disable");
-/// assert_eq!(mask_url("host=db user=app password=s3cret dbname=app"), "host=db user=app password=*** dbname=app");
-/// assert_eq!(mask_url("amqps://guest:s3cret@rabbit/%2f?heartbeat=10"), "amqps://guest:***@rabbit/%2f?heartbeat=10");
-/// assert_eq!(mask_url("postgres://root@127.0.0.1/app"), "postgres://root@127.0.0.1/app");
-/// ```
-pub fn mask_url(s: &str) -> String {
+///
+/// Applications get it through [`ConnectionString`]'s `Display` and `Debug`, and the configs'
+/// `Debug`.
+pub(crate) fn mask_url(s: &str) -> String {
     replace(s, secret_ranges(s), MASK)
 }
 

@@ -23,7 +23,7 @@
 //!
 //! An outbox id is unique in its table only: two producer databases both have a row 1. The
 //! pair `(source, message_id)` is unique across every outbox, and it is what consumers
-//! deduplicate on (the [inbox](crate::inbox) does). The source is, by default,
+//! deduplicate on (the inbox, `actix_outbox::inbox`, does). The source is, by default,
 //! `<system identifier>/<database>/<schema>.outbox`, derived when the dispatcher starts from
 //! PostgreSQL's `pg_control_system()`, `current_database()` and the table's schema, so no two
 //! outboxes share one without configuration; [`DispatcherConfig::source`] sets it by hand
@@ -135,6 +135,7 @@ pub(crate) fn properties(message: &OutboxMessage, format: &Format) -> Result<Bas
 }
 
 /// A header's value as text (a long or short string that is UTF-8).
+#[cfg_attr(not(feature = "inbox"), allow(dead_code))]
 pub(crate) fn value_str(value: &AMQPValue) -> Option<&str> {
     match value {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
@@ -144,6 +145,7 @@ pub(crate) fn value_str(value: &AMQPValue) -> Option<&str> {
 }
 
 /// A header's value as an integer (any integer type, or a decimal string).
+#[cfg_attr(not(feature = "inbox"), allow(dead_code))]
 pub(crate) fn value_int(value: &AMQPValue) -> Option<i64> {
     match value {
         AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
@@ -160,6 +162,7 @@ pub(crate) fn value_int(value: &AMQPValue) -> Option<i64> {
 
 /// Whether a `content_type` says the body is JSON (`application/json`, or any `+json` type),
 /// parameters such as `; charset=utf-8` aside.
+#[cfg_attr(not(feature = "inbox"), allow(dead_code))]
 pub(crate) fn is_json_content_type(content_type: &str) -> bool {
     let essence = content_type.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
     essence == CONTENT_TYPE || (essence.starts_with("application/") && essence.ends_with("+json"))

@@ -103,10 +103,10 @@ struct Opts {
     #[arg(long, default_value_t = 100_000)]
     messages: usize,
     /// Claim actors per dispatcher process.
-    #[arg(long, default_value_t = actix_outbox::config::DEFAULT_WORKERS)]
+    #[arg(long, default_value_t = DispatcherConfig::default().workers)]
     workers: usize,
     /// Rows one claim takes at most.
-    #[arg(long, default_value_t = actix_outbox::config::DEFAULT_BATCH)]
+    #[arg(long, default_value_t = DispatcherConfig::default().batch)]
     batch: usize,
     /// Rows one worker holds claimed at once (default: the dispatcher's, 2 × batch).
     #[arg(long)]

@@ -510,7 +510,7 @@ fn restart(slot: &Arc<Slot>, out: &mut Outcome) {
 /// Polls until `owner` holds rows (or `within` passes): how many it held then.
 async fn wait_loaded(url: &str, owner: &str, within: Duration) -> i64 {
     let until = Instant::now() + within;
-    let Ok(mut conn) = actix_outbox::connect(&world::tool_url(url)).await else { return 0 };
+    let Ok(mut conn) = actix_outbox::admin::connect(&world::tool_url(url)).await else { return 0 };
     loop {
         let held = processing_count(&mut conn, owner).await.unwrap_or(0);
         if held > 0 || Instant::now() >= until {
@@ -522,7 +522,7 @@ async fn wait_loaded(url: &str, owner: &str, within: Duration) -> i64 {
 
 /// Rows `processing` under any worker of `owner`.
 async fn processing_of(url: &str, owner: &str) -> Result<i64, String> {
-    let mut conn = actix_outbox::connect(&world::tool_url(url)).await.map_err(|e| e.to_string())?;
+    let mut conn = actix_outbox::admin::connect(&world::tool_url(url)).await.map_err(|e| e.to_string())?;
     processing_count(&mut conn, owner).await
 }
 
@@ -530,7 +530,7 @@ async fn processing_count(conn: &mut diesel_async::AsyncPgConnection, owner: &st
     use diesel::prelude::*;
     use diesel_async::RunQueryDsl;
     actix_outbox::schema::outbox::table
-        .filter(actix_outbox::schema::outbox::status.eq(actix_outbox::Status::Processing))
+        .filter(actix_outbox::schema::outbox::status.eq(actix_outbox::admin::Status::Processing))
         .filter(actix_outbox::schema::outbox::lease_owner.like(format!("{owner}:%")))
         .count()
         .get_result(conn)

@@ -80,7 +80,7 @@ impl World {
         admin.batch_execute(&format!("CREATE DATABASE {database}")).await.map_err(|e| format!("create db: {e}"))?;
         let url = format!("{SERVER}/{database}");
         actix_outbox::migrate(&url).await.map_err(|e| format!("migrate: {e}"))?;
-        let mut conn = actix_outbox::connect(&url).await.map_err(|e| e.to_string())?;
+        let mut conn = actix_outbox::admin::connect(&url).await.map_err(|e| e.to_string())?;
         conn.batch_execute(AUDIT_SQL).await.map_err(|e| format!("install the audit: {e}"))?;
 
         let amqp = Connection::connect(AMQP, ConnectionProperties::default())
@@ -181,7 +181,7 @@ pub async fn produce(
 ) -> Result<Produced, String> {
     let mut rng = Rng::new(seed, 2);
     let url = tool_url(&url);
-    let mut conn = actix_outbox::connect(&url).await.map_err(|e| e.to_string())?;
+    let mut conn = actix_outbox::admin::connect(&url).await.map_err(|e| e.to_string())?;
     let mut out = Produced::default();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate.max(1))));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -259,7 +259,7 @@ pub async fn produce(
             Err(TxError::Db(e)) => {
                 eprintln!("chaos: producer transaction failed ({e}); its rows count as uncertain");
                 out.uncertain.extend(ids);
-                conn = actix_outbox::connect(&url).await.map_err(|e| e.to_string())?;
+                conn = actix_outbox::admin::connect(&url).await.map_err(|e| e.to_string())?;
             }
             Err(TxError::Store(e)) => return Err(format!("producer: {e}")),
         }
@@ -338,7 +338,7 @@ pub struct Row {
 
 /// Every row.
 pub async fn rows(url: &str) -> Result<Vec<Row>, String> {
-    let mut conn = actix_outbox::connect(&tool_url(url)).await.map_err(|e| e.to_string())?;
+    let mut conn = actix_outbox::admin::connect(&tool_url(url)).await.map_err(|e| e.to_string())?;
     diesel::sql_query(
         "SELECT id, status, attempts, aggregate_type || '/' || aggregate_id AS aggregate, \
          coalesce(last_error, '') AS last_error FROM outbox ORDER BY id",
@@ -370,7 +370,7 @@ pub struct StaleWrite {
 
 /// Every stale write the audit recorded.
 pub async fn stale_writes(url: &str) -> Result<Vec<StaleWrite>, String> {
-    let mut conn = actix_outbox::connect(&tool_url(url)).await.map_err(|e| e.to_string())?;
+    let mut conn = actix_outbox::admin::connect(&tool_url(url)).await.map_err(|e| e.to_string())?;
     diesel::sql_query(
         "SELECT id, new_status, lease_version, coalesce(lease_owner, '') AS lease_owner, writer \
          FROM chaos_stale_writes ORDER BY at",
@@ -389,7 +389,7 @@ struct Name {
 /// The `application_name`s of the sessions on the run's database, to check that the
 /// dispatchers' connections carry their owner names (the audit depends on it).
 pub async fn session_names(url: &str, database: &str) -> Result<Vec<String>, String> {
-    let mut conn = actix_outbox::connect(&tool_url(url)).await.map_err(|e| e.to_string())?;
+    let mut conn = actix_outbox::admin::connect(&tool_url(url)).await.map_err(|e| e.to_string())?;
     let names: Vec<Name> = diesel::sql_query(format!(
         "SELECT DISTINCT application_name AS name FROM pg_stat_activity WHERE datname = '{database}' \
          AND application_name <> 'chaos-tool'"

@@ -10,8 +10,7 @@ use serde::Serialize;
 use crate::{CliError, DatabaseArgs, FifoArgs, connect, id_list, table, truncate};
 use actix_outbox::ConnectionString;
 use actix_outbox::Fifo;
-use actix_outbox::OutboxRow;
-use actix_outbox::admin::BlockedAggregate;
+use actix_outbox::admin::{BlockedAggregate, OutboxRow};
 use actix_outbox_console::repair::{Repair, RepairError};
 use actix_outbox_console::report::BlockedView;
 

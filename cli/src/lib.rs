@@ -303,7 +303,7 @@ impl FifoArgs {
 /// One connection for a one-shot command; an unreachable database is a one-line
 /// [`CliError::Failed`] naming the (masked) connection string and the driver's reason.
 async fn connect(url: &ConnectionString) -> Result<AsyncPgConnection, CliError> {
-    actix_outbox::connect(url.expose()).await.map_err(|e| CliError::store(url, e))
+    actix_outbox::admin::connect(url.expose()).await.map_err(|e| CliError::store(url, e))
 }
 
 /// `error: cause: cause's cause`, each message once (an error's message often repeats its

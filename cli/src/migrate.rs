@@ -32,7 +32,7 @@ pub struct MigrateArgs {
 pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let database = url.database().unwrap_or_default().to_owned();
-    if actix_outbox::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
+    if actix_outbox::admin::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
         println!("created database {database}");
     }
     let applied = if args.inbox {

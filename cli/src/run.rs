@@ -12,6 +12,7 @@
 //! [`EXIT_ABORTED`](crate::EXIT_ABORTED); the rows still held are reclaimed by other workers
 //! when their lease expires.
 
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use clap::Args;
@@ -19,12 +20,17 @@ use rand::RngExt;
 use tracing::{info, warn};
 
 use crate::{CliError, DatabaseArgs, FifoArgs, connect, serve};
-use actix_outbox::config::{self, DispatcherConfig};
-use actix_outbox::sink::{DEFAULT_EXCHANGE, RabbitConfig, RabbitError, RabbitSink};
-use actix_outbox::{OutboxSupervisor, Retention, Shutdown};
+use actix_outbox::dispatcher::Shutdown;
+use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::{DispatcherConfig, OutboxSupervisor, Retention};
 
 /// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// The library's defaults, which `--help` shows and an option left out keeps.
+static DISPATCHER: LazyLock<DispatcherConfig> = LazyLock::new(DispatcherConfig::default);
+/// The sink's defaults (the URL aside), for `--exchange`.
+static SINK: LazyLock<RabbitConfig> = LazyLock::new(|| RabbitConfig::new(DEFAULT_AMQP_URL));
 
 /// First pause before connecting to an unreachable broker again; it doubles up to
 /// [`BROKER_RETRY_MAX`].
@@ -72,7 +78,7 @@ pub struct RunArgs {
     )]
     pub amqp_url: Vec<String>,
     /// Exchange every message is published to (routing key: the event type)
-    #[arg(long, value_name = "NAME", default_value = DEFAULT_EXCHANGE)]
+    #[arg(long, value_name = "NAME", default_value_t = SINK.exchange.clone())]
     pub exchange: String,
     /// Do not declare the exchange (durable topic) at connect; it must exist already
     #[arg(long)]
@@ -92,25 +98,25 @@ pub struct RunArgs {
     #[arg(long, value_name = "NAME", env = "ACTIX_OUTBOX_SOURCE", hide_env_values = true)]
     pub source: Option<String>,
     /// Claim actors, each with its own owner id
-    #[arg(long, value_name = "N", default_value_t = config::DEFAULT_WORKERS)]
+    #[arg(long, value_name = "N", default_value_t = DISPATCHER.workers)]
     pub workers: usize,
     /// Rows one claim takes at most
-    #[arg(long, value_name = "N", default_value_t = config::DEFAULT_BATCH)]
+    #[arg(long, value_name = "N", default_value_t = DISPATCHER.batch)]
     pub batch: usize,
     /// Rows one worker holds claimed at once, publishing or finalizing (default: 2 × batch)
     #[arg(long, value_name = "N")]
     pub max_in_flight: Option<usize>,
     /// How long a claim owns its rows; a dead worker's rows are reclaimed after it
-    #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_LEASE.into())]
+    #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.lease.into())]
     pub lease: humantime::Duration,
     /// Claims a row gets before it goes dead
-    #[arg(long, value_name = "N", default_value_t = config::DEFAULT_MAX_ATTEMPTS)]
+    #[arg(long, value_name = "N", default_value_t = DISPATCHER.max_attempts)]
     pub max_attempts: i32,
     /// Bound on one publish (must be shorter than the lease); also bounds the shutdown drain
-    #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_PUBLISH_TIMEOUT.into())]
+    #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.publish_timeout.into())]
     pub publish_timeout: humantime::Duration,
     /// Pause after a claim that found fewer rows than a batch
-    #[arg(long, value_name = "DURATION", default_value_t = config::DEFAULT_POLL_INTERVAL.into())]
+    #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.poll_interval.into())]
     pub poll_interval: humantime::Duration,
     /// Prefix of the lease_owner written on claimed rows (default: HOSTNAME:PID); keep it unique per running dispatcher
     #[arg(long, value_name = "ID")]
@@ -271,7 +277,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     let mut signals = Signals::register()?;
 
     let mut conn = connect(&url).await?;
-    let pending = actix_outbox::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    let pending = actix_outbox::admin::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if !pending.is_empty() {
         return Err(CliError::Failed(format!(
             "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate` first",

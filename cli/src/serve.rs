@@ -23,7 +23,8 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tracing::info;
 
 use crate::CliError;
-use actix_outbox::{GetHealth, OutboxSupervisor, PgPool};
+use actix_outbox::dispatcher::GetHealth;
+use actix_outbox::{OutboxSupervisor, PgPool};
 
 /// How long the readiness probe waits for the database and for the dispatcher.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
@@ -122,7 +123,7 @@ async fn not_ready(state: &State) -> Option<String> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let pool = state.pool.clone();
     state.home.spawn(async move {
-        let answer = tokio::time::timeout(PROBE_TIMEOUT, actix_outbox::check_connection(&pool)).await;
+        let answer = tokio::time::timeout(PROBE_TIMEOUT, actix_outbox::admin::check_connection(&pool)).await;
         let _ = tx.send(answer);
     });
     match rx.await {

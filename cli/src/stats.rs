@@ -13,8 +13,7 @@ use clap::Args;
 
 use crate::dead::render_blocked_summary;
 use crate::{CliError, DatabaseArgs, FifoArgs, connect};
-use actix_outbox::Status;
-use actix_outbox::admin::Stats;
+use actix_outbox::admin::{Stats, Status};
 #[cfg(doc)]
 use actix_outbox_console::report::BLOCKED_SHOWN;
 use actix_outbox_console::report::StatsReport;
@@ -76,7 +75,7 @@ pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
 fn render(stats: &Stats) -> String {
     let mut out = String::from("rows by status\n");
     // Lifecycle order, not the map's alphabetical one.
-    for status in Status::ALL.map(Status::as_str) {
+    for status in Status::ALL.iter().map(|s| s.as_str()) {
         let n = stats.by_status.get(status).copied().unwrap_or(0);
         out += &format!("  {status:<12}{n:>10}\n");
     }

@@ -13,7 +13,8 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use actix_outbox::{GetMetrics, MetricsSnapshot};
+use actix_outbox::MetricsSnapshot;
+use actix_outbox::dispatcher::GetMetrics;
 use chrono::{DateTime, Utc};
 use maud::{Markup, html};
 

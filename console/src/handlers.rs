@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use actix_outbox::GetHealth;
+use actix_outbox::dispatcher::GetHealth;
 use actix_web::cookie::{Cookie, SameSite};
 use actix_web::http::{StatusCode, header};
 use actix_web::{HttpRequest, HttpResponse, web};

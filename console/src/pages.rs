@@ -2,8 +2,9 @@
 //! keeps aggregate ids, errors and payloads (written by whoever can insert a row) inert text.
 //! Nothing here uses `PreEscaped` on a value from the table.
 
-use actix_outbox::admin::BlockedAggregate;
-use actix_outbox::{Fifo, Health, OutboxRow, Status};
+use actix_outbox::Fifo;
+use actix_outbox::admin::{BlockedAggregate, OutboxRow, Status};
+use actix_outbox::dispatcher::Health;
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 

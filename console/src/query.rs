@@ -3,8 +3,9 @@
 //! index bounds: unfinished and dead rows through the partial indexes on them, or one row by
 //! its primary key. None counts the `done` rows.
 
+use actix_outbox::StoreError;
+use actix_outbox::admin::{OutboxRow, Status};
 use actix_outbox::schema::outbox;
-use actix_outbox::{OutboxRow, Status, StoreError};
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Double, Nullable};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};

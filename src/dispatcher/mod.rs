@@ -1,6 +1,22 @@
-//! The dispatcher: the actors that connect the store to a sink.
+//! The dispatcher's messages: what an application sends to the
+//! [`OutboxSupervisor`](crate::OutboxSupervisor) it started ([`Shutdown`], [`GetHealth`],
+//! [`GetMetrics`], [`WakeWorkers`]), what comes back ([`Health`]; [`GetMetrics`] answers a
+//! [`MetricsSnapshot`](crate::MetricsSnapshot)), and the [`Fence`] of a claimed message.
 //!
-//! - `supervisor`: [`OutboxSupervisor`], which starts the others, replaces any that die and
+//! ```no_run
+//! use actix_outbox::dispatcher::{GetHealth, Shutdown};
+//! # async fn f(dispatcher: actix::Addr<actix_outbox::OutboxSupervisor>) -> Result<(), actix::MailboxError> {
+//! let health = dispatcher.send(GetHealth).await?;
+//! if let Some(why) = health.not_ready_reason() {
+//!     eprintln!("not ready: {why}");
+//! }
+//! dispatcher.send(Shutdown).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! Inside, the dispatcher is the actors that connect the store to a sink:
+//!
+//! - `supervisor`: the `OutboxSupervisor`, which starts the others, replaces any that die and
 //!   owns the shutdown protocol;
 //! - `claim`: one claim actor per worker, which reaps, leases batches and paces itself;
 //! - `publish`: one publish actor per claimed message, which calls the sink outside any
@@ -11,7 +27,8 @@
 //! - `sampler`: the table sampler, which the supervisor runs for the table's gauges;
 //! - `shared`: the state they all read (configuration, pool, sink, counters).
 //!
-//! Each actor's messages sit beside it. Only the supervisor and its messages are public.
+//! Each actor's messages sit beside it. Only the supervisor (at the crate root) and its
+//! messages are public.
 
 mod claim;
 mod finalize;
@@ -20,8 +37,8 @@ mod listener;
 mod publish;
 mod sampler;
 mod shared;
-mod supervisor;
+// `pub(crate)`: the crate root re-exports the supervisor, `testing` its crash hooks.
+pub(crate) mod supervisor;
 
-#[cfg(feature = "test-util")]
-pub use supervisor::{CrashFinalizer, CrashWorker};
-pub use supervisor::{GetHealth, GetMetrics, Health, OutboxSupervisor, Shutdown, WakeWorkers};
+pub use crate::model::Fence;
+pub use supervisor::{GetHealth, GetMetrics, Health, Shutdown, WakeWorkers};

@@ -33,8 +33,9 @@ const SINK_CHECK_PERIOD: Duration = Duration::from_millis(100);
 /// write from the dead attempt is fenced off. A panicking sink kills only its own publish.
 ///
 /// ```no_run
+/// use actix_outbox::dispatcher::Shutdown;
 /// use actix_outbox::sink::ChannelSink;
-/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool, migrate};
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, connect_pool, migrate};
 ///
 /// #[actix::main]
 /// async fn main() -> Result<(), Box<dyn std::error::Error>> {

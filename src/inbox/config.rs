@@ -1,4 +1,5 @@
-//! [`InboxConfig`]: what a consumer consumes and how it retries, with every default named.
+//! [`InboxConfig`]: what a consumer consumes and how it retries, with every default named
+//! (the table is on `InboxConfig::new`).
 
 use std::time::Duration;
 
@@ -7,31 +8,31 @@ use lapin::types::ShortString;
 use crate::url::mask_url;
 
 /// Deliveries the broker sends ahead of their acknowledgements, by default (`basic.qos`).
-pub const DEFAULT_PREFETCH: u16 = 64;
+const DEFAULT_PREFETCH: u16 = 64;
 /// Deliveries handled at once (each in its own transaction), by default.
-pub const DEFAULT_CONCURRENCY: usize = 4;
+const DEFAULT_CONCURRENCY: usize = 4;
 /// Attempts a message gets before a retryable failure dead-letters it, by default.
-pub const DEFAULT_MAX_ATTEMPTS: u32 = 5;
+const DEFAULT_MAX_ATTEMPTS: u32 = 5;
 /// Full-jitter retry backoff base, by default: attempt `n` waits `uniform(0, min(cap, base × 2^(n-1)))`.
-pub const DEFAULT_RETRY_BASE: Duration = Duration::from_secs(1);
+const DEFAULT_RETRY_BASE: Duration = Duration::from_secs(1);
 /// Upper bound of the retry backoff, by default.
-pub const DEFAULT_RETRY_CAP: Duration = Duration::from_secs(60);
+const DEFAULT_RETRY_CAP: Duration = Duration::from_secs(60);
 /// Bound on one call of the handler, by default; a slower handler is a retryable failure.
-pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
 /// First pause after the database failed to answer, by default; it doubles up to the maximum.
-pub const DEFAULT_OUTAGE_BACKOFF_MIN: Duration = Duration::from_millis(100);
+const DEFAULT_OUTAGE_BACKOFF_MIN: Duration = Duration::from_millis(100);
 /// Longest pause between two tries while the database is unreachable, by default.
-pub const DEFAULT_OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+const DEFAULT_OUTAGE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// Bound on one attempt to connect and set up the channel, by default.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// First delay before reconnecting to the broker, by default; it doubles up to the maximum.
-pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
+const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
 /// Longest delay between two reconnection attempts, by default.
-pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
+const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
 /// The dead-letter exchange is `<queue>` followed by this, unless named.
-pub const DEAD_LETTER_EXCHANGE_SUFFIX: &str = ".dlx";
+const DEAD_LETTER_EXCHANGE_SUFFIX: &str = ".dlx";
 /// The dead-letter queue is `<queue>` followed by this, unless named.
-pub const DEAD_LETTER_QUEUE_SUFFIX: &str = ".dlq";
+const DEAD_LETTER_QUEUE_SUFFIX: &str = ".dlq";
 
 /// What an ordered consumer does with a late message: one that arrives after a message of the
 /// same aggregate with a higher id was applied.
@@ -177,7 +178,25 @@ macro_rules! setters {
 
 impl InboxConfig {
     /// A consumer named `consumer` of `queue` on the broker at `url`, every other setting at
-    /// its default.
+    /// its default (each also named on its field):
+    ///
+    /// | setting | default |
+    /// | --- | --- |
+    /// | [`prefetch`](InboxConfig::prefetch) | 64 |
+    /// | [`concurrency`](InboxConfig::concurrency) | 4 |
+    /// | [`max_attempts`](InboxConfig::max_attempts) | 5 |
+    /// | [`retry_base`](InboxConfig::retry_base), [`retry_cap`](InboxConfig::retry_cap) | 1 s, 60 s |
+    /// | [`handler_timeout`](InboxConfig::handler_timeout) | 30 s |
+    /// | [`outage_backoff_min`](InboxConfig::outage_backoff_min), [`outage_backoff_max`](InboxConfig::outage_backoff_max) | 100 ms, 5 s |
+    /// | [`connect_timeout`](InboxConfig::connect_timeout) | 10 s |
+    /// | [`reconnect_min`](InboxConfig::reconnect_min), [`reconnect_max`](InboxConfig::reconnect_max) | 100 ms, 10 s |
+    /// | [`dead_letter_exchange`](InboxConfig::dead_letter_exchange) | `None`: `<queue>.dlx` |
+    /// | [`dead_letter_queue`](InboxConfig::dead_letter_queue) | `None`: `<queue>.dlq` |
+    /// | [`declare_dead_letter`](InboxConfig::declare_dead_letter) | `true` |
+    /// | [`ordered`](InboxConfig::ordered) | `false` |
+    /// | [`raw_bodies`](InboxConfig::raw_bodies) | `false` |
+    /// | [`late_events`](InboxConfig::late_events) | [`LateEvents::Skip`] |
+    /// | [`connection_name`](InboxConfig::connection_name) | `None`: `actix-outbox inbox <consumer>` |
     pub fn new(consumer: impl Into<String>, url: impl Into<String>, queue: impl Into<String>) -> Self {
         Self {
             consumer: consumer.into(),

@@ -63,6 +63,7 @@ impl std::fmt::Debug for Shared {
 pub(crate) struct Drain;
 
 /// Panics inside the actor, so that tests and drills can watch the supervisor replace it.
+#[cfg(feature = "test-util")]
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub(crate) struct Crash;
@@ -455,6 +456,7 @@ impl Handler<Drain> for InboxConsumer {
     }
 }
 
+#[cfg(feature = "test-util")]
 impl Handler<Crash> for InboxConsumer {
     type Result = ();
 

@@ -1,5 +1,7 @@
 //! The consumer side: an inbox that turns the dispatcher's at-least-once delivery into exactly
-//! one effect per message, for services that consume from RabbitMQ into PostgreSQL.
+//! one effect per message, for services that consume from RabbitMQ into PostgreSQL. Behind the
+//! `inbox` feature (`actix-outbox = { version = "0.1", features = ["inbox"] }`): a service that
+//! only produces does not compile it.
 //!
 //! ```text
 //!  RabbitMQ queue ──delivery──▶ InboxConsumer (lane by aggregate, prefetch window, manual acks)
@@ -94,7 +96,7 @@
 //! - `config`: [`InboxConfig`], [`LateEvents`], [`InboxError`];
 //! - `handler`: [`InboxHandler`], [`HandlerError`], [`FailureClass`], [`handler_fn`];
 //! - `message`: [`InboxMessage`] and the header names;
-//! - [`store`]: the migrations and the SQL, on [`schema`];
+//! - `store`: the migrations ([`migrate_inbox`]) and the SQL, on [`schema`];
 //! - `supervisor`: [`InboxSupervisor`] and its messages;
 //! - `consumer`: the consumer actor; `link`: its broker connection, on a thread of its own.
 //!
@@ -110,15 +112,12 @@ mod metrics;
 #[allow(missing_docs)]
 pub mod schema;
 mod settle;
-pub mod store;
-mod supervisor;
+// The SQL of the inbox; `testing::inbox` shows it to the crate's tests (feature `test-util`).
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
+pub(crate) mod store;
+pub(crate) mod supervisor;
 
-pub use config::{
-    DEAD_LETTER_EXCHANGE_SUFFIX, DEAD_LETTER_QUEUE_SUFFIX, DEFAULT_CONCURRENCY, DEFAULT_CONNECT_TIMEOUT,
-    DEFAULT_HANDLER_TIMEOUT, DEFAULT_MAX_ATTEMPTS, DEFAULT_OUTAGE_BACKOFF_MAX, DEFAULT_OUTAGE_BACKOFF_MIN,
-    DEFAULT_PREFETCH, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN, DEFAULT_RETRY_BASE, DEFAULT_RETRY_CAP, InboxConfig,
-    InboxError, LateEvents,
-};
+pub use config::{InboxConfig, InboxError, LateEvents};
 pub use handler::{FailureClass, FnHandler, HandlerError, InboxHandler, handler_fn};
 pub use message::{
     ATTEMPT_HEADER, CONSUMER_HEADER, ERROR_HEADER, EXCHANGE_HEADER, InboxMessage, LAST_ERROR_HEADER, QUEUE_HEADER,
@@ -126,6 +125,4 @@ pub use message::{
 };
 pub use metrics::InboxMetrics;
 pub use store::{INBOX_MIGRATIONS, migrate_inbox, migrate_inbox_blocking, pending_inbox_migrations, purge_inbox};
-#[doc(hidden)]
-pub use supervisor::CrashConsumer;
 pub use supervisor::{GetMetrics, InboxSupervisor, Shutdown};

@@ -13,7 +13,7 @@ use super::schema::{inbox, inbox_aggregates};
 use crate::error::StoreError;
 
 /// The inbox's migrations (`migrations/inbox/`), compiled into the crate. They share diesel's
-/// `__diesel_schema_migrations` table with the outbox's [`MIGRATIONS`](crate::MIGRATIONS) but
+/// `__diesel_schema_migrations` table with the outbox's [`MIGRATIONS`](crate::admin::MIGRATIONS) but
 /// never a version, so either set can be applied first, alone, or again.
 pub const INBOX_MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/inbox");
 
@@ -65,7 +65,9 @@ pub async fn record(conn: &mut AsyncPgConnection, consumer: &str, message: &Inbo
     Ok(inserted == 1)
 }
 
-/// Whether `consumer` has recorded `message_id` of `source`.
+/// Whether `consumer` has recorded `message_id` of `source` (for the tests, through
+/// `testing::inbox`).
+#[cfg_attr(not(feature = "test-util"), allow(dead_code))]
 pub async fn is_recorded(
     conn: &mut AsyncPgConnection,
     consumer: &str,
@@ -195,7 +197,7 @@ mod tests {
         let versions = |source: &EmbeddedMigrations| -> Vec<String> {
             MigrationSource::<Pg>::migrations(source).unwrap().iter().map(|m| m.name().version().to_string()).collect()
         };
-        let outbox = versions(&crate::MIGRATIONS);
+        let outbox = versions(&crate::admin::MIGRATIONS);
         let inbox = versions(&INBOX_MIGRATIONS);
         assert!(!inbox.is_empty() && !outbox.is_empty());
         for v in &inbox {

@@ -10,7 +10,9 @@ use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
 use super::config::{InboxConfig, InboxError};
-use super::consumer::{Crash, Drain, InboxConsumer, Shared};
+#[cfg(feature = "test-util")]
+use super::consumer::Crash;
+use super::consumer::{Drain, InboxConsumer, Shared};
 use super::handler::InboxHandler;
 use super::metrics::{Counters, InboxMetrics};
 use crate::store::PgPool;
@@ -23,7 +25,7 @@ const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
 ///
 /// It starts one consumer actor on the current arbiter; the actor's broker connection lives on
 /// a thread of its own (so that no arbiter's end can strand it) and reconnects by itself. An
-/// actor that dies (a bug, or [`CrashConsumer`]) is replaced within 200 ms; what it held unacknowledged
+/// actor that dies (a bug, or a drill) is replaced within 200 ms; what it held unacknowledged
 /// comes back from the broker, and the inbox makes every copy of a committed message a
 /// duplicate. A handler that panics does not kill the actor: see the [module docs](super).
 ///
@@ -184,11 +186,12 @@ impl Handler<Shutdown> for InboxSupervisor {
 
 /// Makes the consumer actor panic, so that tests and drills can watch the supervisor replace
 /// it. Not for production use.
-#[doc(hidden)]
+#[cfg(feature = "test-util")]
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
 pub struct CrashConsumer;
 
+#[cfg(feature = "test-util")]
 impl Handler<CrashConsumer> for InboxSupervisor {
     type Result = ();
 

@@ -11,6 +11,7 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 
 /// What a [`ChannelSink`] does with one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SinkAction {
     /// Send it to the channel and report success.
     Deliver,

@@ -1,11 +1,16 @@
-//! Sinks: implementations of [`Publisher`](crate::Publisher). They know nothing of the
-//! database: they get a claimed message and return an outcome.
+//! The publish step: the [`Publisher`](crate::Publisher) implementations that ship with the
+//! crate, and what a sink of one's own works with. Sinks know nothing of the database: they get
+//! a claimed message and return an outcome.
+//!
+//! - [`RabbitSink`] (configured by [`RabbitConfig`]): RabbitMQ with publisher confirms;
+//! - [`ChannelSink`]: an in-process channel, for tests and for consumers in the same process;
+//! - [`ActorPublisher`]: a user's own actix actor that handles [`Publish`];
+//! - any type that implements [`Publisher`](crate::Publisher), reporting its health as a
+//!   [`SinkState`].
 
 mod channel;
 mod rabbit;
 
+pub use crate::publisher::{ActorPublisher, Publish, PublishFuture, SinkState};
 pub use channel::{ChannelSink, SinkAction};
-pub use rabbit::{
-    DEFAULT_APP_ID, DEFAULT_CONNECT_TIMEOUT, DEFAULT_EXCHANGE, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN,
-    DEFAULT_UNRESPONSIVE_AFTER, ExchangeKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn,
-};
+pub use rabbit::{ExchangeKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn};

@@ -104,7 +104,7 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
-/// let mut conn = actix_outbox::connect("host=db user=app dbname=app").await?;
+/// let mut conn = actix_outbox::admin::connect("host=db user=app dbname=app").await?;
 /// let stats = actix_outbox::admin::stats(&mut conn).await?;
 /// # Ok(()) }
 /// ```
@@ -244,7 +244,7 @@ pub fn migrate_blocking(database_url: &str) -> Result<Vec<String>, StoreError> {
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
-/// let pending = actix_outbox::pending_migrations("postgres://localhost/app").await?;
+/// let pending = actix_outbox::admin::pending_migrations("postgres://localhost/app").await?;
 /// assert!(pending.is_empty(), "run `actix-outbox migrate` first: {pending:?}");
 /// # Ok(()) }
 /// ```

@@ -20,7 +20,7 @@
 //! - the outbox's default source name ([`SOURCE_SQL`]): catalog and control functions.
 //!
 //! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
-//! [`Status`](crate::Status) values. The fenced writes after a claim are built with the DSL
+//! [`Status`](crate::admin::Status) values. The fenced writes after a claim are built with the DSL
 //! and two typed expressions of their own (see `fence.rs`), which add keywords and functions
 //! but no column name. Connection setup and database creation stay beside the pool in
 //! `store/mod.rs`; they do not touch the outbox table.

@@ -1,7 +1,8 @@
 //! PostgreSQL: the test server (`TEST_DATABASE_URL`) and databases of a test's own on it.
 
+use actix_outbox::admin::OutboxRow;
 use actix_outbox::schema::outbox;
-use actix_outbox::{ConnectionString, NewEvent, OutboxRow, PgPool};
+use actix_outbox::{ConnectionString, NewEvent, PgPool};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 

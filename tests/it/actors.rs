@@ -7,12 +7,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use actix::prelude::*;
-use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::admin::Status;
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
+use actix_outbox::sink::{ActorPublisher, ChannelSink, Publish, SinkAction};
 use actix_outbox::testing::CrashWorker;
-use actix_outbox::{
-    ActorPublisher, DispatcherConfig, GetMetrics, OutboxMessage, OutboxSupervisor, Publish, PublishError,
-    PublishResult, Shutdown, Status,
-};
+use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor, PublishError, PublishResult};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use actix_outbox_test_support::{TestDb, eventually};
@@ -120,7 +119,7 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     all_done(&db, 30).await;
     let row = db.row(victim).await;
     assert_eq!((row.status, row.lease_version, row.attempts), (Status::Done, 2, 2));
-    let late = actix_outbox::Fence { id: victim, lease_version: 1 };
+    let late = actix_outbox::dispatcher::Fence { id: victim, lease_version: 1 };
     let mut conn = db.conn().await;
     assert!(actix_outbox::testing::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "stale finalize fenced");
 
@@ -249,7 +248,7 @@ async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_
 
     proxy.stall_downstream();
     let ids = db.seed(10, "held").await;
-    dispatcher.send(actix_outbox::WakeWorkers).await.unwrap();
+    dispatcher.send(actix_outbox::dispatcher::WakeWorkers).await.unwrap();
     eventually(WITHIN, "the claim committed, its answer held back", || async {
         db.count_status("processing").await == 10
     })

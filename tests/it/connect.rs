@@ -61,19 +61,19 @@ async fn key_value_strings_connect_everywhere_and_keep_their_application_name() 
     let mut direct = AsyncPgConnection::establish(&pairs).await.expect("diesel-async establishes a key=value string");
     assert_eq!(session(&mut direct).await, (db.name.clone(), "outbox it".to_owned()));
 
-    let mut own = actix_outbox::connect(&pairs).await.unwrap();
+    let mut own = actix_outbox::admin::connect(&pairs).await.unwrap();
     assert_eq!(session(&mut own).await, (db.name.clone(), "outbox it".to_owned()));
     let unnamed = format!("host={HOST} port={PORT} user={USER} dbname={}", db.name);
-    let mut own = actix_outbox::connect(&unnamed).await.unwrap();
+    let mut own = actix_outbox::admin::connect(&unnamed).await.unwrap();
     assert_eq!(session(&mut own).await, (db.name.clone(), "actix-outbox".to_owned()));
 
     let pool = actix_outbox::connect_pool(&pairs, 2).await.unwrap();
-    actix_outbox::check_connection(&pool).await.unwrap();
+    actix_outbox::admin::check_connection(&pool).await.unwrap();
     assert_eq!(session(&mut pool.get().await.unwrap()).await, (db.name.clone(), "outbox it".to_owned()));
     let pool = actix_outbox::connect_pool(&unnamed, 2).await.unwrap();
     assert_eq!(session(&mut pool.get().await.unwrap()).await, (db.name.clone(), "actix-outbox".to_owned()));
 
-    assert_eq!(actix_outbox::pending_migrations(&pairs).await.unwrap(), Vec::<String>::new());
+    assert_eq!(actix_outbox::admin::pending_migrations(&pairs).await.unwrap(), Vec::<String>::new());
     assert_eq!(actix_outbox::migrate(&pairs).await.unwrap(), Vec::<String>::new());
 }
 
@@ -89,14 +89,14 @@ async fn ensure_database_keeps_every_option_of_the_string() {
             _ => format!("user={USER} dbname={} host={HOST} port={PORT} application_name='outbox it'", db.name),
         };
         assert!(!database_exists(&db.name).await);
-        assert!(actix_outbox::ensure_database(&url).await.unwrap(), "{form}: created");
+        assert!(actix_outbox::admin::ensure_database(&url).await.unwrap(), "{form}: created");
         assert!(database_exists(&db.name).await, "{form}");
-        assert!(!actix_outbox::ensure_database(&url).await.unwrap(), "{form}: already there");
+        assert!(!actix_outbox::admin::ensure_database(&url).await.unwrap(), "{form}: already there");
         let applied = actix_outbox::migrate(&url).await.unwrap();
         let embedded =
-            diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+            diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::admin::MIGRATIONS).unwrap();
         assert_eq!(applied.len(), embedded.len(), "{form}");
-        assert_eq!(actix_outbox::pending_migrations(&url).await.unwrap(), Vec::<String>::new(), "{form}");
+        assert_eq!(actix_outbox::admin::pending_migrations(&url).await.unwrap(), Vec::<String>::new(), "{form}");
     }
 }
 
@@ -110,7 +110,7 @@ async fn connection_failures_keep_their_cause_and_no_password() {
         "host=127.0.0.1 port=1 user=admin password=s3cret dbname=outbox",
         "host=127.0.0.1 port=1 user=admin password='s3cret word' dbname=outbox",
     ] {
-        let e = actix_outbox::connect(url).await.map(|_| ()).unwrap_err();
+        let e = actix_outbox::admin::connect(url).await.map(|_| ()).unwrap_err();
         assert!(matches!(e, StoreError::Connect(_)) && e.is_transient(), "{e:?}");
         assert_eq!(
             e.to_string(),
@@ -121,7 +121,7 @@ async fn connection_failures_keep_their_cause_and_no_password() {
         assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
         assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
 
-        let e = actix_outbox::ensure_database(url).await.unwrap_err();
+        let e = actix_outbox::admin::ensure_database(url).await.unwrap_err();
         assert_eq!(
             e.to_string(),
             "database connection failed: error connecting to server: Connection refused (os error 111)"
@@ -131,7 +131,7 @@ async fn connection_failures_keep_their_cause_and_no_password() {
     }
 
     let missing = ScratchDb::new();
-    let e = actix_outbox::connect(&missing.url).await.map(|_| ()).unwrap_err();
+    let e = actix_outbox::admin::connect(&missing.url).await.map(|_| ()).unwrap_err();
     assert_eq!(
         e.to_string(),
         format!("database connection failed: db error: FATAL: database \"{}\" does not exist", missing.name)
@@ -161,7 +161,7 @@ async fn migrating_a_missing_database_names_it_and_ensure_database() {
     assert_eq!(
         e.to_string(),
         format!(
-            "database {:?} does not exist: create it first with `actix_outbox::ensure_database(url)` \
+            "database {:?} does not exist: create it first with `actix_outbox::admin::ensure_database(url)` \
              (`actix-outbox migrate` creates it and migrates)",
             missing.name
         )

@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::Addr;
-use actix_outbox::admin::{BlockedAggregate, blocked_aggregates, dead_retry, dead_skip};
+use actix_outbox::admin::{BlockedAggregate, Status, blocked_aggregates, dead_retry, dead_skip};
+use actix_outbox::dispatcher::Fence;
 use actix_outbox::sink::{ChannelSink, SinkAction};
 use actix_outbox::testing::{Claim, ClaimParams, Reschedule, mark_dead, mark_done};
 use actix_outbox::{
-    DispatcherConfig, Fence, Fifo, NewEvent, OutboxMessage, OutboxSupervisor, Status, StoreError, enqueue,
-    enqueue_many, enqueue_ordered,
+    DispatcherConfig, Fifo, NewEvent, OutboxMessage, OutboxSupervisor, StoreError, enqueue, enqueue_many,
+    enqueue_ordered,
 };
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Bool, Int8, Text};
@@ -207,7 +208,7 @@ async fn thirty_rows_of_one_aggregate_through_four_workers_finalize_in_id_order(
     let received = receive(&mut rx, seeded.len()).await;
     assert_eq!(received.iter().map(|m| m.id).collect::<Vec<_>>(), seeded, "publish order is id order");
     eventually(Duration::from_secs(10), "all 30 rows done", || async { db.count_status("done").await == 30 }).await;
-    dispatcher.send(actix_outbox::Shutdown).await.unwrap();
+    dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
     assert!(rx.try_recv().is_err(), "no message was published twice");
 
     let mut rows = db.rows().await;
@@ -242,7 +243,7 @@ async fn a_finished_head_triggers_the_next_claim_without_waiting_for_the_poll_in
         }
     }
     assert_eq!(received, seeded);
-    dispatcher.send(actix_outbox::Shutdown).await.unwrap();
+    dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
 }
 
 async fn receive(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>, n: usize) -> Vec<Arc<OutboxMessage>> {
@@ -498,12 +499,14 @@ async fn many_aggregates_through_two_dispatchers_reach_the_sink_in_id_order_per_
         db.count_status("done").await == seeded.len() as i64
     })
     .await;
-    let (m1, m2) =
-        (one.send(actix_outbox::GetMetrics).await.unwrap(), two.send(actix_outbox::GetMetrics).await.unwrap());
+    let (m1, m2) = (
+        one.send(actix_outbox::dispatcher::GetMetrics).await.unwrap(),
+        two.send(actix_outbox::dispatcher::GetMetrics).await.unwrap(),
+    );
     assert_eq!(m1.claimed + m2.claimed, seeded.len() as u64, "no row claimed twice");
     assert!(m1.claimed > 0 && m2.claimed > 0, "both dispatchers took part ({} / {})", m1.claimed, m2.claimed);
-    one.send(actix_outbox::Shutdown).await.unwrap();
-    two.send(actix_outbox::Shutdown).await.unwrap();
+    one.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
+    two.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
 }
 
 // Producer discipline.
@@ -622,7 +625,7 @@ async fn the_gate_index_migration_reverts_and_reapplies() {
         use diesel_migrations::MigrationHarness;
         let mut conn: AsyncConnectionWrapper<AsyncPgConnection> = diesel::Connection::establish(&url).unwrap();
         let migrations =
-            diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+            diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::admin::MIGRATIONS).unwrap();
         let gate = migrations
             .iter()
             .find(|m| m.name().to_string().ends_with("_fifo_gate_by_aggregate"))
@@ -720,10 +723,12 @@ async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
         db.count_status("done").await == seeded.len() as i64
     })
     .await;
-    let (m1, m2) =
-        (one.send(actix_outbox::GetMetrics).await.unwrap(), two.send(actix_outbox::GetMetrics).await.unwrap());
-    one.send(actix_outbox::Shutdown).await.unwrap();
-    two.send(actix_outbox::Shutdown).await.unwrap();
+    let (m1, m2) = (
+        one.send(actix_outbox::dispatcher::GetMetrics).await.unwrap(),
+        two.send(actix_outbox::dispatcher::GetMetrics).await.unwrap(),
+    );
+    one.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
+    two.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
     sink_one.close().await;
     sink_two.close().await;
     assert_eq!(m1.published + m2.published, seeded.len() as u64, "one publish per row");
@@ -839,7 +844,7 @@ async fn under_delete_retention_each_aggregate_still_publishes_in_id_order() {
 
     let received = receive(&mut rx, ids.len()).await;
     eventually(Duration::from_secs(10), "every row deleted", || async { db.rows().await.is_empty() }).await;
-    dispatcher.send(actix_outbox::Shutdown).await.unwrap();
+    dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
     assert!(rx.try_recv().is_err(), "no message was published twice");
     for aggregate in ["A", "B"] {
         let got: Vec<i64> = received.iter().filter(|m| m.aggregate_id == aggregate).map(|m| m.id).collect();

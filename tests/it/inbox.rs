@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use actix::Addr;
 use actix_outbox::inbox::{
-    self, CrashConsumer, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxMetrics,
-    InboxSupervisor, LateEvents, Shutdown,
+    self, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxMetrics, InboxSupervisor, LateEvents,
+    Shutdown,
 };
+use actix_outbox::testing::inbox::CrashConsumer;
 use actix_outbox::wire;
 use diesel::sql_types::{BigInt, Bool, Integer, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -616,8 +617,9 @@ async fn late_flags(db: &TestDb) -> BTreeMap<i64, bool> {
 
 async fn high_water(db: &TestDb, aggregate_id: &str) -> Option<i64> {
     let mut conn = db.conn().await;
-    let aggregate = inbox::store::AggregateRef { source: PRODUCER, aggregate_type: "order", aggregate_id };
-    inbox::store::last_applied(&mut conn, "it", aggregate).await.unwrap()
+    let aggregate =
+        actix_outbox::testing::inbox::AggregateRef { source: PRODUCER, aggregate_type: "order", aggregate_id };
+    actix_outbox::testing::inbox::last_applied(&mut conn, "it", aggregate).await.unwrap()
 }
 
 /// Ordered, late messages skipped: recorded (so their copy is a duplicate), acknowledged, not
@@ -744,7 +746,7 @@ struct BareDb {
 impl BareDb {
     async fn new() -> Self {
         let scratch = ScratchDb::new();
-        assert!(actix_outbox::ensure_database(&scratch.url).await.unwrap(), "a new database");
+        assert!(actix_outbox::admin::ensure_database(&scratch.url).await.unwrap(), "a new database");
         BareDb { url: scratch.url.clone(), _scratch: scratch }
     }
 
@@ -788,14 +790,14 @@ async fn inbox_and_outbox_migrations_apply_in_either_order_without_disturbing_ea
     let inbox_applied = inbox::migrate_inbox(&db.url).await.unwrap();
     assert_eq!(inbox_applied, vec!["20261201900001".to_owned(), "20261202900002".to_owned()]);
     assert_eq!(db.tables().await, inbox_tables);
-    assert_eq!(actix_outbox::pending_migrations(&db.url).await.unwrap().len(), 5, "the outbox is still to do");
+    assert_eq!(actix_outbox::admin::pending_migrations(&db.url).await.unwrap().len(), 5, "the outbox is still to do");
     let outbox_applied = actix_outbox::migrate(&db.url).await.unwrap();
     assert_eq!(outbox_applied.len(), 5);
     assert_eq!(db.tables().await, both);
     assert!(inbox::migrate_inbox(&db.url).await.unwrap().is_empty());
     assert!(actix_outbox::migrate(&db.url).await.unwrap().is_empty());
     assert!(inbox::pending_inbox_migrations(&db.url).await.unwrap().is_empty());
-    assert!(actix_outbox::pending_migrations(&db.url).await.unwrap().is_empty());
+    assert!(actix_outbox::admin::pending_migrations(&db.url).await.unwrap().is_empty());
     let versions = db.versions().await;
     assert_eq!(versions.len(), 7);
 
@@ -822,7 +824,7 @@ async fn inbox_and_outbox_migrations_apply_in_either_order_without_disturbing_ea
 /// new; ordered consumers keep their high-water marks the same way.
 #[actix_rt::test]
 async fn the_source_migration_keeps_what_a_populated_inbox_recorded() {
-    use actix_outbox::inbox::store::{self, AggregateRef};
+    use actix_outbox::testing::inbox::{self as store, AggregateRef};
     use diesel_migrations::MigrationHarness;
     let db = BareDb::new().await;
     let url = db.url.clone();
@@ -862,7 +864,7 @@ async fn count_in(conn: &mut AsyncPgConnection, sql: &str) -> i64 {
 /// removes old rows.
 #[actix_rt::test]
 async fn inbox_store_records_once_and_tracks_the_newest_per_aggregate() {
-    use actix_outbox::inbox::store::{self, AggregateOrder, AggregateRef};
+    use actix_outbox::testing::inbox::{self as store, AggregateOrder, AggregateRef};
     let db = database().await;
     let mut conn = db.conn().await;
     let m = InboxMessage::new(7, "e", serde_json::json!({})).with_aggregate("order", "A").with_source("db-1");
@@ -895,7 +897,7 @@ async fn inbox_store_records_once_and_tracks_the_newest_per_aggregate() {
     assert_eq!(store::last_applied(&mut conn, "c", b).await.unwrap(), None);
 
     let future = chrono::Utc::now() + chrono::Duration::seconds(60);
-    assert_eq!(store::purge_inbox(&mut conn, "c", future).await.unwrap(), 2);
+    assert_eq!(inbox::purge_inbox(&mut conn, "c", future).await.unwrap(), 2);
     assert!(!store::is_recorded(&mut conn, "c", "db-1", 7).await.unwrap());
     assert!(store::is_recorded(&mut conn, "other", "db-1", 7).await.unwrap(), "purge keeps to its consumer");
 }

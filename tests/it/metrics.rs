@@ -8,10 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use actix_outbox::sink::{ChannelSink, SinkAction};
-use actix_outbox::{
-    DispatcherConfig, Fifo, GetHealth, GetMetrics, NewEvent, OutboxSupervisor, PublishError, Shutdown, SinkState,
-};
+use actix_outbox::dispatcher::{GetHealth, GetMetrics, Shutdown};
+use actix_outbox::sink::{ChannelSink, SinkAction, SinkState};
+use actix_outbox::{DispatcherConfig, Fifo, NewEvent, OutboxSupervisor, PublishError};
 use diesel_async::SimpleAsyncConnection;
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};

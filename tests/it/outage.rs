@@ -9,12 +9,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use actix_outbox::sink::{ChannelSink, SinkAction};
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
+use actix_outbox::sink::{ChannelSink, PublishFuture, SinkAction, SinkState};
 use actix_outbox::testing::CrashFinalizer;
-use actix_outbox::{
-    DispatcherConfig, GetMetrics, OutboxMessage, OutboxSupervisor, PublishError, PublishFuture, Publisher, Shutdown,
-    SinkState,
-};
+use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor, PublishError, Publisher};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::proxy::Proxy;
@@ -72,7 +70,7 @@ async fn an_unavailable_sink_spends_no_attempt_however_long_it_is_away() {
     assert_eq!(metrics.sink_outages, 1, "one outage, paused once: {metrics:?}");
     let rows = db.rows().await;
     assert!(
-        rows.iter().all(|r| r.attempts == 0 || r.status == actix_outbox::Status::Processing),
+        rows.iter().all(|r| r.attempts == 0 || r.status == actix_outbox::admin::Status::Processing),
         "refunded while away"
     );
 

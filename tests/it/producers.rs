@@ -11,11 +11,13 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use actix::Addr;
+use actix_outbox::admin::Status;
+use actix_outbox::dispatcher::Shutdown;
 use actix_outbox::inbox::{
     self, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxMetrics, InboxSupervisor,
 };
 use actix_outbox::sink::{RabbitConfig, RabbitSink};
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown, Status};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor};
 use diesel::sql_types::{BigInt, Bool, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::future::BoxFuture;

@@ -7,12 +7,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix_outbox::sink::ExchangeKind;
-use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::admin::Status;
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
+use actix_outbox::sink::{ExchangeKind, RabbitConfig, RabbitError, RabbitSink};
 use actix_outbox::wire;
-use actix_outbox::{
-    DispatcherConfig, GetMetrics, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher, Shutdown, Status,
-};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PublishError, Publisher};
 use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
@@ -469,7 +468,7 @@ async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
     let first = seed_with_confirms_held(&db, &broker, &queue, &proxy, 200, "held").await;
     proxy.amqp_block();
     eventually(WITHIN, "the sink says the broker blocked it, and the dispatcher paused", || async {
-        matches!(sink.state(), actix_outbox::SinkState::Blocked(_))
+        matches!(sink.state(), actix_outbox::sink::SinkState::Blocked(_))
             && dispatcher.send(GetMetrics).await.unwrap().sink_outages == 1
     })
     .await;
@@ -680,7 +679,7 @@ async fn the_deduplication_header_is_opt_in_and_names_the_source() {
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
     eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
-    let health = dispatcher.send(actix_outbox::GetHealth).await.unwrap();
+    let health = dispatcher.send(actix_outbox::dispatcher::GetHealth).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 

@@ -4,9 +4,10 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use actix_outbox::admin::Status;
 use actix_outbox::testing::ClaimParams;
 use actix_outbox::testing::{Step, decide};
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, PublishError, Status};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, PublishError};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
@@ -389,7 +390,7 @@ async fn status_is_written_and_read_as_the_columns_text() {
     use diesel::sql_types::Text;
     let db = TestDb::new().await;
     let mut conn = db.conn().await;
-    for status in Status::ALL {
+    for &status in Status::ALL {
         let back: (String, Status) =
             diesel::select((status.into_sql::<Text>(), status.into_sql::<Text>())).get_result(&mut conn).await.unwrap();
         assert_eq!(back, (status.as_str().to_owned(), status));
@@ -418,7 +419,10 @@ async fn batch_writes_give_each_row_its_own_values() {
     let claimed = claim(&mut conn, "A", 10, LONG, 12).await.messages;
     assert_eq!(claimed.len(), 8);
     let fence = |i: usize| claimed[i].fence();
-    let stale = |i: usize| actix_outbox::Fence { lease_version: claimed[i].lease_version - 1, ..claimed[i].fence() };
+    let stale = |i: usize| actix_outbox::dispatcher::Fence {
+        lease_version: claimed[i].lease_version - 1,
+        ..claimed[i].fence()
+    };
 
     let mut buried: Vec<actix_outbox::testing::Bury> = (0..3)
         .rev()
@@ -629,7 +633,7 @@ async fn heartbeat_extends_only_current_leases() {
     let mut conn = db.conn().await;
     let m = claim(&mut conn, "A", 10, Duration::from_secs(1), 12).await.messages;
     let before = db.row(ids[0]).await.lease_until.unwrap();
-    let stale = actix_outbox::Fence { id: ids[1], lease_version: 99 };
+    let stale = actix_outbox::dispatcher::Fence { id: ids[1], lease_version: 99 };
     let won = actix_outbox::testing::extend_leases(&mut conn, &[m[0].fence(), stale], Duration::from_secs(600))
         .await
         .unwrap();
@@ -816,8 +820,8 @@ async fn migrations_run_down_and_up_again() {
     tokio::task::spawn_blocking(move || {
         let mut conn: diesel_async::async_connection_wrapper::AsyncConnectionWrapper<AsyncPgConnection> =
             diesel::Connection::establish(&url).unwrap();
-        conn.revert_all_migrations(actix_outbox::MIGRATIONS).unwrap();
-        assert!(conn.has_pending_migration(actix_outbox::MIGRATIONS).unwrap());
+        conn.revert_all_migrations(actix_outbox::admin::MIGRATIONS).unwrap();
+        assert!(conn.has_pending_migration(actix_outbox::admin::MIGRATIONS).unwrap());
     })
     .await
     .unwrap();
@@ -911,7 +915,7 @@ async fn the_delete_of_a_confirmed_row_is_fenced_and_read_back_by_absence() {
     // The read-back after a retried write: B's deleted row is gone, A's done row settled at
     // A's version, the never-claimed row is pending at version 0; a fence of another version
     // is left out.
-    let fence = |id, lease_version| actix_outbox::Fence { id, lease_version };
+    let fence = |id, lease_version| actix_outbox::dispatcher::Fence { id, lease_version };
     let asked = [b[0].fence(), a[1].fence(), fence(done, 7), fence(pending, 0)];
     let settled = actix_outbox::testing::settled(&mut ca, &asked).await.unwrap();
     assert_eq!(settled, vec![(taken, None), (done, Some(Status::Done)), (pending, Some(Status::Pending))]);
@@ -944,7 +948,7 @@ async fn release_unanswered_hands_back_only_the_workers_rows_it_is_not_publishin
         let row = db.row(*id).await;
         assert_eq!((row.status, row.attempts, row.lease_version), (Status::Processing, 1, 1), "row {id}");
     }
-    let late = actix_outbox::Fence { id: ids[2], lease_version: 1 };
+    let late = actix_outbox::dispatcher::Fence { id: ids[2], lease_version: 1 };
     assert!(actix_outbox::testing::mark_done(&mut conn, &[late]).await.unwrap().is_empty(), "the lost claim is fenced");
     // Nothing is left to hand back, and the released rows are claimable again.
     assert!(

@@ -5,9 +5,11 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use actix_outbox::admin::Status;
+use actix_outbox::dispatcher::Shutdown;
 use actix_outbox::schema::outbox;
 use actix_outbox::sink::{RabbitConfig, RabbitSink};
-use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, Shutdown, Status};
+use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor};
 use diesel::prelude::*;
 use diesel_async::RunQueryDsl;
 use lapin::types::AMQPValue;

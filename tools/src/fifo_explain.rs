@@ -55,7 +55,7 @@ WHERE id BETWEEN 985001 AND 990000;
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
-    actix_outbox::ensure_database(&url).await?;
+    actix_outbox::admin::ensure_database(&url).await?;
     actix_outbox::migrate(&url).await?;
     let mut conn = AsyncPgConnection::establish(&url).await?;
     // As the dispatcher's pool sets it: custom plans, whatever the driver prepares.

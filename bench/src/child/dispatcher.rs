@@ -4,8 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use actix_outbox::sink::RabbitSink;
-use actix_outbox::{GetMetrics, MetricsSnapshot, OutboxMessage, OutboxSupervisor, PublishFuture, Publisher, Shutdown};
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
+use actix_outbox::sink::{PublishFuture, RabbitSink};
+use actix_outbox::{MetricsSnapshot, OutboxMessage, OutboxSupervisor, Publisher};
 use serde::Serialize;
 
 use super::{commands, emit, wait_for};

@@ -92,7 +92,7 @@ async fn cleanup(opts: &Opts, names: &Names) -> Result<(), BoxError> {
 }
 
 async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError> {
-    actix_outbox::ensure_database(&names.database_url).await?;
+    actix_outbox::admin::ensure_database(&names.database_url).await?;
     actix_outbox::migrate(&names.database_url).await?;
     let mut db = AsyncPgConnection::establish(&names.database_url).await?;
     #[derive(diesel::QueryableByName)]

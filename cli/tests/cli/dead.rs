@@ -1,7 +1,6 @@
 //! `dead list`, `dead retry` and `dead skip`.
 
-use actix_outbox::Status;
-use actix_outbox::admin::SKIPPED_PREFIX;
+use actix_outbox::admin::{SKIPPED_PREFIX, Status};
 use actix_outbox_test_support::TestDb;
 use serde_json::{Value, json};
 

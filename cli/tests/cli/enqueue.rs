@@ -1,6 +1,6 @@
 //! `enqueue`.
 
-use actix_outbox::Status;
+use actix_outbox::admin::Status;
 use actix_outbox_test_support::TestDb;
 use serde_json::json;
 

@@ -14,7 +14,8 @@ async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
     let first = ok(&db.url, &["migrate"]).await;
     assert!(first.contains(&format!("created database {}", db.name)), "{first}");
     let applied: Vec<&str> = first.lines().filter(|l| l.starts_with("applied migration ")).collect();
-    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    let embedded =
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::admin::MIGRATIONS).unwrap();
     assert_eq!(applied.len(), embedded.len(), "{first}");
 
     let second = ok(&db.url, &["migrate"]).await;
@@ -35,7 +36,7 @@ async fn migrate_creates_the_database_applies_migrations_and_is_idempotent() {
 /// What a first `migrate` of database `name` prints: the database, then every migration.
 fn first_migrate_output(name: &str) -> String {
     use diesel::migration::{Migration, MigrationSource};
-    let embedded = MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    let embedded = MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::admin::MIGRATIONS).unwrap();
     let mut out = format!("created database {name}\n");
     for migration in embedded {
         out += &format!("applied migration {}\n", migration.name().version());
@@ -106,7 +107,8 @@ async fn migrate_inbox_installs_only_the_inbox_and_leaves_the_outbox_to_plain_mi
     assert_eq!(again.trim(), format!("database {} is up to date: no pending inbox migrations", db.name));
 
     let outbox = ok(&db.url, &["migrate"]).await;
-    let embedded = diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::MIGRATIONS).unwrap();
+    let embedded =
+        diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::admin::MIGRATIONS).unwrap();
     assert_eq!(outbox.lines().filter(|l| l.starts_with("applied migration ")).count(), embedded.len(), "{outbox}");
     let mut both = inbox_tables.clone();
     both.insert("outbox".to_owned());

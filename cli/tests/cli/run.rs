@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use actix_outbox::{OutboxRow, Status};
+use actix_outbox::admin::{OutboxRow, Status};
 use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
 use serde_json::{Value, json};
 

@@ -14,19 +14,19 @@ use crate::url::mask_url;
 use crate::wire;
 
 /// The exchange published to by default.
-pub const DEFAULT_EXCHANGE: &str = "outbox";
+const DEFAULT_EXCHANGE: &str = "outbox";
 /// The `app_id` property set on every message by default.
-pub const DEFAULT_APP_ID: &str = "actix-outbox";
+const DEFAULT_APP_ID: &str = "actix-outbox";
 /// How long one attempt to connect (TCP, handshake, confirms, exchange declaration) may take by
 /// default.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// First delay before reconnecting after the link is lost, by default.
-pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
+const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
 /// Longest delay between two reconnection attempts, by default.
-pub const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
+const DEFAULT_RECONNECT_MAX: Duration = Duration::from_secs(10);
 /// How long a broker may confirm nothing while publishes wait before the link is taken for
 /// dead, by default.
-pub const DEFAULT_UNRESPONSIVE_AFTER: Duration = Duration::from_secs(5);
+const DEFAULT_UNRESPONSIVE_AFTER: Duration = Duration::from_secs(5);
 
 /// Computes a message's routing key; see [`RabbitConfig::routing_key`].
 pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
@@ -58,7 +58,7 @@ pub struct RabbitConfig {
     /// `?heartbeat=10` bounds how long a broker that went silent without closing the TCP
     /// connection (a dead host, a stuck network path) looks alive.
     pub urls: Vec<String>,
-    /// The exchange every message is published to. Default [`DEFAULT_EXCHANGE`] (`outbox`).
+    /// The exchange every message is published to. Default `outbox`.
     pub exchange: String,
     /// The exchange's type, used when the sink declares it. Default [`ExchangeKind::Topic`].
     pub exchange_kind: ExchangeKind,
@@ -67,7 +67,7 @@ pub struct RabbitConfig {
     /// exchange that does not exist then fails retryably (the broker closes the channel with
     /// 404) until someone creates it. Default `true`.
     pub declare_exchange: bool,
-    /// The `app_id` property of every message. Default [`DEFAULT_APP_ID`].
+    /// The `app_id` property of every message. Default `actix-outbox`.
     pub app_id: String,
     /// Bound on one connection attempt (TCP connect, AMQP handshake, confirm mode, exchange
     /// declaration). Default 10 s.
@@ -81,9 +81,9 @@ pub struct RabbitConfig {
     pub connection_name: Option<String>,
     /// A link whose broker has confirmed nothing for this long while publishes wait (and that
     /// is not blocked by the broker) is taken for dead: the sink reports itself
-    /// [`SinkState::Down`](crate::SinkState::Down), drops the link and reconnects, and the waiting publishes fail as
+    /// [`SinkState::Down`](crate::sink::SinkState::Down), drops the link and reconnects, and the waiting publishes fail as
     /// [`PublishError::Unavailable`] (attempt refunded). Keep it below the dispatcher's publish
-    /// timeout. Default [`DEFAULT_UNRESPONSIVE_AFTER`] (5 s).
+    /// timeout. Default 5 s.
     pub unresponsive_after: Duration,
     /// Whether each message carries the sink's header table (`x-outbox-source`,
     /// `x-aggregate-type`, `x-aggregate-id`, `x-attempt`; see [`wire`](crate::wire)). Default
@@ -94,7 +94,7 @@ pub struct RabbitConfig {
     /// message whose row has no producer headers goes with no header table at all. That is
     /// cheaper for the broker, chiefly while messages pile up in a queue (RabbitMQ keeps every
     /// queued message's decoded header table in memory). Turn it off only when no consumer
-    /// needs the source or the aggregate: the [inbox](crate::inbox) keys on the source (a lean
+    /// needs the source or the aggregate: the inbox (`actix_outbox::inbox`) keys on the source (a lean
     /// message counts as one of an unnamed producer, whose ids must then be unique by
     /// themselves) and orders by the aggregate.
     pub outbox_headers: bool,
@@ -126,7 +126,27 @@ impl std::fmt::Debug for RabbitConfig {
 }
 
 impl RabbitConfig {
-    /// A configuration for the broker at `url`, with every other setting at its default.
+    /// A configuration for the broker at `url`, with every other setting at its default (each
+    /// also named on its field):
+    ///
+    /// | setting | default |
+    /// | --- | --- |
+    /// | [`exchange`](RabbitConfig::exchange) | `outbox` |
+    /// | [`exchange_kind`](RabbitConfig::exchange_kind) | [`ExchangeKind::Topic`] |
+    /// | [`declare_exchange`](RabbitConfig::declare_exchange) | `true` |
+    /// | [`app_id`](RabbitConfig::app_id) | `actix-outbox` |
+    /// | [`connect_timeout`](RabbitConfig::connect_timeout) | 10 s |
+    /// | [`reconnect_min`](RabbitConfig::reconnect_min), [`reconnect_max`](RabbitConfig::reconnect_max) | 100 ms, 10 s |
+    /// | [`connection_name`](RabbitConfig::connection_name) | `None`: the `app_id` |
+    /// | [`unresponsive_after`](RabbitConfig::unresponsive_after) | 5 s |
+    /// | [`outbox_headers`](RabbitConfig::outbox_headers) | `true` |
+    /// | [`deduplication_header`](RabbitConfig::deduplication_header) | `false` |
+    /// | [`routing_key`](RabbitConfig::routing_key) | the event type |
+    ///
+    /// ```
+    /// let config = actix_outbox::sink::RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f");
+    /// assert_eq!((config.exchange.as_str(), config.app_id.as_str()), ("outbox", "actix-outbox"));
+    /// ```
     pub fn new(url: impl Into<String>) -> Self {
         Self::cluster([url.into()])
     }

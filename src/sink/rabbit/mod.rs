@@ -17,10 +17,7 @@ use tokio::sync::oneshot;
 
 pub use lapin::ExchangeKind;
 
-pub use config::{
-    DEFAULT_APP_ID, DEFAULT_CONNECT_TIMEOUT, DEFAULT_EXCHANGE, DEFAULT_RECONNECT_MAX, DEFAULT_RECONNECT_MIN,
-    DEFAULT_UNRESPONSIVE_AFTER, RabbitConfig, RoutingKeyFn,
-};
+pub use config::{RabbitConfig, RoutingKeyFn};
 pub use error::RabbitError;
 use link::LinkState;
 use manager::Manager;
@@ -87,8 +84,9 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 /// # Example
 ///
 /// ```no_run
-/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, Shutdown, connect_pool};
+/// use actix_outbox::dispatcher::Shutdown;
 /// use actix_outbox::sink::{RabbitConfig, RabbitSink};
+/// use actix_outbox::{DispatcherConfig, OutboxSupervisor, connect_pool};
 ///
 /// #[actix::main]
 /// async fn main() -> Result<(), Box<dyn std::error::Error>> {

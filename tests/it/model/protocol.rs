@@ -3,8 +3,10 @@
 
 use std::time::Duration;
 
+use actix_outbox::admin::Status;
+use actix_outbox::dispatcher::Fence;
 use actix_outbox::testing::{Step, decide};
-use actix_outbox::{DispatcherConfig, Fence, OutboxMessage, PublishError, PublishResult, Status};
+use actix_outbox::{DispatcherConfig, OutboxMessage, PublishError, PublishResult};
 use stateright::{Model, Property};
 
 /// Rows in the table, by id order (index `i` is outbox id `i + 1`).
@@ -149,6 +151,7 @@ impl Protocol {
             Status::Done => true,
             Status::Dead => self.bugs.gate_ignores_dead,
             Status::Pending | Status::Processing => false,
+            other => unreachable!("the model has no {other} rows"),
         })
     }
 
