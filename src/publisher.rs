@@ -173,3 +173,56 @@ impl Publisher for ActorPublisher {
         })
     }
 }
+
+/// A [`Publisher`] made of an async closure: the shortest sink of one's own. The closure
+/// owns what it needs (a client, a queue), and each publish borrows it, so nothing is cloned
+/// per message by hand; the dispatcher pays what it pays for any [`Publisher`], one boxed
+/// future per publish. Its [`state`](Publisher::state) is always [`SinkState::Up`]: return
+/// [`PublishError::Unavailable`] when the sink is down, or implement [`Publisher`] to report
+/// health.
+///
+/// ```
+/// use std::sync::Arc;
+/// use actix_outbox::{OutboxMessage, PublishError, sink};
+///
+/// let endpoint = String::from("https://hooks.example.com/orders");
+/// let webhook = sink::from_fn(async move |message: Arc<OutboxMessage>| {
+///     if message.event_type.is_empty() {
+///         return Err(PublishError::Permanent("no event type".into()));
+///     }
+///     println!("POST {endpoint} {} {}", message.id, message.payload);
+///     Ok(())
+/// });
+/// # let _ = webhook;
+/// ```
+pub fn from_fn<F>(publish: F) -> FnPublisher<F>
+where
+    F: AsyncFn(Arc<OutboxMessage>) -> PublishResult + Send + Sync + 'static,
+{
+    FnPublisher(Arc::new(publish))
+}
+
+/// The [`Publisher`] that [`from_fn`] makes.
+pub struct FnPublisher<F>(Arc<F>);
+
+impl<F> Clone for FnPublisher<F> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<F> std::fmt::Debug for FnPublisher<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FnPublisher")
+    }
+}
+
+impl<F> Publisher for FnPublisher<F>
+where
+    F: AsyncFn(Arc<OutboxMessage>) -> PublishResult + Send + Sync + 'static,
+{
+    fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+        let publish = self.0.clone();
+        Box::pin(async move { publish(message).await })
+    }
+}

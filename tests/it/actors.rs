@@ -734,3 +734,32 @@ async fn pooled_connections_outlive_the_runtime_that_opened_them() {
         "no statement failed on a connection opened by the stopped runtime"
     );
 }
+
+/// A sink made of an async closure serves the dispatcher like any other: what it returns
+/// decides each row (one permanent failure goes dead), and it sees each row once.
+#[actix_rt::test]
+async fn an_async_closure_is_a_sink() {
+    let db = TestDb::new().await;
+    let ids = db.seed(12, "a").await;
+    let refused = ids[4];
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let sink = actix_outbox::sink::from_fn(async move |message: Arc<OutboxMessage>| {
+        tx.send(message.id).unwrap();
+        if message.id == refused {
+            return Err(actix_outbox::PublishError::Permanent("refused by the closure".into()));
+        }
+        Ok(())
+    });
+    let dispatcher = OutboxSupervisor::start(config().workers(2), db.pool.clone(), sink).unwrap();
+    all_done(&db, 11).await;
+    eventually(WITHIN, "the refused row dead", || async { db.count_status("dead").await == 1 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    let mut seen = Vec::new();
+    while let Ok(id) = rx.try_recv() {
+        seen.push(id);
+    }
+    seen.sort();
+    assert_eq!(seen, ids, "each row handed to the closure once");
+    let dead = db.row(refused).await;
+    assert_eq!(dead.last_error.as_deref(), Some("permanent: refused by the closure"));
+}
