@@ -14,7 +14,7 @@
 //! The listener arms when the dispatcher has drained the table (a claim came back empty) and
 //! disarms at the first notification. Disarmed (busy), it wakes a worker every [`BUSY_TICK`]
 //! instead, doubling the pause while claims come back empty, up to [`BUSY_TICK_MAX`], and tries
-//! to arm again after every empty claim. No row can fall between the two: arming succeeds only
+//! to arm again after each empty claim once two came back empty in a row. No row can fall between the two: arming succeeds only
 //! once every producer transaction that saw the lock free has committed (each held the lock in
 //! shared mode until then), and arming is followed by one more claim, which sees their rows.
 //! A producer that started after arming finds the lock taken and notifies.
@@ -43,6 +43,10 @@ pub(crate) const BUSY_TICK: Duration = Duration::from_millis(2);
 /// While disarmed, the longest pause between two wake-ups (claims keep coming back empty and
 /// arming keeps failing: another dispatcher is armed, or a producer transaction is open).
 pub(crate) const BUSY_TICK_MAX: Duration = Duration::from_millis(100);
+
+/// While disarmed, arm once the pause between wake-ups has grown to this (two empty claims in a
+/// row).
+const ARM_AFTER: Duration = Duration::from_millis(8);
 
 /// What the listener and the claim actors tell each other.
 #[derive(Debug, Default)]
@@ -191,7 +195,10 @@ async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> 
             tick = (tick * 2).min(BUSY_TICK_MAX);
         }
         seen = now;
-        if (drained || try_now) && try_arm(&mut conn).await? {
+        // Arm after a few empty claims in a row (the pause has doubled twice), not after the
+        // first: a producer committing row after row would otherwise find it armed between
+        // two rows, and notify.
+        if (try_now || (drained && tick >= ARM_AFTER)) && try_arm(&mut conn).await? {
             debug!("table drained: armed, inserts notify");
             wakeups.armed.store(true, Relaxed);
             // Every producer that saw the lock free has committed: one more claim finds its rows.
