@@ -11,12 +11,12 @@
 //! same key in shared mode for its own transaction: when that succeeds nobody is armed, and it
 //! holds the shared lock until it commits, without notifying.
 //!
-//! The listener arms when the dispatcher has drained the table (a claim came back empty) and
-//! disarms at the first notification. Disarmed (busy), it wakes a worker every [`BUSY_TICK`]
-//! instead, doubling the pause while claims come back empty, up to [`BUSY_TICK_MAX`], and tries
-//! to arm again after each empty claim once two came back empty in a row. No row can fall between the two: arming succeeds only
-//! once every producer transaction that saw the lock free has committed (each held the lock in
-//! shared mode until then), and arming is followed by one more claim, which sees their rows.
+//! The listener arms when the dispatcher has drained the table (two claims in a row came back
+//! empty) and disarms at the first notification. Disarmed (busy), it wakes a worker every
+//! [`BUSY_TICK`] instead, doubling the pause while claims come back empty, up to
+//! [`BUSY_TICK_MAX`]. No row can fall between the two modes: arming succeeds only once every
+//! producer transaction that saw the lock free has committed (each held the lock in shared mode
+//! until then), and arming is followed by one more claim, which sees their rows.
 //! A producer that started after arming finds the lock taken and notifies.
 
 use std::sync::Arc;
