@@ -697,10 +697,13 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
         }
         SinkAction::Deliver
     });
-    // The `stall` row is claimed on its insert's NOTIFY; the next poll comes a second later, when
-    // the finalizer already holds the one connection (a poll claim holding it instead would keep
-    // the finalize from running at all).
-    let quiet = config().workers(1).poll_interval(Duration::from_secs(1)).retention(retention);
+    // The `stall` row is claimed by a poll; the next poll comes a second later, when the
+    // finalizer already holds the one connection (a claim holding it instead would keep the
+    // finalize from running at all). No insert listener: after a notification it wakes the
+    // worker every few milliseconds until the table is drained, and such a claim could take the
+    // one connection first.
+    let quiet =
+        config().workers(1).poll_interval(Duration::from_secs(1)).listen_for_inserts(false).retention(retention);
     let dispatcher = OutboxSupervisor::start(quiet, pool, sink).unwrap();
     let settled = async |n: i64| {
         // Each row is in the table from its insert on, so under Delete an empty table means
