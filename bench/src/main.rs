@@ -145,6 +145,16 @@ struct Opts {
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
     latency_interval: Duration,
+    /// Loaded latency: rows per second the bench's producer commits, one row per transaction.
+    #[arg(long, default_value_t = 1000)]
+    rate: u32,
+    /// Loaded latency: how long the producer runs, in seconds.
+    #[arg(long, default_value_t = 10)]
+    seconds: u32,
+    /// Loaded latency: connections the producer commits on (each row's slot goes to the next
+    /// free one, so a slow commit does not hold the rows behind it).
+    #[arg(long, default_value_t = 16)]
+    producers: usize,
     /// Bound on every phase (a phase that takes longer fails the benchmark).
     #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
@@ -184,6 +194,8 @@ enum Phase {
     E2e,
     /// Idle latency.
     Latency,
+    /// Latency under a steady load of single-row commits (`--rate`, `--seconds`).
+    Loaded,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

@@ -277,6 +277,9 @@ impl ClaimActor {
                         }
                     }
                     let n = claim.messages.len();
+                    if !probe {
+                        act.shared.wakeups.claimed(n);
+                    }
                     Metrics::add(&metrics.claimed, n);
                     Metrics::add(&metrics.in_flight, n);
                     if n > 0 {

@@ -2,10 +2,29 @@
 //! notifications and wakes one idle claim actor, so that a new row is claimed at once instead of
 //! at the next poll. Polling stays as the fallback: a dropped connection or a lost notification
 //! costs latency, never a row.
+//!
+//! **Armed and busy.** A transaction that calls `NOTIFY` takes a lock of the whole cluster at
+//! commit and holds it across its WAL flush, so notifying commits run one at a time: on a disk
+//! that flushes in ~2 ms that caps the producers at a few hundred commits a second, whatever
+//! the dispatcher does. So the trigger notifies only while a dispatcher is *armed*: while this
+//! connection holds the session advisory lock [`ARMED_KEY`]. A producer's trigger tries the
+//! same key in shared mode for its own transaction: when that succeeds nobody is armed, and it
+//! holds the shared lock until it commits, without notifying.
+//!
+//! The listener arms when the dispatcher has drained the table (two claims in a row came back
+//! empty) and disarms at the first notification. Disarmed (busy), it wakes a worker every
+//! [`BUSY_TICK`] instead, doubling the pause while claims come back empty, up to
+//! [`BUSY_TICK_MAX`]. No row can fall between the two modes: arming succeeds only once every
+//! producer transaction that saw the lock free has committed (each held the lock in shared mode
+//! until then), and arming is followed by one more claim, which sees their rows.
+//! A producer that started after arming finds the lock taken and notifies.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use diesel_async::SimpleAsyncConnection;
+use diesel::sql_types::{BigInt, Bool};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::{FutureExt, StreamExt};
 use tracing::{debug, warn};
 
@@ -14,15 +33,61 @@ use crate::store::PgPool;
 /// The channel the migration's trigger notifies on every `INSERT` statement into `outbox`.
 pub(crate) const CHANNEL: &str = "outbox_insert";
 
+/// The advisory-lock key (64-bit space) that an armed listener holds and the insert trigger
+/// tries (`pg_try_advisory_xact_lock_shared`): "outbox" in ASCII. The migration
+/// `2026-12-02-000007_notify_only_when_armed` spells the same number.
+pub(crate) const ARMED_KEY: i64 = 0x6f75_7462_6f78;
+
+/// While disarmed, the first pause between two wake-ups.
+pub(crate) const BUSY_TICK: Duration = Duration::from_millis(2);
+/// While disarmed, the longest pause between two wake-ups (claims keep coming back empty and
+/// arming keeps failing: another dispatcher is armed, or a producer transaction is open).
+pub(crate) const BUSY_TICK_MAX: Duration = Duration::from_millis(100);
+
+/// While disarmed, arm once the pause between wake-ups has grown to this (two empty claims in a
+/// row).
+const ARM_AFTER: Duration = Duration::from_millis(8);
+
+/// What the listener and the claim actors tell each other.
+#[derive(Debug, Default)]
+pub(crate) struct Wakeups {
+    /// Claims that came back empty (the table drained).
+    empty_claims: AtomicU64,
+    /// Claims that came back with rows.
+    full_claims: AtomicU64,
+    /// The listener holds the armed lock.
+    armed: AtomicBool,
+}
+
+impl Wakeups {
+    /// A claim came back with `rows` rows.
+    pub(crate) fn claimed(&self, rows: usize) {
+        let counter = if rows == 0 { &self.empty_claims } else { &self.full_claims };
+        counter.fetch_add(1, Relaxed);
+    }
+
+    /// (empty claims, claims with rows) so far.
+    fn counts(&self) -> (u64, u64) {
+        (AtomicU64::load(&self.empty_claims, Relaxed), AtomicU64::load(&self.full_claims, Relaxed))
+    }
+
+    /// Whether inserts notify this dispatcher's listener now.
+    pub(crate) fn armed(&self) -> bool {
+        AtomicBool::load(&self.armed, Relaxed)
+    }
+}
+
 /// Listens until the dispatcher is gone, reconnecting with a capped backoff.
 ///
 /// `wake(burst)` wakes a worker after `burst` notifications (`0` only asks whether the
 /// dispatcher is still there) and returns false once it is gone. The supervisor hands in one
 /// that holds a weak address, so the listener never keeps a dropped dispatcher alive.
-pub(crate) async fn listen(pool: PgPool, wake: impl Fn(usize) -> bool) {
+pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(usize) -> bool) {
     let mut backoff = Duration::from_millis(100);
     while wake(0) {
-        match listen_once(&pool, &wake).await {
+        let result = listen_once(&pool, &wakeups, &wake).await;
+        wakeups.armed.store(false, Relaxed);
+        match result {
             Ok(()) => return,
             Err(e) => {
                 warn!(error = %e, retry_in = ?backoff, "insert listener lost its connection; polling meanwhile");
@@ -33,32 +98,121 @@ pub(crate) async fn listen(pool: PgPool, wake: impl Fn(usize) -> bool) {
     }
 }
 
+#[derive(diesel::QueryableByName)]
+struct Locked {
+    #[diesel(sql_type = Bool)]
+    ok: bool,
+}
+
+/// Takes the armed lock if no producer transaction holds it in shared mode.
+async fn try_arm(conn: &mut AsyncPgConnection) -> Result<bool, String> {
+    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok")
+        .bind::<BigInt, _>(ARMED_KEY)
+        .get_result(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(row.ok)
+}
+
+async fn disarm(conn: &mut AsyncPgConnection) -> Result<(), String> {
+    let _: Locked = diesel::sql_query("SELECT pg_advisory_unlock($1) AS ok")
+        .bind::<BigInt, _>(ARMED_KEY)
+        .get_result(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Notifications already arrived, without waiting.
+fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, String> {
+    let mut notifications = std::pin::pin!(conn.notifications_stream());
+    let mut burst = 0usize;
+    loop {
+        match notifications.next().now_or_never() {
+            Some(Some(Ok(_))) => burst += 1,
+            Some(Some(Err(e))) => return Err(e.to_string()),
+            Some(None) => return Err("notification stream ended".into()),
+            None => return Ok(burst),
+        }
+    }
+}
+
+/// The next notification (`Ok(false)` when `within` passed first).
+async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> Result<bool, String> {
+    let mut notifications = std::pin::pin!(conn.notifications_stream());
+    match tokio::time::timeout(within, notifications.next()).await {
+        Err(_elapsed) => Ok(false),
+        Ok(Some(Ok(_))) => Ok(true),
+        Ok(Some(Err(e))) => Err(e.to_string()),
+        // The backend went away; polling this stream again would panic.
+        Ok(None) => Err("notification stream ended".into()),
+    }
+}
+
 /// `Ok` when the dispatcher is gone.
-async fn listen_once(pool: &PgPool, wake: &impl Fn(usize) -> bool) -> Result<(), String> {
-    // Not a pooled connection: LISTEN state must not leak to other users, and the stream holds
-    // the connection for as long as we listen.
+async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> bool) -> Result<(), String> {
+    // Not a pooled connection: LISTEN state and the session lock must not leak to other users,
+    // and the connection is held for as long as we listen.
     let mut conn = pool.dedicated_connection().await.map_err(|e| e.to_string())?;
     conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|e| e.to_string())?;
     debug!("insert listener connected");
-    let mut notifications = std::pin::pin!(conn.notifications_stream());
+    // Rows inserted while nobody was armed (or before we listened) are found by the claim that
+    // follows the first arming, or by the busy ticks.
+    let mut tick = BUSY_TICK;
+    let mut seen = wakeups.counts();
+    let mut try_now = true;
     loop {
-        // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the connection.
-        let next = tokio::time::timeout(Duration::from_secs(5), notifications.next()).await;
-        match next {
-            Err(_elapsed) if wake(0) => continue,
-            Err(_elapsed) => return Ok(()),
-            Ok(Some(Ok(_))) => {}
-            Ok(Some(Err(e))) => return Err(e.to_string()),
-            // The backend went away; polling this stream again would panic.
-            Ok(None) => return Err("notification stream ended".into()),
+        if wakeups.armed() {
+            // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the
+            // connection.
+            if !notified(&mut conn, Duration::from_secs(5)).await? {
+                if wake(0) {
+                    continue;
+                }
+                return Ok(());
+            }
+            // A burst of inserts is one wake-up: swallow what has already arrived.
+            let burst = 1 + swallow(&mut conn)?;
+            debug!(burst, "rows inserted; waking a worker and disarming");
+            if !wake(burst) {
+                return Ok(());
+            }
+            // Rows are coming: stop the producers' notifications (each serialises their commits)
+            // and tick instead.
+            disarm(&mut conn).await?;
+            wakeups.armed.store(false, Relaxed);
+            tick = BUSY_TICK;
+            seen = wakeups.counts();
+            try_now = false;
+            continue;
         }
-        // A burst of inserts is one wake-up: swallow what has already arrived.
-        let mut burst = 1usize;
-        while let Some(Some(Ok(_))) = notifications.next().now_or_never() {
-            burst += 1;
+        // Disarmed: arm once the table is drained, else wake a worker every tick.
+        let now = wakeups.counts();
+        let drained = now.0 > seen.0;
+        if now.1 > seen.1 {
+            tick = BUSY_TICK;
+        } else if drained {
+            tick = (tick * 2).min(BUSY_TICK_MAX);
         }
-        debug!(burst, "rows inserted; waking a worker");
-        if !wake(burst) {
+        seen = now;
+        // Arm after a few empty claims in a row (the pause has doubled twice), not after the
+        // first: a producer committing row after row would otherwise find it armed between
+        // two rows, and notify.
+        if (try_now || (drained && tick >= ARM_AFTER)) && try_arm(&mut conn).await? {
+            debug!("table drained: armed, inserts notify");
+            wakeups.armed.store(true, Relaxed);
+            // Every producer that saw the lock free has committed: one more claim finds its rows.
+            let _ = swallow(&mut conn)?;
+            if !wake(1) {
+                return Ok(());
+            }
+            continue;
+        }
+        try_now = false;
+        // Another dispatcher may be armed: its producers' notifications reach us too.
+        let burst = usize::from(notified(&mut conn, tick).await?);
+        let burst = burst + if burst > 0 { swallow(&mut conn)? } else { 0 };
+        if !wake(burst.max(1)) {
             return Ok(());
         }
     }

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::gate::SinkGate;
+use super::listener::Wakeups;
 use crate::config::DispatcherConfig;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
@@ -28,6 +29,8 @@ pub(crate) struct Shared {
     pub(crate) gate: SinkGate,
     /// Whether the database answers, so that an outage is logged once, not once per statement.
     pub(crate) db: DbHealth,
+    /// What the insert listener and the claim actors tell each other (see `listener`).
+    pub(crate) wakeups: Arc<Wakeups>,
     /// Per worker, the claims its publishes hold, kept here rather than in the claim actor
     /// because publishes outlive a claim actor that dies. A claim whose answer was lost hands
     /// back that worker's other `processing` rows (see `store::release_unanswered`). By fence,
@@ -47,7 +50,17 @@ impl Shared {
         if let Some(name) = &config.source {
             let _ = source.set(Arc::from(name.as_str()));
         }
-        Self { config, pool, publisher, metrics: Metrics::default(), gate, db: DbHealth::default(), publishing, source }
+        Self {
+            config,
+            pool,
+            publisher,
+            metrics: Metrics::default(),
+            gate,
+            db: DbHealth::default(),
+            wakeups: Arc::default(),
+            publishing,
+            source,
+        }
     }
 
     /// The outbox's source name, derived from the database on `conn` the first time when it

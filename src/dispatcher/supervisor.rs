@@ -213,7 +213,7 @@ impl Actor for OutboxSupervisor {
                 }
                 alive.is_some()
             };
-            let listener = super::listener::listen(self.shared.pool.clone(), wake);
+            let listener = super::listener::listen(self.shared.pool.clone(), self.shared.wakeups.clone(), wake);
             self.listener = Some(ctx.spawn(listener.into_actor(self)));
         }
     }

@@ -465,6 +465,117 @@ async fn invalid_configuration_is_an_error_not_a_hang() {
     }
 }
 
+/// Sessions of the test database that hold the armed lock of the insert listener (the
+/// advisory key "outbox" in ASCII, 0x6f75_7462_6f78: high and low 32 bits in pg_locks).
+async fn armed_sessions(db: &TestDb) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let mut conn = db.conn().await;
+    let n: N = diesel_async::RunQueryDsl::get_result(
+        diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database
+             WHERE d.datname = current_database() AND l.locktype = 'advisory' AND l.granted
+               AND l.mode = 'ExclusiveLock' AND l.classid = 28533 AND l.objid = 1952608120 AND l.objsubid = 1",
+        ),
+        &mut conn,
+    )
+    .await
+    .unwrap();
+    n.n
+}
+
+/// Notifications that arrive on `conn` within `within`.
+async fn notifications_within(conn: &mut diesel_async::AsyncPgConnection, within: Duration) -> usize {
+    use futures_util::StreamExt;
+    let mut stream = std::pin::pin!(conn.notifications_stream());
+    let mut n = 0;
+    while let Ok(Some(Ok(_))) = tokio::time::timeout(within, stream.next()).await {
+        n += 1;
+    }
+    n
+}
+
+/// The insert trigger notifies only while a dispatcher is armed (a session holds the armed
+/// lock): each NOTIFY serialises the producers' commits, so while no listener waits for one,
+/// a producer commits without it. And a busy dispatcher disarms: under a stream of inserts the
+/// producers stop notifying, and every row is still published promptly.
+#[actix_rt::test]
+async fn inserts_notify_only_while_a_dispatcher_is_armed() {
+    use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+    let db = TestDb::new().await;
+    let mut listening = db.conn().await;
+    listening.batch_execute("LISTEN outbox_insert").await.unwrap();
+    // Nobody armed: no notification.
+    db.seed(1, "quiet").await;
+    assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 0);
+    // Armed (as the listener arms): the insert notifies.
+    let mut armed = db.conn().await;
+    armed.batch_execute("SELECT pg_advisory_lock(122550254464888)").await.unwrap();
+    db.seed(1, "loud").await;
+    assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 1);
+    // A producer transaction that found the lock free keeps a listener from arming until it
+    // commits (so that the claim after arming sees its row).
+    armed.batch_execute("SELECT pg_advisory_unlock(122550254464888)").await.unwrap();
+    let mut producer = db.conn().await;
+    producer.batch_execute("BEGIN").await.unwrap();
+    producer
+        .batch_execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) VALUES ('t', 'open', 'e', '{}')",
+        )
+        .await
+        .unwrap();
+    #[derive(diesel::QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        ok: bool,
+    }
+    let try_arm = || diesel::sql_query("SELECT pg_try_advisory_lock(122550254464888) AS ok");
+    assert!(!try_arm().get_result::<Locked>(&mut armed).await.unwrap().ok, "armed while a producer is open");
+    producer.batch_execute("COMMIT").await.unwrap();
+    assert!(try_arm().get_result::<Locked>(&mut armed).await.unwrap().ok, "not armed after the producer committed");
+    armed.batch_execute("SELECT pg_advisory_unlock(122550254464888)").await.unwrap();
+    db.pool.get().await.unwrap().batch_execute("DELETE FROM outbox").await.unwrap();
+    let _ = notifications_within(&mut listening, Duration::from_millis(100)).await;
+
+    // A dispatcher polling only once an hour: its listener arms when idle, disarms once rows
+    // stream in, and wakes its workers itself meanwhile.
+    let (sink, _rx) = ChannelSink::new();
+    let hour = Duration::from_secs(3600);
+    let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "listener armed", || async { armed_sessions(&db).await == 1 }).await;
+    #[derive(diesel::QueryableByName)]
+    struct Id {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        id: i64,
+    }
+    // One producer committing row after row, as fast as it can.
+    let mut ids = Vec::new();
+    for n in 0..200 {
+        let id: Id = diesel::sql_query(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('t', $1, 'e', '{}') RETURNING id",
+        )
+        .bind::<diesel::sql_types::Text, _>(format!("s{n}"))
+        .get_result(&mut producer)
+        .await
+        .unwrap();
+        ids.push(id.id);
+    }
+    let notified = notifications_within(&mut listening, Duration::from_millis(300)).await;
+    assert!(notified < 100, "{notified} of 200 inserts notified: a busy dispatcher should disarm");
+    eventually(WITHIN, "every streamed row done", || async {
+        let rows = db.rows().await;
+        ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
+    })
+    .await;
+    // Drained, it arms again.
+    eventually(WITHIN, "listener armed again", || async { armed_sessions(&db).await == 1 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+}
+
 /// The insert trigger's NOTIFY wakes an idle worker at once: with a poll interval of an hour,
 /// rows inserted after the first (empty) claim are still published promptly — both by a plain
 /// SQL producer and by `enqueue`.
@@ -474,25 +585,9 @@ async fn inserts_wake_an_idle_dispatcher_without_polling() {
     let (sink, mut rx) = ChannelSink::new();
     let hour = Duration::from_secs(3600);
     let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
-    // Let the start-up claims run and the workers go idle on their hour-long poll.
-    eventually(WITHIN, "listener connected", || async {
-        let mut conn = db.conn().await;
-        #[derive(diesel::QueryableByName)]
-        struct N {
-            #[diesel(sql_type = diesel::sql_types::BigInt)]
-            n: i64,
-        }
-        let n: N = diesel_async::RunQueryDsl::get_result(
-            diesel::sql_query(
-                "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() AND query ILIKE 'LISTEN%'",
-            ),
-            &mut conn,
-        )
-        .await
-        .unwrap();
-        n.n == 1
-    })
-    .await;
+    // Let the start-up claims run, the workers go idle on their hour-long poll, and the listener
+    // arm (rows inserted from then on notify).
+    eventually(WITHIN, "listener armed", || async { armed_sessions(&db).await == 1 }).await;
     for round in 0..3 {
         let ids = db.seed(3, &format!("r{round}")).await;
         eventually(WITHIN, &format!("round {round} published"), || async {
@@ -604,10 +699,13 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
         }
         SinkAction::Deliver
     });
-    // The `stall` row is claimed on its insert's NOTIFY; the next poll comes a second later, when
-    // the finalizer already holds the one connection (a poll claim holding it instead would keep
-    // the finalize from running at all).
-    let quiet = config().workers(1).poll_interval(Duration::from_secs(1)).retention(retention);
+    // The `stall` row is claimed by a poll; the next poll comes a second later, when the
+    // finalizer already holds the one connection (a claim holding it instead would keep the
+    // finalize from running at all). No insert listener: after a notification it wakes the
+    // worker every few milliseconds until the table is drained, and such a claim could take the
+    // one connection first.
+    let quiet =
+        config().workers(1).poll_interval(Duration::from_secs(1)).listen_for_inserts(false).retention(retention);
     let dispatcher = OutboxSupervisor::start(quiet, pool, sink).unwrap();
     let settled = async |n: i64| {
         // Each row is in the table from its insert on, so under Delete an empty table means

@@ -6,11 +6,11 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime};
 
 use diesel::sql_types::{BigInt, Int4, Text};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use super::Names;
 use super::kids::Kids;
-use super::report::RunResult;
+use super::report::{Loaded, RunResult};
 use super::tally::{Tally, tally_of};
 use crate::procstat::{Server, ServerTicks, machine_busy_seconds};
 use crate::{BoxError, EVENT_TYPE, Opts, Phase, RAW_ID_BASE, REPORT_PERIOD, RetentionArg, SETTLE};
@@ -169,6 +169,11 @@ pub(super) async fn one_run(
         result.latency_confirm_p99_ms = Some(latency.1);
         result.latency_delivery_p50_ms = Some(latency.2);
         result.latency_delivery_p99_ms = Some(latency.3);
+    }
+
+    // 6. Loaded latency.
+    if phase(Phase::Loaded) {
+        result.loaded = Some(loaded_latency(opts, names, db, tally, &mut peak_kib).await?);
     }
     result.peak_rss_mib = (peak_kib > 0).then(|| peak_kib as f64 / 1024.0);
     Ok(result)
@@ -409,6 +414,151 @@ async fn idle_latency(
         percentile(&mut to_delivery, 0.50),
         percentile(&mut to_delivery, 0.99),
     ))
+}
+
+/// Commits single-row transactions at `--rate` for `--seconds` while the dispatcher runs with
+/// its defaults and the consumer reads the queue; returns the achieved rate and the commit →
+/// delivery distribution (and the database's own `done_at - created_at`, for comparison).
+async fn loaded_latency(
+    opts: &Opts,
+    names: &Names,
+    db: &mut AsyncPgConnection,
+    tally: &Mutex<Tally>,
+    peak_kib: &mut u64,
+) -> Result<Loaded, BoxError> {
+    if opts.rate == 0 || opts.seconds == 0 || opts.producers == 0 {
+        return Err("--rate, --seconds and --producers must be at least 1".into());
+    }
+    db.batch_execute("TRUNCATE outbox").await?;
+    let mut producers = Vec::with_capacity(opts.producers);
+    for _ in 0..opts.producers {
+        producers.push(AsyncPgConnection::establish(&names.database_url).await?);
+    }
+    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", false)).collect();
+    let mut kids = Kids::spawn(&args)?;
+    kids.ready(Duration::from_secs(30)).await?;
+    kids.go();
+    let mut ignore = HashMap::new();
+    let settle = tokio::time::Instant::now() + SETTLE;
+    while let Ok(Some(line)) = tokio::time::timeout_at(settle, kids.lines.recv()).await {
+        kids.apply(line, &mut ignore)?;
+    }
+    tally_of(tally).expect(0, 0, true);
+
+    let total = opts.rate as usize * opts.seconds as usize;
+    let pad = opts.payload_bytes.saturating_sub(24) as i32;
+    let next = std::cell::Cell::new(0_usize);
+    let started = tokio::time::Instant::now();
+    let slot = |k: usize| started + Duration::from_secs_f64(k as f64 / f64::from(opts.rate));
+    // Each producer takes the next slot, waits for its instant, commits, and records when the
+    // commit returned: a row whose slot has passed goes at once (the schedule is kept, not
+    // shifted, so a slow commit shows up as a lower achieved rate, not as lost rows).
+    let produce = |mut conn: AsyncPgConnection| {
+        let next = &next;
+        async move {
+            let mut commits: Vec<(i64, SystemTime)> = Vec::new();
+            loop {
+                let k = next.get();
+                if k >= total {
+                    break;
+                }
+                next.set(k + 1);
+                tokio::time::sleep_until(slot(k)).await;
+                let id: Id = diesel::sql_query(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
+                     RETURNING id",
+                )
+                .bind::<Text, _>((k % 1000).to_string())
+                .bind::<Text, _>(EVENT_TYPE)
+                .bind::<BigInt, _>(k as i64)
+                .bind::<Int4, _>(pad)
+                .get_result(&mut conn)
+                .await?;
+                commits.push((id.id, SystemTime::now()));
+            }
+            Ok::<_, BoxError>(commits)
+        }
+    };
+    let producing = futures_util::future::join_all(producers.into_iter().map(produce));
+    let mut producing = std::pin::pin!(producing);
+    // Keep reading the children's output while producing, so their pipes never fill.
+    let per_producer = loop {
+        tokio::select! {
+            done = &mut producing => break done,
+            line = kids.lines.recv() => match line {
+                Some(line) => kids.apply(line, &mut ignore)?,
+                None => return Err("dispatcher children vanished".into()),
+            },
+        }
+    };
+    let elapsed = started.elapsed();
+    let mut commits = Vec::with_capacity(total);
+    for c in per_producer {
+        commits.extend(c?);
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let missing = {
+            let tally = tally_of(tally);
+            let arrivals = tally.arrivals.as_ref();
+            commits.iter().filter(|(id, _)| !arrivals.is_some_and(|a| a.contains_key(id))).count()
+        };
+        if missing == 0 {
+            break;
+        }
+        tokio::select! {
+            line = kids.lines.recv() => match line {
+                Some(line) => kids.apply(line, &mut ignore)?,
+                None => return Err("dispatcher children vanished".into()),
+            },
+            () = tokio::time::sleep(REPORT_PERIOD) => {}
+            () = tokio::time::sleep_until(deadline) => {
+                return Err(format!("loaded latency: {missing} of {total} rows not delivered within 60 s").into());
+            }
+        }
+    }
+    for report in kids.stop(Duration::from_secs(30)).await? {
+        *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
+    }
+    let arrivals = tally_of(tally).arrivals.take().unwrap_or_default();
+    let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
+    let mut delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
+
+    #[derive(diesel::QueryableByName)]
+    struct DbLatency {
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Double>)]
+        p50: Option<f64>,
+        #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Double>)]
+        p99: Option<f64>,
+    }
+    // The database's own clock: from the row's `created_at` (its transaction's start) to the
+    // finalize that marked it done. Nothing with `--retention delete`.
+    let on_db: DbLatency = diesel::sql_query(
+        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY ms) AS p50,
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY ms) AS p99
+         FROM (SELECT (extract(epoch FROM done_at - created_at) * 1e3)::float8 AS ms
+               FROM outbox WHERE status = 'done') AS d",
+    )
+    .get_result(db)
+    .await?;
+    Ok(Loaded {
+        target_rate: f64::from(opts.rate),
+        achieved_rate: total as f64 / elapsed.as_secs_f64(),
+        rows: total,
+        p50_ms: percentile(&mut delivery, 0.50),
+        p99_ms: percentile(&mut delivery, 0.99),
+        p999_ms: percentile(&mut delivery, 0.999),
+        max_ms: percentile(&mut delivery, 1.0),
+        db_done_p50_ms: on_db.p50,
+        db_done_p99_ms: on_db.p99,
+    })
+}
+
+#[derive(diesel::QueryableByName)]
+struct Id {
+    #[diesel(sql_type = BigInt)]
+    id: i64,
 }
 
 /// Nearest-rank percentile.

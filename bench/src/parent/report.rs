@@ -35,6 +35,25 @@ pub(super) struct RunResult {
     /// Most messages confirmed (rows done) but not yet at the consumer at once, end to end:
     /// a consumer that falls behind makes the broker queue (and store) messages.
     pub(super) end_to_end_consumer_lag: Option<u64>,
+    /// The loaded-latency phase.
+    pub(super) loaded: Option<Loaded>,
+}
+
+/// Latency under a steady load: single-row commits at `--rate` for `--seconds`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(super) struct Loaded {
+    pub(super) target_rate: f64,
+    /// Rows committed ÷ the time from the first slot to the last commit.
+    pub(super) achieved_rate: f64,
+    pub(super) rows: usize,
+    /// Commit → consumer delivery, milliseconds.
+    pub(super) p50_ms: f64,
+    pub(super) p99_ms: f64,
+    pub(super) p999_ms: f64,
+    pub(super) max_ms: f64,
+    /// The database's own `done_at - created_at` (the finalize's clock), milliseconds.
+    pub(super) db_done_p50_ms: Option<f64>,
+    pub(super) db_done_p99_ms: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -84,6 +103,25 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
         peak_rss_mib: m(|r| r.peak_rss_mib),
         end_to_end_duplicates: runs.iter().map(|r| r.end_to_end_duplicates).max().unwrap_or(0),
         end_to_end_consumer_lag: runs.iter().filter_map(|r| r.end_to_end_consumer_lag).max(),
+        loaded: {
+            let loaded: Vec<&Loaded> = runs.iter().filter_map(|r| r.loaded.as_ref()).collect();
+            let m = |f: fn(&Loaded) -> f64| median(loaded.iter().map(|l| f(l)).collect());
+            let o = |f: fn(&Loaded) -> Option<f64>| {
+                let v: Vec<f64> = loaded.iter().filter_map(|l| f(l)).collect();
+                (!v.is_empty()).then(|| median(v))
+            };
+            (!loaded.is_empty()).then(|| Loaded {
+                target_rate: m(|l| l.target_rate),
+                achieved_rate: m(|l| l.achieved_rate),
+                rows: loaded[0].rows,
+                p50_ms: m(|l| l.p50_ms),
+                p99_ms: m(|l| l.p99_ms),
+                p999_ms: m(|l| l.p999_ms),
+                max_ms: m(|l| l.max_ms),
+                db_done_p50_ms: o(|l| l.db_done_p50_ms),
+                db_done_p99_ms: o(|l| l.db_done_p99_ms),
+            })
+        },
     }
 }
 
@@ -181,4 +219,45 @@ pub(super) fn print_report(report: &Report<'_>) {
     println!(
         "the consumer's delivery; rss = largest peak RSS (VmHWM) of one dispatcher process; dups = duplicate deliveries."
     );
+    if report.runs.iter().any(|r| r.loaded.is_some()) {
+        print_loaded(report);
+    }
+}
+
+fn print_loaded(report: &Report<'_>) {
+    let o = report.options;
+    println!();
+    println!(
+        "loaded latency: {} rows/s for {} s, one row per transaction on {} producer connections",
+        o.rate, o.seconds, o.producers
+    );
+    println!(
+        "{:<8} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10}",
+        "run", "rows/s", "rows", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "db p50 ms", "db p99 ms"
+    );
+    let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
+    let row = |name: &str, l: &Loaded| {
+        println!(
+            "{:<8} {:>9.0} {:>7} {:>8.1} {:>8.1} {:>9.1} {:>8.1} {:>10} {:>10}",
+            name,
+            l.achieved_rate,
+            l.rows,
+            l.p50_ms,
+            l.p99_ms,
+            l.p999_ms,
+            l.max_ms,
+            ms(l.db_done_p50_ms),
+            ms(l.db_done_p99_ms)
+        )
+    };
+    for (i, r) in report.runs.iter().enumerate() {
+        if let Some(l) = &r.loaded {
+            row(&format!("{}", i + 1), l);
+        }
+    }
+    if let Some(l) = &report.median.loaded {
+        row(&format!("median/{}", report.runs.len()), l);
+    }
+    println!("rows/s = achieved (rows ÷ first slot to last commit); p* = commit (the INSERT returned) → consumer");
+    println!("delivery; db = done_at − created_at on the database clock (to the finalize's commit).");
 }
