@@ -320,7 +320,12 @@ impl Window {
             // A graceful stop finishes and finalizes what it started.
             Kind::Term => 0,
             // Confirms or finalizes lost with the connection, or leases run out meanwhile.
-            Kind::Cut(_) | Kind::Blackhole { .. } => w,
+            Kind::Cut(_) | Kind::Blackhole { service: Service::Db, .. } => w,
+            // The sink still says it is up until it has heard nothing for its unresponsive
+            // time: meanwhile each publish times out and is sent again once per publish
+            // timeout, and the proxy delivers every copy it held (or the broker got) when the
+            // blackhole ends.
+            Kind::Blackhole { service: Service::Broker, .. } => per(self.publish_timeout),
             // A slow link can make publishes time out (then they are sent again), once per
             // publish timeout for a broker link and once per lease for a database link.
             Kind::Delay { service: Service::Broker, .. } | Kind::Slow { service: Service::Broker, .. } => {
