@@ -166,7 +166,8 @@ impl std::io::Write for Captured {
 
 /// Logs at `info`, the command line's default, as text: the error about a row names it, and
 /// no per-message span is rendered (it is at `debug`, so that the formatter does not pay for
-/// one per message), except under the `opentelemetry` feature, whose traces need it at `info`.
+/// one per message), except under the `opentelemetry` feature, whose traces need it at `info`
+/// (there the `trace` tests check the span).
 #[actix_rt::test]
 async fn at_info_a_sink_panic_names_its_row_and_the_span_follows_the_feature() {
     let (captured, _guard) = Captured::install();
@@ -190,11 +191,11 @@ async fn at_info_a_sink_panic_names_its_row_and_the_span_follows_the_feature() {
     let panics: Vec<&str> = logs.lines().filter(|l| l.contains("sink panicked")).collect();
     assert_eq!(panics.len(), 1, "{logs}");
     assert!(panics[0].contains(&format!("outbox_id={victim} lease_version=1")), "the row is named: {}", panics[0]);
-    assert_eq!(
-        logs.contains("publish{"),
-        cfg!(feature = "opentelemetry"),
-        "a per-message span at info only under the opentelemetry feature:\n{logs}"
-    );
+    // Under the feature the span is `info` and the `trace` tests check it; whether this
+    // subscriber renders it then depends on the other tests' subscribers (callsite interest).
+    if !cfg!(feature = "opentelemetry") {
+        assert!(!logs.contains("publish{"), "no per-message span at info:\n{logs}");
+    }
     assert!(logs.contains("claimed batch"), "the batch lines are there: {logs}");
 }
 
