@@ -186,7 +186,7 @@ impl Publisher for ActorPublisher {
 /// use actix_outbox::{OutboxMessage, PublishError, sink};
 ///
 /// let endpoint = String::from("https://hooks.example.com/orders");
-/// let webhook = sink::from_fn(async move |message: Arc<OutboxMessage>| {
+/// let webhook = sink::publisher_fn(async move |message: Arc<OutboxMessage>| {
 ///     if message.event_type.is_empty() {
 ///         return Err(PublishError::Permanent("no event type".into()));
 ///     }
@@ -195,14 +195,14 @@ impl Publisher for ActorPublisher {
 /// });
 /// # let _ = webhook;
 /// ```
-pub fn from_fn<F>(publish: F) -> FnPublisher<F>
+pub fn publisher_fn<F>(publish: F) -> FnPublisher<F>
 where
     F: AsyncFn(Arc<OutboxMessage>) -> PublishResult + Send + Sync + 'static,
 {
     FnPublisher(Arc::new(publish))
 }
 
-/// The [`Publisher`] that [`from_fn`] makes.
+/// The [`Publisher`] that [`publisher_fn`] makes.
 pub struct FnPublisher<F>(Arc<F>);
 
 impl<F> Clone for FnPublisher<F> {

@@ -5,13 +5,13 @@
 //! - [`RabbitSink`] (configured by [`RabbitConfig`]): RabbitMQ with publisher confirms;
 //! - [`ChannelSink`]: an in-process channel, for tests and for consumers in the same process;
 //! - [`ActorPublisher`]: a user's own actix actor that handles [`Publish`];
-//! - [`from_fn`]: an async closure;
+//! - [`publisher_fn`]: an async closure;
 //! - any type that implements [`Publisher`](crate::Publisher), reporting its health as a
 //!   [`SinkState`].
 
 mod channel;
 mod rabbit;
 
-pub use crate::publisher::{ActorPublisher, FnPublisher, Publish, PublishFuture, SinkState, from_fn};
+pub use crate::publisher::{ActorPublisher, FnPublisher, Publish, PublishFuture, SinkState, publisher_fn};
 pub use channel::{ChannelSink, SinkAction};
 pub use rabbit::{ExchangeKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn};

@@ -841,7 +841,7 @@ async fn an_async_closure_is_a_sink() {
     let ids = db.seed(12, "a").await;
     let refused = ids[4];
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let sink = actix_outbox::sink::from_fn(async move |message: Arc<OutboxMessage>| {
+    let sink = actix_outbox::sink::publisher_fn(async move |message: Arc<OutboxMessage>| {
         tx.send(message.id).unwrap();
         if message.id == refused {
             return Err(actix_outbox::PublishError::Permanent("refused by the closure".into()));
