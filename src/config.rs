@@ -198,6 +198,7 @@ pub(crate) fn default_owner() -> String {
     format!("{host}:{}", std::process::id())
 }
 
+/// Builder setters of the crate's config types: `name: Type` sets the field `name`.
 macro_rules! setters {
     ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {
         $(
@@ -210,6 +211,35 @@ macro_rules! setters {
         )*
     };
 }
+
+/// A setter of two fields at once, e.g. a backoff's `(min, max)`: `name(first, second): Type`.
+macro_rules! pair_setter {
+    ($(#[$doc:meta])* $name:ident($first:ident, $second:ident): $ty:ty) => {
+        $(#[$doc])*
+        #[must_use]
+        pub fn $name(mut self, $first: $ty, $second: $ty) -> Self {
+            self.$first = $first;
+            self.$second = $second;
+            self
+        }
+    };
+}
+
+/// Setters of optional names (`Option<String>` fields) that take anything `Into<String>`.
+macro_rules! name_setters {
+    ($($(#[$doc:meta])* $name:ident),* $(,)?) => {
+        $(
+            $(#[$doc])*
+            #[must_use]
+            pub fn $name(mut self, name: impl Into<String>) -> Self {
+                self.$name = Some(name.into());
+                self
+            }
+        )*
+    };
+}
+
+pub(crate) use {name_setters, pair_setter, setters};
 
 impl DispatcherConfig {
     setters! {

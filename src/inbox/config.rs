@@ -163,18 +163,7 @@ impl std::fmt::Debug for InboxConfig {
     }
 }
 
-macro_rules! setters {
-    ($($(#[$doc:meta])* $name:ident: $ty:ty),* $(,)?) => {
-        $(
-            $(#[$doc])*
-            #[must_use]
-            pub fn $name(mut self, value: $ty) -> Self {
-                self.$name = value;
-                self
-            }
-        )*
-    };
-}
+use crate::config::{name_setters, pair_setter, setters};
 
 impl InboxConfig {
     /// A consumer named `consumer` of `queue` on the broker at `url`, every other setting at
@@ -244,49 +233,25 @@ impl InboxConfig {
         late_events: LateEvents,
     }
 
-    /// Sets [`InboxConfig::retry_base`] and [`InboxConfig::retry_cap`].
-    #[must_use]
-    pub fn retry_backoff(mut self, base: Duration, cap: Duration) -> Self {
-        self.retry_base = base;
-        self.retry_cap = cap;
-        self
+    pair_setter! {
+        /// Sets [`InboxConfig::retry_base`] and [`InboxConfig::retry_cap`].
+        retry_backoff(retry_base, retry_cap): Duration
     }
-
-    /// Sets [`InboxConfig::outage_backoff_min`] and [`InboxConfig::outage_backoff_max`].
-    #[must_use]
-    pub fn outage_backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.outage_backoff_min = min;
-        self.outage_backoff_max = max;
-        self
+    pair_setter! {
+        /// Sets [`InboxConfig::outage_backoff_min`] and [`InboxConfig::outage_backoff_max`].
+        outage_backoff(outage_backoff_min, outage_backoff_max): Duration
     }
-
-    /// Sets [`InboxConfig::reconnect_min`] and [`InboxConfig::reconnect_max`].
-    #[must_use]
-    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.reconnect_min = min;
-        self.reconnect_max = max;
-        self
+    pair_setter! {
+        /// Sets [`InboxConfig::reconnect_min`] and [`InboxConfig::reconnect_max`].
+        reconnect_backoff(reconnect_min, reconnect_max): Duration
     }
-
-    /// Sets [`InboxConfig::dead_letter_exchange`].
-    #[must_use]
-    pub fn dead_letter_exchange(mut self, name: impl Into<String>) -> Self {
-        self.dead_letter_exchange = Some(name.into());
-        self
-    }
-
-    /// Sets [`InboxConfig::dead_letter_queue`].
-    #[must_use]
-    pub fn dead_letter_queue(mut self, name: impl Into<String>) -> Self {
-        self.dead_letter_queue = Some(name.into());
-        self
-    }
-
-    /// Sets [`InboxConfig::connection_name`].
-    #[must_use]
-    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
-        self
+    name_setters! {
+        /// Sets [`InboxConfig::dead_letter_exchange`].
+        dead_letter_exchange,
+        /// Sets [`InboxConfig::dead_letter_queue`].
+        dead_letter_queue,
+        /// Sets [`InboxConfig::connection_name`].
+        connection_name,
     }
 
     /// The dead-letter exchange's name (the configured one, or `<queue>.dlx`).

@@ -1,5 +1,6 @@
 //! [`RabbitConfig`]: how the sink connects and what it publishes, with its defaults and checks.
 
+use crate::config::{name_setters, pair_setter, setters};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -206,11 +207,23 @@ impl RabbitConfig {
         }
     }
 
-    /// Sets [`RabbitConfig::unresponsive_after`].
-    #[must_use]
-    pub fn unresponsive_after(mut self, after: Duration) -> Self {
-        self.unresponsive_after = after;
-        self
+    setters! {
+        /// Sets [`RabbitConfig::unresponsive_after`].
+        unresponsive_after: Duration,
+        /// Sets [`RabbitConfig::exchange_kind`].
+        exchange_kind: ExchangeKind,
+        /// Sets [`RabbitConfig::declare_exchange`].
+        declare_exchange: bool,
+        /// Sets [`RabbitConfig::connect_timeout`].
+        connect_timeout: Duration,
+    }
+    pair_setter! {
+        /// Sets [`RabbitConfig::reconnect_min`] and [`RabbitConfig::reconnect_max`].
+        reconnect_backoff(reconnect_min, reconnect_max): Duration
+    }
+    name_setters! {
+        /// Sets [`RabbitConfig::connection_name`].
+        connection_name,
     }
 
     /// Sets [`RabbitConfig::exchange`].
@@ -220,46 +233,10 @@ impl RabbitConfig {
         self
     }
 
-    /// Sets [`RabbitConfig::exchange_kind`].
-    #[must_use]
-    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
-        self.exchange_kind = kind;
-        self
-    }
-
-    /// Sets [`RabbitConfig::declare_exchange`].
-    #[must_use]
-    pub fn declare_exchange(mut self, declare: bool) -> Self {
-        self.declare_exchange = declare;
-        self
-    }
-
     /// Sets [`RabbitConfig::app_id`].
     #[must_use]
     pub fn app_id(mut self, app_id: impl Into<String>) -> Self {
         self.app_id = app_id.into();
-        self
-    }
-
-    /// Sets [`RabbitConfig::connect_timeout`].
-    #[must_use]
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// Sets [`RabbitConfig::reconnect_min`] and [`RabbitConfig::reconnect_max`].
-    #[must_use]
-    pub fn reconnect_backoff(mut self, min: Duration, max: Duration) -> Self {
-        self.reconnect_min = min;
-        self.reconnect_max = max;
-        self
-    }
-
-    /// Sets [`RabbitConfig::connection_name`].
-    #[must_use]
-    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.connection_name = Some(name.into());
         self
     }
 
