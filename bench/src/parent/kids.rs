@@ -97,6 +97,23 @@ impl Kids {
         }
     }
 
+    /// Starts the dispatchers of `args`, lets them go, and leaves them idle for `settle` so that
+    /// a phase measures a dispatcher at rest; the confirms they report meanwhile are applied.
+    pub(super) async fn settled(
+        args: &[Vec<String>],
+        settle: Duration,
+    ) -> Result<(Self, HashMap<i64, SystemTime>), BoxError> {
+        let mut kids = Self::spawn(args)?;
+        kids.ready(Duration::from_secs(30)).await?;
+        kids.go();
+        let mut confirms = HashMap::new();
+        let until = tokio::time::Instant::now() + settle;
+        while let Ok(Some(line)) = tokio::time::timeout_at(until, kids.lines.recv()).await {
+            kids.apply(line, &mut confirms)?;
+        }
+        Ok((kids, confirms))
+    }
+
     pub(super) fn done(&self) -> u64 {
         self.kids.iter().map(|k| k.done).sum()
     }

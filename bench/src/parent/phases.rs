@@ -349,14 +349,7 @@ async fn idle_latency(
 ) -> Result<(f64, f64, f64, f64), BoxError> {
     db.batch_execute("TRUNCATE outbox").await?;
     let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", true)).collect();
-    let mut kids = Kids::spawn(&args)?;
-    kids.ready(Duration::from_secs(30)).await?;
-    kids.go();
-    let mut confirms = HashMap::new();
-    let settle = tokio::time::Instant::now() + SETTLE;
-    while let Ok(Some(line)) = tokio::time::timeout_at(settle, kids.lines.recv()).await {
-        kids.apply(line, &mut confirms)?;
-    }
+    let (mut kids, mut confirms) = Kids::settled(&args, SETTLE).await?;
 
     #[derive(diesel::QueryableByName)]
     struct Id {
@@ -435,14 +428,7 @@ async fn loaded_latency(
         producers.push(AsyncPgConnection::establish(&names.database_url).await?);
     }
     let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", false)).collect();
-    let mut kids = Kids::spawn(&args)?;
-    kids.ready(Duration::from_secs(30)).await?;
-    kids.go();
-    let mut ignore = HashMap::new();
-    let settle = tokio::time::Instant::now() + SETTLE;
-    while let Ok(Some(line)) = tokio::time::timeout_at(settle, kids.lines.recv()).await {
-        kids.apply(line, &mut ignore)?;
-    }
+    let (mut kids, mut ignore) = Kids::settled(&args, SETTLE).await?;
     tally_of(tally).expect(0, 0, true);
 
     let total = opts.rate as usize * opts.seconds as usize;

@@ -1,6 +1,5 @@
 //! [`RabbitConfig`]: how the sink connects and what it publishes, with its defaults and checks.
 
-use crate::config::{name_setters, pair_setter, setters};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,6 +8,7 @@ use lapin::types::ShortString;
 
 use super::{ExchangeKind, RabbitError};
 use crate::amqp;
+use crate::config::{name_setters, pair_setter, setters};
 use crate::error::PublishError;
 use crate::model::OutboxMessage;
 use crate::url::mask_url;
