@@ -351,22 +351,6 @@ async fn idle_latency(
     let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", true)).collect();
     let (mut kids, mut confirms) = Kids::settled(&args, SETTLE).await?;
 
-    #[derive(diesel::QueryableByName)]
-    struct Id {
-        #[diesel(sql_type = BigInt)]
-        id: i64,
-    }
-    let insert = |n: usize| {
-        diesel::sql_query(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-             VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
-             RETURNING id",
-        )
-        .bind::<Text, _>((n % 1000).to_string())
-        .bind::<Text, _>(EVENT_TYPE)
-        .bind::<BigInt, _>(n as i64)
-        .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
-    };
     // The ids are known only once inserted: record every arrival, whatever its id.
     tally_of(tally).expect(0, 0, true);
     let mut commits: Vec<(i64, SystemTime)> = Vec::with_capacity(opts.latency_samples);
@@ -374,10 +358,10 @@ async fn idle_latency(
     for sample in 0..opts.latency_samples {
         tokio::time::sleep_until(next_tick).await;
         next_tick += opts.latency_interval;
-        let id: Id = insert(sample).get_result(db).await?;
+        let id = insert_row(db, sample, opts.payload_bytes.saturating_sub(24) as i32).await?;
         // The autocommit INSERT has returned: the row is committed and visible.
         let committed = SystemTime::now();
-        commits.push((id.id, committed));
+        commits.push((id, committed));
         while let Ok(line) = kids.lines.try_recv() {
             kids.apply(line, &mut confirms)?;
         }
@@ -450,18 +434,8 @@ async fn loaded_latency(
                 }
                 next.set(k + 1);
                 tokio::time::sleep_until(slot(k)).await;
-                let id: Id = diesel::sql_query(
-                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-                     VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
-                     RETURNING id",
-                )
-                .bind::<Text, _>((k % 1000).to_string())
-                .bind::<Text, _>(EVENT_TYPE)
-                .bind::<BigInt, _>(k as i64)
-                .bind::<Int4, _>(pad)
-                .get_result(&mut conn)
-                .await?;
-                commits.push((id.id, SystemTime::now()));
+                let id = insert_row(&mut conn, k, pad).await?;
+                commits.push((id, SystemTime::now()));
             }
             Ok::<_, BoxError>(commits)
         }
@@ -545,6 +519,23 @@ async fn loaded_latency(
 struct Id {
     #[diesel(sql_type = BigInt)]
     id: i64,
+}
+
+/// Commits the bench's row number `n` (its aggregate `n % 1000`, `pad` bytes of padding) in a
+/// transaction of its own, as a producer would; returns its id.
+async fn insert_row(conn: &mut AsyncPgConnection, n: usize, pad: i32) -> diesel::QueryResult<i64> {
+    let row: Id = diesel::sql_query(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
+         RETURNING id",
+    )
+    .bind::<Text, _>((n % 1000).to_string())
+    .bind::<Text, _>(EVENT_TYPE)
+    .bind::<BigInt, _>(n as i64)
+    .bind::<Int4, _>(pad)
+    .get_result(conn)
+    .await?;
+    Ok(row.id)
 }
 
 /// Nearest-rank percentile.
