@@ -34,6 +34,12 @@
 //! 6. **peak RSS**: `VmHWM` of each dispatcher process (`/proc/self/status`), read when it stops;
 //!    the dispatcher runs in child processes (this binary re-executed), so the benchmark's own
 //!    seeding, consumer and bookkeeping are not counted.
+//! 7. **loaded latency** (`--phases loaded`): a producer inside the bench commits `--rate`
+//!    single-row transactions a second for `--seconds` on `--producers` connections while the
+//!    dispatcher runs with its defaults; commit → delivery p50 / p99 / p99.9 / max.
+//! 8. **history** (`--phases history`): end to end again, with the `--messages` new rows
+//!    inserted after `--kept-done` `done` rows (a day of history, vacuumed as autovacuum would
+//!    have), and its rate ÷ the e2e phase's rate of the same run.
 //!
 //! Beside the rates it prints where the CPU went: the busy time of the whole machine per
 //! message in each throughput phase (`/proc/stat`: PostgreSQL, RabbitMQ, the dispatcher, the
@@ -43,7 +49,7 @@
 //! everything shares a few cores, end to end costs about the sum of the two ceilings' CPU per
 //! message, and these columns show it.
 //!
-//! `--phases` picks phases (`broker,database,e2e,latency`); `--json` prints one JSON document.
+//! `--phases` picks phases (default `broker,database,e2e,latency`); `--json` prints one JSON document.
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
 //! `VACUUM ANALYZE`d, so every phase starts from the same state. The dispatcher runs with its
 //! default settings except those given on the command line, and a pool of `workers + 2`
@@ -155,6 +161,10 @@ struct Opts {
     /// free one, so a slow commit does not hold the rows behind it).
     #[arg(long, default_value_t = 16)]
     producers: usize,
+    /// History phase: `done` rows the table keeps beside the `--messages` new ones, as under
+    /// the default `Keep` retention (2,000,000 is about a day of a busy service).
+    #[arg(long, default_value_t = 2_000_000)]
+    kept_done: usize,
     /// Bound on every phase (a phase that takes longer fails the benchmark).
     #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
@@ -196,6 +206,9 @@ enum Phase {
     Latency,
     /// Latency under a steady load of single-row commits (`--rate`, `--seconds`).
     Loaded,
+    /// End to end again, the new rows beside `--kept-done` rows of history; the report sets
+    /// its rate against the e2e phase's, of the same run.
+    History,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

@@ -133,9 +133,9 @@ pub(super) async fn one_run(
 
     // 2. Database ceiling.
     if phase(Phase::Database) {
-        let (first, _) = seed(db, n, opts).await?;
+        let first = seed(db, n, 0, opts).await?;
         let spent = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
-        verify_done(db, n, opts.retention == RetentionArg::Delete).await?;
+        verify_done(db, n, 0, opts.retention == RetentionArg::Delete).await?;
         result.database_ceiling_msg_s = Some(spent.rate(n));
         result.database_cpu_us_per_msg = spent.cpu_us_per_message(n);
         result.database_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
@@ -143,9 +143,11 @@ pub(super) async fn one_run(
 
     // 3. End to end.
     if phase(Phase::E2e) {
-        let (first, _) = seed(db, n, opts).await?;
+        let first = seed(db, n, 0, opts).await?;
+        let wal = wal_position(db).await?;
         let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
-        verify_done(db, n, opts.retention == RetentionArg::Delete).await?;
+        result.end_to_end_wal_bytes_per_msg = Some((wal_position(db).await? - wal) / n as f64);
+        verify_done(db, n, 0, opts.retention == RetentionArg::Delete).await?;
         result.end_to_end_msg_s = Some(spent.rate(n));
         result.end_to_end_cpu_us_per_msg = spent.cpu_us_per_message(n);
         result.end_to_end_dispatcher_us_per_msg = spent.dispatcher_us_per_message(n);
@@ -175,8 +177,34 @@ pub(super) async fn one_run(
     if phase(Phase::Loaded) {
         result.loaded = Some(loaded_latency(opts, names, db, tally, &mut peak_kib).await?);
     }
+
+    // 7. End to end beside a kept history.
+    if phase(Phase::History) {
+        let first = seed(db, n, opts.kept_done, opts).await?;
+        let wal = wal_position(db).await?;
+        let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+        result.history_wal_bytes_per_msg = Some((wal_position(db).await? - wal) / n as f64);
+        verify_done(db, n, opts.kept_done, opts.retention == RetentionArg::Delete).await?;
+        let rate = spent.rate(n);
+        result.history_msg_s = Some(rate);
+        result.history_ratio = result.end_to_end_msg_s.map(|e2e| rate / e2e);
+        result.history_postgres_us_per_msg = Spent::server_us_per_message(spent.postgres_cpu_seconds, n);
+    }
     result.peak_rss_mib = (peak_kib > 0).then(|| peak_kib as f64 / 1024.0);
     Ok(result)
+}
+
+/// The server's WAL insert position, in bytes.
+async fn wal_position(db: &mut AsyncPgConnection) -> Result<f64, BoxError> {
+    #[derive(diesel::QueryableByName)]
+    struct Lsn {
+        #[diesel(sql_type = diesel::sql_types::Double)]
+        bytes: f64,
+    }
+    let lsn: Lsn = diesel::sql_query("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS bytes")
+        .get_result(db)
+        .await?;
+    Ok(lsn.bytes)
 }
 
 /// Raw lapin publishing of `--messages` messages from `--processes` children; returns msg/s.
@@ -231,10 +259,26 @@ async fn broker_ceiling(
     ended.ok_or_else(|| "broker ceiling ended without a time".into())
 }
 
-/// Empties the table, inserts `n` pending rows in one statement, vacuums and analyses it.
-/// Returns the first id and the count.
-async fn seed(db: &mut AsyncPgConnection, n: usize, opts: &Opts) -> Result<(i64, usize), BoxError> {
+/// Empties the table, inserts `kept` rows of history (`done` over the last day, one attempt
+/// each), then `n` pending rows, each in one statement, and vacuums and analyses it, as
+/// autovacuum would have. Returns the first pending id.
+async fn seed(db: &mut AsyncPgConnection, n: usize, kept: usize, opts: &Opts) -> Result<i64, BoxError> {
     db.batch_execute("TRUNCATE outbox").await?;
+    if kept > 0 {
+        diesel::sql_query(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, created_at, status,
+                                 available_at, attempts, lease_version, done_at)
+             SELECT 'bench', (g % 1000)::text, $3, jsonb_build_object('n', g, 'pad', repeat('x', $2)),
+                    t, 'done', t, 1, 1, t + interval '5 milliseconds'
+             FROM generate_series(1, $1) AS g,
+                  LATERAL (SELECT now() - interval '1 day' + (interval '1 day' / $1) * g) AS s(t)",
+        )
+        .bind::<BigInt, _>(kept as i64)
+        .bind::<Int4, _>(opts.payload_bytes.saturating_sub(24) as i32)
+        .bind::<Text, _>(EVENT_TYPE)
+        .execute(db)
+        .await?;
+    }
     #[derive(diesel::QueryableByName)]
     struct Range {
         #[diesel(sql_type = BigInt)]
@@ -259,11 +303,12 @@ async fn seed(db: &mut AsyncPgConnection, n: usize, opts: &Opts) -> Result<(i64,
         return Err(format!("seeded ids are not contiguous: {}..={}", range.first, range.last).into());
     }
     db.batch_execute("VACUUM ANALYZE outbox").await?;
-    Ok((range.first, n))
+    Ok(range.first)
 }
 
-/// Fails unless exactly `n` rows exist and all are `done` (none at all with `--retention delete`).
-async fn verify_done(db: &mut AsyncPgConnection, n: usize, deleted: bool) -> Result<(), BoxError> {
+/// Fails unless exactly `n` new rows and `kept` rows of history exist and all are `done` (with
+/// `--retention delete`, only the history).
+async fn verify_done(db: &mut AsyncPgConnection, n: usize, kept: usize, deleted: bool) -> Result<(), BoxError> {
     #[derive(diesel::QueryableByName)]
     struct Count {
         #[diesel(sql_type = BigInt)]
@@ -275,12 +320,9 @@ async fn verify_done(db: &mut AsyncPgConnection, n: usize, deleted: bool) -> Res
         diesel::sql_query("SELECT count(*) FILTER (WHERE status = 'done') AS done, count(*) AS total FROM outbox")
             .get_result(db)
             .await?;
-    if deleted {
-        if c.total != 0 {
-            return Err(format!("expected every row deleted, found {} rows ({} done)", c.total, c.done).into());
-        }
-    } else if c.done != n as i64 || c.total != n as i64 {
-        return Err(format!("expected {n} rows all done, found {} done of {}", c.done, c.total).into());
+    let expected = if deleted { kept } else { kept + n } as i64;
+    if c.done != expected || c.total != expected {
+        return Err(format!("expected {expected} rows all done, found {} done of {}", c.done, c.total).into());
     }
     Ok(())
 }

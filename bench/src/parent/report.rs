@@ -24,6 +24,9 @@ pub(super) struct RunResult {
     /// microseconds (parts of `end_to_end_cpu_us_per_msg`).
     pub(super) end_to_end_postgres_us_per_msg: Option<f64>,
     pub(super) end_to_end_rabbitmq_us_per_msg: Option<f64>,
+    /// WAL the server wrote per message end to end, in bytes (`pg_current_wal_lsn()` before
+    /// and after: the whole cluster's, so the benchmark's own bookkeeping is in it too).
+    pub(super) end_to_end_wal_bytes_per_msg: Option<f64>,
     pub(super) latency_confirm_p50_ms: Option<f64>,
     pub(super) latency_confirm_p99_ms: Option<f64>,
     pub(super) latency_delivery_p50_ms: Option<f64>,
@@ -37,6 +40,12 @@ pub(super) struct RunResult {
     pub(super) end_to_end_consumer_lag: Option<u64>,
     /// The loaded-latency phase.
     pub(super) loaded: Option<Loaded>,
+    /// The history phase: end to end beside `--kept-done` kept rows.
+    pub(super) history_msg_s: Option<f64>,
+    /// History ÷ end to end, same run.
+    pub(super) history_ratio: Option<f64>,
+    pub(super) history_postgres_us_per_msg: Option<f64>,
+    pub(super) history_wal_bytes_per_msg: Option<f64>,
 }
 
 /// Latency under a steady load: single-row commits at `--rate` for `--seconds`.
@@ -96,6 +105,11 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
         end_to_end_dispatcher_us_per_msg: m(|r| r.end_to_end_dispatcher_us_per_msg),
         end_to_end_postgres_us_per_msg: m(|r| r.end_to_end_postgres_us_per_msg),
         end_to_end_rabbitmq_us_per_msg: m(|r| r.end_to_end_rabbitmq_us_per_msg),
+        end_to_end_wal_bytes_per_msg: m(|r| r.end_to_end_wal_bytes_per_msg),
+        history_msg_s: m(|r| r.history_msg_s),
+        history_ratio: m(|r| r.history_ratio),
+        history_postgres_us_per_msg: m(|r| r.history_postgres_us_per_msg),
+        history_wal_bytes_per_msg: m(|r| r.history_wal_bytes_per_msg),
         latency_confirm_p50_ms: m(|r| r.latency_confirm_p50_ms),
         latency_confirm_p99_ms: m(|r| r.latency_confirm_p99_ms),
         latency_delivery_p50_ms: m(|r| r.latency_delivery_p50_ms),
@@ -161,6 +175,7 @@ pub(super) fn print_report(report: &Report<'_>) {
         ("disp:e2e", 8),
         ("pg:e2e", 7),
         ("mq:e2e", 7),
+        ("wal:e2e", 7),
         ("conf p50", 9),
         ("conf p99", 9),
         ("dlv p50", 8),
@@ -192,6 +207,7 @@ pub(super) fn print_report(report: &Report<'_>) {
             us(r.end_to_end_dispatcher_us_per_msg),
             us(r.end_to_end_postgres_us_per_msg),
             us(r.end_to_end_rabbitmq_us_per_msg),
+            us(r.end_to_end_wal_bytes_per_msg),
             ms(r.latency_confirm_p50_ms),
             ms(r.latency_confirm_p99_ms),
             ms(r.latency_delivery_p50_ms),
@@ -211,6 +227,7 @@ pub(super) fn print_report(report: &Report<'_>) {
     println!("cpu:* = busy CPU time of the whole machine per message in that phase (us, all processes);");
     println!("disp:* = CPU time of the dispatcher processes alone per message (us);");
     println!("pg:e2e, mq:e2e = CPU time of the PostgreSQL, of the RabbitMQ processes per message end to end (us);");
+    println!("wal:e2e = WAL bytes the server wrote per message end to end;");
     println!(
         "conf/dlv = idle latency (ms, {} rows {} apart) from the producer's commit to the sink's publisher confirm / to",
         o.latency_samples,
@@ -222,6 +239,41 @@ pub(super) fn print_report(report: &Report<'_>) {
     if report.runs.iter().any(|r| r.loaded.is_some()) {
         print_loaded(report);
     }
+    if report.runs.iter().any(|r| r.history_msg_s.is_some()) {
+        print_history(report);
+    }
+}
+
+fn print_history(report: &Report<'_>) {
+    let o = report.options;
+    println!();
+    println!(
+        "history: {} new rows beside {} kept done rows, with the RabbitMQ sink and the consumer",
+        o.messages, o.kept_done
+    );
+    println!(
+        "{:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
+        "run", "e2e/s", "hist/s", "vs e2e", "pg:e2e", "pg:hist", "wal:e2e", "wal:hist"
+    );
+    let cell = |v: Option<f64>, f: fn(f64) -> String| v.map_or_else(|| "-".to_owned(), f);
+    let row = |name: &str, r: &RunResult| {
+        println!(
+            "{:<8} {:>9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8}",
+            name,
+            cell(r.end_to_end_msg_s, |v| format!("{v:.0}")),
+            cell(r.history_msg_s, |v| format!("{v:.0}")),
+            cell(r.history_ratio, |v| format!("{v:.2}x")),
+            cell(r.end_to_end_postgres_us_per_msg, |v| format!("{v:.0}")),
+            cell(r.history_postgres_us_per_msg, |v| format!("{v:.0}")),
+            cell(r.end_to_end_wal_bytes_per_msg, |v| format!("{v:.0}")),
+            cell(r.history_wal_bytes_per_msg, |v| format!("{v:.0}")),
+        )
+    };
+    for (i, r) in report.runs.iter().enumerate() {
+        row(&format!("{}", i + 1), r);
+    }
+    row(&format!("median/{}", report.runs.len()), &report.median);
+    println!("vs e2e = hist/s ÷ e2e/s of the same run; pg = PostgreSQL CPU (us/msg); wal = WAL bytes/msg.");
 }
 
 fn print_loaded(report: &Report<'_>) {
