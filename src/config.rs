@@ -473,6 +473,12 @@ pub enum ConfigError {
 /// `fifo-explain` (the workspace's `tools/`) measures both on a million-row table. Gate only the event types
 /// that need order.
 ///
+/// The gate has an index of its own, `outbox_fifo_gate`, which the migrations leave out (every
+/// insert and claim would write it, for nothing, where the gate is off). A dispatcher whose gate
+/// is on builds it before its first claim, without blocking producers; on a big table that
+/// build reads the whole table once, so run `actix-outbox migrate --fifo` (or
+/// [`admin::ensure_fifo_index`](crate::admin::ensure_fifo_index)) ahead of time.
+///
 /// ```
 /// use actix_outbox::{DispatcherConfig, Fifo};
 ///

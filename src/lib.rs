@@ -130,8 +130,8 @@ pub mod admin {
     pub use crate::model::{OutboxRow, Status, UnknownStatus};
     pub use crate::store::{
         BlockedAggregate, MIGRATIONS, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count,
-        check_connection, connect, dead_list, dead_retry, dead_retry_all, dead_skip, ensure_database, migrate_blocking,
-        outbox_source, pending_migrations, purge_done, stats,
+        check_connection, connect, dead_list, dead_retry, dead_retry_all, dead_skip, ensure_database,
+        ensure_fifo_index, migrate_blocking, outbox_source, pending_migrations, purge_done, stats,
     };
 }
 

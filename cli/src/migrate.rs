@@ -19,14 +19,20 @@ pub(super) const LONG_ABOUT: &str = "Create the database named in the URL if it 
 #[command(after_help = "Examples:\n  actix-outbox migrate --database-url postgres://app:secret@db:5432/app\n  \
                   applied migration 20261130000001\n  ...\n  \
                   actix-outbox migrate --inbox --database-url postgres://billing:secret@db:5432/billing\n  \
-                  applied migration 20261201900001")]
+                  applied migration 20261201900001\n  \
+                  actix-outbox migrate --fifo --database-url postgres://app:secret@db:5432/app\n  \
+                  database app is up to date: no pending migrations\n  \
+                  built the FIFO gate's index outbox_fifo_gate")]
 pub struct MigrateArgs {
     /// Where the outbox (or, with --inbox, the inbox) lives.
     #[command(flatten)]
     pub database: DatabaseArgs,
     /// Install only the consumer side's inbox tables (for a consuming service's database), not the outbox
-    #[arg(long)]
+    #[arg(long, conflicts_with = "fifo")]
     pub inbox: bool,
+    /// Also build the FIFO gate's index (for dispatchers that run with --fifo)
+    #[arg(long)]
+    pub fifo: bool,
 }
 
 pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
@@ -47,6 +53,14 @@ pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     }
     for version in applied {
         println!("applied migration {version}");
+    }
+    if args.fifo {
+        let mut conn = actix_outbox::admin::connect(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+        let built = actix_outbox::admin::ensure_fifo_index(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
+        println!(
+            "{}",
+            if built { "built the FIFO gate's index outbox_fifo_gate" } else { "the FIFO gate's index is there" }
+        );
     }
     Ok(())
 }

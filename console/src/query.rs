@@ -10,18 +10,17 @@ use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Double, Nullable};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
-/// The overview's figures, read in one statement whose `WHERE` is the predicate of the
-/// `outbox_fifo_gate` partial index (pending, processing and dead rows only), so the planner
-/// reads those rows and no `done` one.
+/// The overview's figures, read in one statement, one status at a time through that status's
+/// partial index (`outbox_ready`, `outbox_leased`, `outbox_dead`), so the planner reads those
+/// rows and no `done` one.
 const OVERVIEW_SQL: &str = "
-SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
-       count(*) FILTER (WHERE status = 'processing') AS processing,
-       count(*) FILTER (WHERE status = 'dead') AS dead,
-       extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
-           AS oldest_unfinished_age_s,
-       count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired_leases
-FROM outbox
-WHERE status IN ('pending', 'processing', 'dead')";
+SELECT pending, processing, dead, extract(epoch FROM now() - least(p.oldest, l.oldest))::float8 AS oldest_unfinished_age_s,
+       expired_leases
+FROM (SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE status = 'pending') AS p,
+     (SELECT count(*) AS processing, min(created_at) AS oldest,
+             count(*) FILTER (WHERE lease_until < now()) AS expired_leases
+      FROM outbox WHERE status = 'processing') AS l,
+     (SELECT count(*) AS dead FROM outbox WHERE status = 'dead') AS d";
 
 /// Rows of the table that are not history: what is still to do, and what failed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, QueryableByName)]

@@ -231,6 +231,9 @@ impl ClaimActor {
                 Ok(source) => source,
                 Err(e) => return (released, Err(e)),
             };
+            if let Err(e) = shared.fifo_index(&mut conn).await {
+                return (released, Err(e));
+            }
             let params = ClaimParams {
                 owner: &owner,
                 batch,

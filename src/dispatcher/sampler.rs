@@ -22,6 +22,7 @@ pub(crate) async fn sample(shared: Arc<Shared>) {
         let mut conn = shared.pool.get().await?;
         let sample = store::sample_unfinished(&mut conn).await?;
         let blocked = if shared.config.fifo.is_on() {
+            shared.fifo_index(&mut conn).await?;
             Some(store::blocked_aggregates_count(&mut conn, &shared.config.fifo).await?)
         } else {
             None

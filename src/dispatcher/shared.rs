@@ -1,6 +1,7 @@
 //! What every actor of one dispatcher shares: set up once by the supervisor, read by all.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use diesel_async::AsyncPgConnection;
@@ -40,6 +41,8 @@ pub(crate) struct Shared {
     /// The outbox's source name, stamped on every claimed message: the configured one, or the
     /// one the first claim derives from the database (see `store::outbox_source`).
     source: OnceLock<Arc<str>>,
+    /// The FIFO gate's index is known to be there (see `store::ensure_fifo_index`).
+    fifo_index: AtomicBool,
 }
 
 impl Shared {
@@ -60,7 +63,19 @@ impl Shared {
             wakeups: Arc::default(),
             publishing,
             source,
+            fifo_index: AtomicBool::new(false),
         }
+    }
+
+    /// Under the FIFO gate, builds its index on `conn` the first time (or waits for another
+    /// dispatcher's build): before a gated claim or a count of the blocked aggregates, which
+    /// would read the whole table without it. Nothing with the gate off.
+    pub(crate) async fn fifo_index(&self, conn: &mut AsyncPgConnection) -> Result<(), StoreError> {
+        if self.config.fifo.is_on() && !self.fifo_index.load(Ordering::Relaxed) {
+            crate::store::ensure_fifo_index(conn).await?;
+            self.fifo_index.store(true, Ordering::Relaxed);
+        }
+        Ok(())
     }
 
     /// The outbox's source name, derived from the database on `conn` the first time when it

@@ -7,14 +7,22 @@
 //! - [`dead_skip`](super::dead_skip): the row is marked `done` without being published, with
 //!   `last_error = 'skipped by operator: <reason> (was: <its error>)'`; the next row becomes the
 //!   head. Consumers never see the skipped event: a gap the operator accepts on purpose.
+//!
+//! The gate also has an index of its own, built only where the gate is used
+//! ([`ensure_fifo_index`]).
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
+use diesel::sql_types::Bool;
 use diesel::sql_types::{Array, BigInt, Int4, Int8, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde::Serialize;
+use tracing::info;
 
-use super::sql::{BLOCKED_COUNT_SQL, BLOCKED_SQL};
+use super::sql::{
+    BLOCKED_COUNT_SQL, BLOCKED_SQL, FIFO_INDEX_CREATE_SQL, FIFO_INDEX_DROP_SQL, FIFO_INDEX_STATE_SQL,
+    FIFO_INDEX_TRY_LOCK_SQL, FIFO_INDEX_UNLOCK_SQL,
+};
 use crate::config::Fifo;
 use crate::error::StoreError;
 
@@ -119,5 +127,74 @@ fn gated_types(fifo: &Fifo) -> Option<Option<&[String]>> {
         Fifo::Off => None,
         Fifo::All => Some(None),
         Fifo::EventTypes(types) => Some(Some(types)),
+    }
+}
+
+/// How often a dispatcher waiting for another's build of the FIFO index looks again.
+const FIFO_INDEX_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Builds the FIFO gate's index, `outbox_fifo_gate`, unless it is there and valid; returns
+/// whether this call built it.
+///
+/// Only the [gate](crate::Fifo) reads that index, and every insert and claim would pay for it,
+/// so the migrations do not create it: a dispatcher whose `fifo` is on calls this before its
+/// first claim, and `actix-outbox migrate --fifo` calls it ahead of time (a good idea on a big
+/// table: the build reads the whole table once). The build is `CREATE INDEX CONCURRENTLY`:
+/// producers and other dispatchers go on writing, and it waits for transactions already open on
+/// the table to end. One caller at a time builds (a session advisory lock, tried every 200 ms,
+/// so no statement waits on it); the others return once the index is valid. An invalid index a
+/// failed build left behind is dropped and built again. Takes a connection outside any
+/// transaction (a `CONCURRENTLY` statement cannot run inside one).
+///
+/// ```no_run
+/// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
+/// if actix_outbox::admin::ensure_fifo_index(conn).await? {
+///     println!("built the FIFO gate's index");
+/// }
+/// # Ok(()) }
+/// ```
+pub async fn ensure_fifo_index(conn: &mut AsyncPgConnection) -> Result<bool, StoreError> {
+    #[derive(QueryableByName)]
+    struct State {
+        #[diesel(sql_type = Nullable<Bool>)]
+        valid: Option<bool>,
+    }
+    #[derive(QueryableByName)]
+    struct Locked {
+        #[diesel(sql_type = Bool)]
+        locked: bool,
+    }
+    loop {
+        let state: State = diesel::sql_query(FIFO_INDEX_STATE_SQL).get_result(conn).await?;
+        if state.valid == Some(true) {
+            return Ok(false);
+        }
+        let lock: Locked = diesel::sql_query(FIFO_INDEX_TRY_LOCK_SQL).get_result(conn).await?;
+        if !lock.locked {
+            tokio::time::sleep(FIFO_INDEX_POLL).await;
+            continue;
+        }
+        let built = async {
+            // Looked at again under the lock: another builder may have finished meanwhile.
+            let state: State = diesel::sql_query(FIFO_INDEX_STATE_SQL).get_result(conn).await?;
+            match state.valid {
+                Some(true) => return Ok(false),
+                Some(false) => {
+                    info!("dropping the invalid index outbox_fifo_gate an earlier build left behind");
+                    conn.batch_execute(FIFO_INDEX_DROP_SQL).await?;
+                }
+                None => {}
+            }
+            info!("building the FIFO gate's index outbox_fifo_gate (once per table; producers keep writing)");
+            let started = std::time::Instant::now();
+            conn.batch_execute(FIFO_INDEX_CREATE_SQL).await?;
+            info!(took = ?started.elapsed(), "built the FIFO gate's index outbox_fifo_gate");
+            Ok::<_, StoreError>(true)
+        }
+        .await;
+        let unlocked = diesel::sql_query(FIFO_INDEX_UNLOCK_SQL).get_result::<Locked>(conn).await;
+        let built = built?;
+        unlocked?;
+        return Ok(built);
     }
 }

@@ -37,7 +37,7 @@ pub use admin::{
 };
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
-pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count};
+pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, ensure_fifo_index};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use finalize::{
     Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,

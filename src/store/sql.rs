@@ -325,20 +325,41 @@ SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
 FROM outbox";
 
 /// The same for the dispatcher's gauges ([`super::sample_unfinished`]), every few seconds: it
-/// reads only the unfinished rows (pending, processing, dead: the predicate of the FIFO gate's
-/// partial index, which serves it), so its cost follows the backlog, not the history. The `done`
-/// count is the statistics collector's estimate of the table's live rows less the unfinished
-/// ones (0 rather than negative).
+/// reads only the unfinished rows, one status at a time through that status's partial index
+/// (`outbox_ready`, `outbox_leased`, `outbox_dead`), so its cost follows the backlog, not the
+/// history. The `done` count is the statistics collector's estimate of the table's live rows
+/// less the unfinished ones (0 rather than negative).
 pub(super) const SAMPLE_UNFINISHED_SQL: &str = "
-SELECT pending, processing, dead, oldest, expired,
+SELECT pending, processing, dead, extract(epoch FROM now() - least(p.oldest, l.oldest))::float8 AS oldest, expired,
        greatest(pg_stat_get_live_tuples('outbox'::regclass) - pending - processing - dead, 0) AS done
-FROM (SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
-             count(*) FILTER (WHERE status = 'processing') AS processing,
-             count(*) FILTER (WHERE status = 'dead') AS dead,
-             extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
-                 AS oldest,
-             count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
-      FROM outbox WHERE status IN ('pending', 'processing', 'dead')) AS unfinished";
+FROM (SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE status = 'pending') AS p,
+     (SELECT count(*) AS processing, min(created_at) AS oldest,
+             count(*) FILTER (WHERE lease_until < now()) AS expired
+      FROM outbox WHERE status = 'processing') AS l,
+     (SELECT count(*) AS dead FROM outbox WHERE status = 'dead') AS d";
+
+/// Whether the FIFO gate's index exists, and is valid (a `CREATE INDEX CONCURRENTLY` that
+/// failed leaves an invalid one behind): one row, `NULL` when there is none.
+pub(super) const FIFO_INDEX_STATE_SQL: &str = "
+SELECT (SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass('outbox_fifo_gate')) AS valid";
+
+/// The session lock a builder of the FIFO gate's index holds, so that two dispatchers starting
+/// at once build it once ("outbox-fifo-index" hashed; tried, never waited for in the database).
+pub(super) const FIFO_INDEX_TRY_LOCK_SQL: &str =
+    "SELECT pg_try_advisory_lock(hashtextextended('actix-outbox:fifo-index', 0)) AS locked";
+pub(super) const FIFO_INDEX_UNLOCK_SQL: &str =
+    "SELECT pg_advisory_unlock(hashtextextended('actix-outbox:fifo-index', 0)) AS locked";
+
+/// Drops an invalid index a failed build left behind.
+pub(super) const FIFO_INDEX_DROP_SQL: &str = "DROP INDEX CONCURRENTLY IF EXISTS outbox_fifo_gate";
+
+/// The FIFO gate's index: "is there an earlier unfinished row of this aggregate?" in one range
+/// probe, and the skip scan over aggregates with unfinished rows. Its predicate is exactly the
+/// gate's status list, so it holds only unfinished rows however long the history. Built without
+/// blocking writers, so a build on a big table takes a while (one pass over the table).
+pub(super) const FIFO_INDEX_CREATE_SQL: &str = "
+CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_fifo_gate ON outbox (aggregate_type, aggregate_id, id)
+    WHERE status IN ('pending', 'processing', 'dead')";
 
 /// What the outbox's default source name ([`super::outbox_source`]) is made of, in one row:
 /// the cluster's system identifier (NULL where the role may not call `pg_control_system()`, so

@@ -614,11 +614,11 @@ async fn advisory_lock_waits(conn: &mut AsyncPgConnection, pid: i32) -> i64 {
     waits.n
 }
 
-// The index and its migration.
+// The index: only where the gate is used.
 #[actix_rt::test]
-async fn the_gate_index_migration_reverts_and_reapplies() {
+async fn the_migrations_leave_the_gate_index_out_and_its_migration_reverts() {
     let db = TestDb::new().await;
-    assert_eq!(fifo_indexes(&db).await, vec!["outbox_fifo_gate".to_owned()]);
+    assert_eq!(fifo_indexes(&db).await, Vec::<String>::new(), "no gate index without the gate");
     let url = db.url.clone();
     tokio::task::spawn_blocking(move || {
         use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
@@ -628,15 +628,81 @@ async fn the_gate_index_migration_reverts_and_reapplies() {
             diesel::migration::MigrationSource::<diesel::pg::Pg>::migrations(&actix_outbox::admin::MIGRATIONS).unwrap();
         let gate = migrations
             .iter()
-            .find(|m| m.name().to_string().ends_with("_fifo_gate_by_aggregate"))
-            .expect("the fifo gate migration");
+            .find(|m| m.name().to_string().ends_with("_fifo_index_only_with_fifo"))
+            .expect("the migration that drops the gate index");
         conn.revert_migration(gate.as_ref()).expect("down.sql runs");
     })
     .await
     .unwrap();
-    assert_eq!(fifo_indexes(&db).await, vec!["outbox_fifo".to_owned()], "down restores the old index");
+    assert_eq!(fifo_indexes(&db).await, vec!["outbox_fifo_gate".to_owned()], "down restores the index");
     actix_outbox::migrate(&db.url).await.expect("up again");
+    assert_eq!(fifo_indexes(&db).await, Vec::<String>::new());
+}
+
+#[actix_rt::test]
+async fn ensure_fifo_index_builds_it_once_among_concurrent_callers() {
+    let db = TestDb::new().await;
+    let mut conns = Vec::new();
+    for _ in 0..3 {
+        conns.push(db.conn().await);
+    }
+    let built = futures_util::future::join_all(conns.iter_mut().map(actix_outbox::admin::ensure_fifo_index)).await;
+    let built: Vec<bool> = built.into_iter().map(|b| b.expect("ensure_fifo_index")).collect();
+    assert_eq!(built.iter().filter(|b| **b).count(), 1, "exactly one caller builds: {built:?}");
     assert_eq!(fifo_indexes(&db).await, vec!["outbox_fifo_gate".to_owned()]);
+    assert_eq!(fifo_index_valid(&db).await, Some(true));
+    assert!(!actix_outbox::admin::ensure_fifo_index(&mut db.conn().await).await.unwrap(), "there already");
+}
+
+#[actix_rt::test]
+async fn ensure_fifo_index_rebuilds_an_invalid_one() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    assert!(actix_outbox::admin::ensure_fifo_index(&mut conn).await.unwrap());
+    // What a CREATE INDEX CONCURRENTLY that failed half-way leaves: the index, marked invalid.
+    conn.batch_execute("UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'outbox_fifo_gate'::regclass")
+        .await
+        .unwrap();
+    assert_eq!(fifo_index_valid(&db).await, Some(false));
+    assert!(actix_outbox::admin::ensure_fifo_index(&mut conn).await.unwrap(), "an invalid index is built again");
+    assert_eq!(fifo_index_valid(&db).await, Some(true));
+}
+
+#[actix_rt::test]
+async fn a_dispatcher_builds_the_gate_index_only_with_the_gate_on() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    for (round, fifo) in [Fifo::Off, Fifo::All].into_iter().enumerate() {
+        let seeded = insert(&mut conn, &[("order", "1", "order.created"), ("order", "1", "order.paid")]).await;
+        let (sink, mut rx) = ChannelSink::new();
+        let config = DispatcherConfig::default().workers(2).owner(format!("fifo-index-{round}-{}", db.name)).fifo(fifo);
+        let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+        let received = receive(&mut rx, seeded.len()).await;
+        assert_eq!(received.iter().map(|m| m.id).collect::<Vec<_>>(), seeded);
+        eventually(Duration::from_secs(10), "both rows done", || async {
+            db.count_status("done").await == 2 * (round as i64 + 1)
+        })
+        .await;
+        dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
+        let expected: Vec<String> = if round == 0 { vec![] } else { vec!["outbox_fifo_gate".to_owned()] };
+        assert_eq!(fifo_indexes(&db).await, expected, "the gate {} builds its index", ["off never", "on"][round]);
+    }
+    assert_eq!(fifo_index_valid(&db).await, Some(true));
+}
+
+async fn fifo_index_valid(db: &TestDb) -> Option<bool> {
+    #[derive(QueryableByName)]
+    struct Valid {
+        #[diesel(sql_type = diesel::sql_types::Nullable<Bool>)]
+        valid: Option<bool>,
+    }
+    let row: Valid = diesel::sql_query(
+        "SELECT (SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass('outbox_fifo_gate')) AS valid",
+    )
+    .get_result(&mut db.conn().await)
+    .await
+    .unwrap();
+    row.valid
 }
 
 async fn fifo_indexes(db: &TestDb) -> Vec<String> {

@@ -63,6 +63,8 @@ async fn main() -> Result<(), BoxError> {
 
     let started = Instant::now();
     conn.batch_execute(&FILL.replace("$KEPT", &kept.to_string()).replace("$PENDING", &pending.to_string())).await?;
+    // The gate's index, as a dispatcher with the gate on builds it (the gate-on claim reads it).
+    actix_outbox::admin::ensure_fifo_index(&mut conn).await?;
     conn.batch_execute("VACUUM ANALYZE outbox").await?;
     println!("filled {kept} done + {pending} pending rows in {:.1} s", started.elapsed().as_secs_f64());
     print_sizes(&mut conn).await?;

@@ -125,3 +125,22 @@ async fn migrate_inbox_installs_only_the_inbox_and_leaves_the_outbox_to_plain_mi
     let help = ok(&db.url, &["migrate", "--help"]).await;
     assert!(help.contains("--inbox") && help.contains("inbox_aggregates"), "{help}");
 }
+
+/// `migrate --fifo` builds the FIFO gate's index, which a plain `migrate` leaves out, once.
+#[tokio::test]
+async fn migrate_fifo_builds_the_gate_index_once() {
+    let db = ScratchDb::new();
+    let first = ok(&db.url, &["migrate"]).await;
+    assert_eq!(first, first_migrate_output(&db.name));
+    assert_eq!(
+        ok(&db.url, &["migrate", "--fifo"]).await,
+        format!(
+            "database {} is up to date: no pending migrations\nbuilt the FIFO gate's index outbox_fifo_gate\n",
+            db.name
+        )
+    );
+    assert_eq!(
+        ok(&db.url, &["migrate", "--fifo"]).await,
+        format!("database {} is up to date: no pending migrations\nthe FIFO gate's index is there\n", db.name)
+    );
+}
