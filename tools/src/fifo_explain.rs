@@ -14,11 +14,11 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+
 use actix_outbox::Fifo;
 use actix_outbox::testing::ClaimParams;
-use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, SimpleAsyncConnection, TransactionManager,
-};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, SimpleAsyncConnection, TransactionManager};
 
 const DEFAULT_URL: &str = "postgres://root@127.0.0.1:5432/outbox_fifo_explain";
 const RUNS: usize = 30;
@@ -54,19 +54,9 @@ WHERE id BETWEEN 985001 AND 990000;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
-    actix_outbox::admin::ensure_database(&url).await?;
-    actix_outbox::migrate(&url).await?;
-    let mut conn = AsyncPgConnection::establish(&url).await?;
-    // As the dispatcher's pool sets it: custom plans, whatever the driver prepares.
-    conn.batch_execute("SET plan_cache_mode = force_custom_plan").await?;
-
-    let started = Instant::now();
-    conn.batch_execute(FILL).await?;
-    // The gate's index, as a dispatcher with the gate on builds it.
-    actix_outbox::admin::ensure_fifo_index(&mut conn).await?;
-    conn.batch_execute("VACUUM ANALYZE outbox").await?;
-    println!("filled 1,000,000 rows in {:.1} s", started.elapsed().as_secs_f64());
+    let mut conn = common::open(DEFAULT_URL).await?;
+    let took = common::fill(&mut conn, FILL).await?;
+    println!("filled 1,000,000 rows in {:.1} s", took.as_secs_f64());
     println!("{}", table_summary(&mut conn).await?);
 
     let mut scanned = false;

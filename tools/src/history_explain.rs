@@ -21,11 +21,11 @@ use actix_outbox::dispatcher::Fence;
 use actix_outbox::testing::ClaimParams;
 use diesel::QueryableByName;
 use diesel::sql_types::{Array, BigInt, Text};
-use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager,
-};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
-type BoxError = Box<dyn std::error::Error>;
+mod common;
+
+use common::BoxError;
 
 const DEFAULT_URL: &str = "postgres://root@127.0.0.1:5432/outbox_history_explain";
 const RUNS: usize = 15;
@@ -54,19 +54,10 @@ FROM generate_series(1, $PENDING) AS g;
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), BoxError> {
     let (kept, pending) = args()?;
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
-    actix_outbox::admin::ensure_database(&url).await?;
-    actix_outbox::migrate(&url).await?;
-    let mut conn = AsyncPgConnection::establish(&url).await?;
-    // As the dispatcher's pool sets it: custom plans, whatever the driver prepares.
-    conn.batch_execute("SET plan_cache_mode = force_custom_plan").await?;
-
-    let started = Instant::now();
-    conn.batch_execute(&FILL.replace("$KEPT", &kept.to_string()).replace("$PENDING", &pending.to_string())).await?;
-    // The gate's index, as a dispatcher with the gate on builds it (the gate-on claim reads it).
-    actix_outbox::admin::ensure_fifo_index(&mut conn).await?;
-    conn.batch_execute("VACUUM ANALYZE outbox").await?;
-    println!("filled {kept} done + {pending} pending rows in {:.1} s", started.elapsed().as_secs_f64());
+    let mut conn = common::open(DEFAULT_URL).await?;
+    let fill = FILL.replace("$KEPT", &kept.to_string()).replace("$PENDING", &pending.to_string());
+    let took = common::fill(&mut conn, &fill).await?;
+    println!("filled {kept} done + {pending} pending rows in {:.1} s", took.as_secs_f64());
     print_sizes(&mut conn).await?;
 
     let mut scanned = false;
