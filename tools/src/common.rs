@@ -1,8 +1,10 @@
 //! What both tools do first: a database of their own, migrated, on a connection set up as the
-//! dispatcher's pool sets its own, then filled and vacuumed.
+//! dispatcher's pool sets its own, then filled and vacuumed; and the claim they inspect.
 
 use std::time::{Duration, Instant};
 
+use actix_outbox::Fifo;
+use actix_outbox::testing::ClaimParams;
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
 pub(crate) type BoxError = Box<dyn std::error::Error>;
@@ -26,4 +28,19 @@ pub(crate) async fn fill(conn: &mut AsyncPgConnection, fill: &str) -> Result<Dur
     actix_outbox::admin::ensure_fifo_index(conn).await?;
     conn.batch_execute("VACUUM ANALYZE outbox").await?;
     Ok(started.elapsed())
+}
+
+/// A claim of up to `batch` rows under `fifo`, with a 60 s lease (so that nothing expires while
+/// a tool looks) and 12 attempts.
+pub(crate) fn claim_params(fifo: &Fifo, batch: usize) -> ClaimParams<'_> {
+    ClaimParams {
+        owner: "explain",
+        batch,
+        max_bytes: usize::MAX,
+        lease: Duration::from_secs(60),
+        max_attempts: 12,
+        fifo,
+        resume: None,
+        heads_after: None,
+    }
 }

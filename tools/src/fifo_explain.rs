@@ -105,16 +105,7 @@ async fn scenario(conn: &mut AsyncPgConnection) -> Result<bool, Box<dyn std::err
 }
 
 fn params(fifo: &Fifo) -> ClaimParams<'_> {
-    ClaimParams {
-        owner: "explain",
-        batch: 50,
-        max_bytes: usize::MAX,
-        lease: Duration::from_secs(60),
-        max_attempts: 12,
-        fifo,
-        resume: None,
-        heads_after: None,
-    }
+    common::claim_params(fifo, 50)
 }
 
 /// Runs the claim `RUNS` times (after 3 warm-ups), each in a transaction rolled back; returns

@@ -177,16 +177,7 @@ fn args() -> Result<(u64, u64), BoxError> {
 }
 
 fn params(fifo: &Fifo) -> ClaimParams<'_> {
-    ClaimParams {
-        owner: "explain",
-        batch: BATCH,
-        max_bytes: usize::MAX,
-        lease: Duration::from_secs(60),
-        max_attempts: 12,
-        fifo,
-        resume: None,
-        heads_after: None,
-    }
+    common::claim_params(fifo, BATCH)
 }
 
 /// `EXPLAIN (ANALYZE, BUFFERS)` of `sql` with `arrays` bound as `$1, $2, ...` (`bigint[]`), in
