@@ -131,7 +131,7 @@ fn gated_types(fifo: &Fifo) -> Option<Option<&[String]>> {
 }
 
 /// How often a dispatcher waiting for another's build of the FIFO index looks again.
-const FIFO_INDEX_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+const FIFO_INDEX_POLL: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Builds the FIFO gate's index, `outbox_fifo_gate`, unless it is there and valid; returns
 /// whether this call built it.
@@ -141,7 +141,7 @@ const FIFO_INDEX_POLL: std::time::Duration = std::time::Duration::from_millis(20
 /// first claim, and `actix-outbox migrate --fifo` calls it ahead of time (a good idea on a big
 /// table: the build reads the whole table once). The build is `CREATE INDEX CONCURRENTLY`:
 /// producers and other dispatchers go on writing, and it waits for transactions already open on
-/// the table to end. One caller at a time builds (a session advisory lock, tried every 200 ms,
+/// the table to end. One caller at a time builds (a session advisory lock, tried every 50 ms,
 /// so no statement waits on it); the others return once the index is valid. An invalid index a
 /// failed build left behind is dropped and built again. Takes a connection outside any
 /// transaction (a `CONCURRENTLY` statement cannot run inside one).
