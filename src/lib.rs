@@ -86,6 +86,7 @@ pub mod dispatcher;
 mod error;
 #[cfg(feature = "inbox")]
 pub mod inbox;
+mod lifecycle;
 mod metrics;
 mod model;
 mod publisher;

@@ -366,6 +366,10 @@ impl Actor for ClaimActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if crate::lifecycle::system_gone() {
+            ctx.stop();
+            return;
+        }
         debug!(worker = %self.owner, "claim actor started");
         self.claim(ctx);
     }

@@ -107,6 +107,10 @@ impl Actor for PublishActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if crate::lifecycle::system_gone() {
+            ctx.stop();
+            return;
+        }
         let message = self.message.clone();
         let span = span!(PUBLISH_SPAN_LEVEL, "publish", outbox_id = message.id, lease_version = message.lease_version,
             attempt = message.attempts, event_type = %message.event_type);

@@ -185,6 +185,10 @@ impl Actor for OutboxSupervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if crate::lifecycle::system_gone() {
+            ctx.stop();
+            return;
+        }
         let shared = self.shared.clone();
         let config = &shared.config;
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,

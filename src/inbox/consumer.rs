@@ -418,6 +418,10 @@ impl Actor for InboxConsumer {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if crate::lifecycle::system_gone() {
+            ctx.stop();
+            return;
+        }
         self.connect(ctx);
     }
 

@@ -114,6 +114,10 @@ impl Actor for InboxSupervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if crate::lifecycle::system_gone() {
+            ctx.stop();
+            return;
+        }
         let config = &self.shared.config;
         info!(consumer = %config.consumer, queue = %config.queue, prefetch = config.prefetch,
             concurrency = config.concurrency, max_attempts = config.max_attempts, ordered = config.ordered,

@@ -131,14 +131,15 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     dispatcher.send(Shutdown).await.unwrap();
 }
 
-/// Log lines written at `info` and above on this thread, as text.
+/// Log lines written at `info` and above, as text.
 #[derive(Clone, Default)]
 struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl Captured {
-    /// Captures this thread's log lines until the guard drops. The dispatcher's actors run on
-    /// the test's arbiter, so a thread-local subscriber sees them.
-    fn install() -> (Captured, tracing::subscriber::DefaultGuard) {
+    /// Captures every log line of the process from now on, through a process-wide subscriber:
+    /// only for a test that runs alone in its process ([`crate::alone`]). A thread-local one
+    /// would race its neighbours' threads over the callsites' cached interest.
+    fn install() -> Captured {
         let captured = Captured::default();
         let writer = captured.clone();
         let subscriber = tracing_subscriber::fmt()
@@ -146,7 +147,8 @@ impl Captured {
             .with_ansi(false)
             .with_writer(move || writer.clone())
             .finish();
-        (captured, tracing::subscriber::set_default(subscriber))
+        tracing::subscriber::set_global_default(subscriber).expect("alone in its process: no other subscriber");
+        captured
     }
 
     fn text(&self) -> String {
@@ -166,24 +168,22 @@ impl std::io::Write for Captured {
 
 /// Logs at `info`, the command line's default, as text: the error about a row names it, and
 /// no per-message span is rendered (it is at `debug`, so that the formatter does not pay for
-/// one per message). Not under the `opentelemetry` feature: there the span is `info` (the
-/// `trace` tests check it), and the `trace` tests' process-wide subscriber takes the events
-/// that this test's thread-local one would capture. `cargo test` runs it; CI's single build
-/// with the feature does not.
-#[cfg(not(feature = "opentelemetry"))]
-#[actix_rt::test]
-async fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
-    let (captured, _guard) = Captured::install();
+/// one per message; under the `opentelemetry` feature it is `info`, and rendered). Runs alone
+/// in a process of its own, so that no neighbour's logs or subscriber can mix in.
+#[test]
+fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
+    let name = "actors::at_info_a_sink_panic_names_its_row_without_a_per_message_span";
+    crate::alone::test_alone(name, a_sink_panic_logged_at_info);
+}
+
+async fn a_sink_panic_logged_at_info() {
+    let captured = Captured::install();
 
     let db = TestDb::new().await;
     let ids = db.seed(5, "a").await;
     let victim = ids[2];
     let (sink, mut rx) = ChannelSink::new();
     let sink = sink.with_script(move |m| if m.id == victim { SinkAction::Panic } else { SinkAction::Deliver });
-    // Tests on other threads hit the dispatcher's callsites meanwhile, and a callsite first
-    // registered while this subscriber was being added can keep the interest computed without
-    // it: compute every callsite's interest again now that it is in place.
-    tracing::callsite::rebuild_interest_cache();
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     all_done(&db, 4).await;
     eventually(WITHIN, "the panic logged", || async { captured.text().contains("sink panicked") }).await;
@@ -194,7 +194,8 @@ async fn at_info_a_sink_panic_names_its_row_without_a_per_message_span() {
     let panics: Vec<&str> = logs.lines().filter(|l| l.contains("sink panicked")).collect();
     assert_eq!(panics.len(), 1, "{logs}");
     assert!(panics[0].contains(&format!("outbox_id={victim} lease_version=1")), "the row is named: {}", panics[0]);
-    assert!(!logs.contains("publish{"), "no per-message span at info:\n{logs}");
+    let spans = cfg!(feature = "opentelemetry");
+    assert_eq!(logs.contains("publish{"), spans, "a per-message span at info only for OpenTelemetry:\n{logs}");
     assert!(logs.contains("claimed batch"), "the batch lines are there: {logs}");
 }
 
@@ -297,16 +298,20 @@ async fn retryable_failures_end_dead_after_max_attempts() {
 
 /// Transient failures, then success: the row ends done, attempts counting every try; each
 /// retry is one line at the default level naming the row, and the done row keeps what failed.
-#[actix_rt::test]
-async fn retryable_failure_then_success_ends_done() {
-    let (captured, _guard) = Captured::install();
+/// Alone in its process, for its logs.
+#[test]
+fn retryable_failure_then_success_ends_done() {
+    crate::alone::test_alone("actors::retryable_failure_then_success_ends_done", retried_then_done);
+}
+
+async fn retried_then_done() {
+    let captured = Captured::install();
     let db = TestDb::new().await;
     let [id] = db.seed(1, "a").await[..] else { unreachable!() };
     let (sink, mut rx) = ChannelSink::new();
     let sink = sink.with_script(|m| {
         if m.attempts < 3 { SinkAction::Fail(PublishError::Retryable("flaky".into())) } else { SinkAction::Deliver }
     });
-    tracing::callsite::rebuild_interest_cache();
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     all_done(&db, 1).await;
     dispatcher.send(Shutdown).await.unwrap();

@@ -6,6 +6,7 @@
 use actix_outbox_test_support::proxy;
 
 mod actors;
+mod alone;
 mod connect;
 mod fifo;
 mod inbox;
@@ -14,6 +15,7 @@ mod model;
 mod outage;
 mod producers;
 mod rabbit;
+mod startup;
 mod store;
 #[cfg(feature = "opentelemetry")]
 mod trace;
