@@ -28,7 +28,31 @@ pub enum StoreError {
     Connect(#[source] Cause),
     /// A statement failed.
     #[error("database query failed: {0}")]
-    Query(#[from] diesel::result::Error),
+    Query(diesel::result::Error),
+    /// A statement failed because the prepared statement it ran on was missing, or its name
+    /// was taken, on the server connection it reached: what a transaction pooler (PgBouncer in
+    /// `pool_mode = transaction`) does to a client that keeps statements prepared from one
+    /// transaction to the next. Configure the pool for the pooler
+    /// ([`Pooler::Transaction`](crate::Pooler::Transaction)), or connect to the server directly.
+    /// Retrying may succeed (the next statement gets another name), so it counts as transient.
+    #[error(
+        "database query failed: {0}: the connection seems to go through a transaction pooler (PgBouncer with \
+         pool_mode = transaction), which keeps no prepared statement from one transaction to the next; \
+         configure the pool for it (PoolConfig::pooler(Pooler::Transaction), `--pooler transaction`) or connect \
+         to the server directly"
+    )]
+    BehindTransactionPooler(diesel::result::Error),
+    /// Work that holds a session of its own (the FIFO gate's index build, which takes a session
+    /// lock and runs `CREATE INDEX CONCURRENTLY`) was asked of a pool behind a transaction pooler
+    /// that has no direct URL ([`PoolConfig::direct_url`](crate::PoolConfig::direct_url)).
+    #[error(
+        "{what} needs a session of its own, which a transaction pooler does not give: give the pool a direct URL to \
+         the server (PoolConfig::direct_url, `--direct-url`)"
+    )]
+    NeedsSession {
+        /// What was asked, and what else would do.
+        what: &'static str,
+    },
     /// A migration failed (the harness's error), or its thread did (the join error).
     #[error("migration failed: {}", with_causes(.0.as_ref()))]
     Migration(#[source] Cause),
@@ -96,7 +120,7 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
-            StoreError::Pool(_) | StoreError::Connect(_) => true,
+            StoreError::Pool(_) | StoreError::Connect(_) | StoreError::BehindTransactionPooler(_) => true,
             StoreError::Query(e) => match e {
                 // diesel-async reports a connection that died mid-statement as
                 // `UnableToSendCommand` ("connection closed"): the next checkout gets a new one.
@@ -112,9 +136,34 @@ impl StoreError {
             | StoreError::BadUrl(_)
             | StoreError::OutsideTransaction(_)
             | StoreError::NoOutboxTable { .. }
-            | StoreError::NoSystemIdentifier { .. } => false,
+            | StoreError::NoSystemIdentifier { .. }
+            | StoreError::NeedsSession { .. } => false,
         }
     }
+}
+
+/// A failed statement: [`StoreError::BehindTransactionPooler`] when the server says a prepared
+/// statement of the driver's (`s1`, `s2`, ...) is missing or already exists, which the crate's
+/// own SQL never causes on a session of its own; [`StoreError::Query`] otherwise.
+impl From<diesel::result::Error> for StoreError {
+    fn from(e: diesel::result::Error) -> Self {
+        if let diesel::result::Error::DatabaseError(_, info) = &e
+            && is_lost_prepared_statement(info.message())
+        {
+            return StoreError::BehindTransactionPooler(e);
+        }
+        StoreError::Query(e)
+    }
+}
+
+/// `prepared statement "s12" does not exist` (SQLSTATE 26000) or `... already exists` (42P05)
+/// about a name of the driver's.
+fn is_lost_prepared_statement(message: &str) -> bool {
+    let Some(rest) = message.strip_prefix("prepared statement \"s") else { return false };
+    let Some((number, tail)) = rest.split_once('"') else { return false };
+    !number.is_empty()
+        && number.bytes().all(|b| b.is_ascii_digit())
+        && matches!(tail, " does not exist" | " already exists")
 }
 
 impl From<diesel::ConnectionError> for StoreError {
@@ -218,5 +267,20 @@ impl Error {
         match self {
             Error::Config(_) => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_lost_prepared_statement;
+
+    #[test]
+    fn a_lost_prepared_statement_is_the_drivers_name_missing_or_taken() {
+        assert!(is_lost_prepared_statement(r#"prepared statement "s1" already exists"#));
+        assert!(is_lost_prepared_statement(r#"prepared statement "s4711" does not exist"#));
+        assert!(!is_lost_prepared_statement(r#"prepared statement "s" does not exist"#));
+        assert!(!is_lost_prepared_statement(r#"prepared statement "mine" does not exist"#));
+        assert!(!is_lost_prepared_statement(r#"prepared statement "s1x" already exists"#));
+        assert!(!is_lost_prepared_statement(r#"relation "outbox" does not exist"#));
     }
 }

@@ -113,7 +113,7 @@ pub use metrics::MetricsSnapshot;
 pub use model::{NewEvent, OutboxMessage};
 pub use store::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 // The database.
-pub use store::{PgPool, connect_pool, migrate};
+pub use store::{PgPool, PoolConfig, Pooler, connect_pool, migrate};
 pub use url::{ConnectionString, InvalidConnectionString};
 // The publish step and its outcome; the errors.
 pub use error::{Error, PublishError, StoreError};

@@ -4,6 +4,7 @@ use clap::Args;
 
 use crate::{CliError, DatabaseArgs, connect, parse_json};
 use actix_outbox::NewEvent;
+use diesel_async::AsyncConnection;
 
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Insert one event into the outbox, as a producer would, and print its id (only the id, so that \
@@ -44,7 +45,11 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, args.payload);
-    let id = actix_outbox::enqueue(&mut conn, &event).await.map_err(|e| CliError::store(&url, e))?;
+    // In a transaction, as a producer's insert is, so that it works through a transaction pooler.
+    let id = conn
+        .transaction(async |tx| actix_outbox::enqueue(tx, &event).await)
+        .await
+        .map_err(|e| CliError::store(&url, e))?;
     println!("{id}");
     Ok(())
 }

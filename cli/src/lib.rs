@@ -42,7 +42,7 @@ pub use purge::PurgeArgs;
 pub use run::{DEFAULT_AMQP_URL, LogFormat, RunArgs};
 pub use stats::StatsArgs;
 
-use actix_outbox::{ConnectionString, Fifo, StoreError};
+use actix_outbox::{ConnectionString, Fifo, PgPool, PoolConfig, Pooler, StoreError};
 
 /// Success.
 pub const EXIT_OK: u8 = 0;
@@ -265,12 +265,46 @@ pub struct DatabaseArgs {
     /// PostgreSQL connection string: postgres://user:password@host:port/database, or key=value pairs (host=db user=app password=... dbname=app); passwords masked in every message
     #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     pub database_url: String,
+    /// What stands between this process and PostgreSQL: `none` (the server itself, or a pooler in session mode) or `transaction` (PgBouncer with pool_mode = transaction, and the like): then no statement stays prepared past its transaction, and what needs a session goes to --direct-url
+    #[arg(long, env = "DATABASE_POOLER", value_name = "MODE", default_value_t = Pooler::None)]
+    pub pooler: Pooler,
+    /// A connection string to the server itself, past a transaction pooler, for what needs a session of its own: `run`'s insert listener (without it, `run` polls) and the FIFO gate's index build (`run --fifo`, `migrate --fifo`)
+    #[arg(long = "direct-url", env = "DATABASE_DIRECT_URL", value_name = "URL", hide_env_values = true)]
+    pub direct_url: Option<String>,
 }
 
 impl DatabaseArgs {
     /// The connection string, parsed by the driver's parser (malformed: bad input).
     fn url(&self) -> Result<ConnectionString, CliError> {
         ConnectionString::parse(&self.database_url).map_err(|e| CliError::BadInput(e.to_string()))
+    }
+
+    /// The direct connection string, parsed (malformed: bad input).
+    fn direct_url(&self) -> Result<Option<ConnectionString>, CliError> {
+        self.direct_url
+            .as_deref()
+            .map(|url| ConnectionString::parse(url).map_err(|e| CliError::BadInput(format!("--direct-url: {e}"))))
+            .transpose()
+    }
+
+    /// A pool of `size` connections as these flags say.
+    async fn pool(&self, size: u32) -> Result<PgPool, CliError> {
+        let url = self.url()?;
+        let mut config = PoolConfig::new(url.expose()).size(size).pooler(self.pooler);
+        if let Some(direct) = self.direct_url()? {
+            config = config.direct_url(direct.expose());
+        }
+        config.connect().await.map_err(|e| CliError::store(&url, e))
+    }
+
+    /// Where work that needs a session of its own connects: the direct URL, or the database
+    /// URL when no transaction pooler is in between; `None` behind one without a direct URL.
+    fn session_url(&self) -> Result<Option<ConnectionString>, CliError> {
+        match (self.direct_url()?, self.pooler) {
+            (Some(direct), _) => Ok(Some(direct)),
+            (None, Pooler::Transaction) => Ok(None),
+            (None, _) => self.url().map(Some),
+        }
     }
 }
 

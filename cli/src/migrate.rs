@@ -55,6 +55,13 @@ pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
         println!("applied migration {version}");
     }
     if args.fifo {
+        let Some(url) = args.database.session_url()? else {
+            return Err(CliError::BadInput(
+                "--fifo behind a transaction pooler needs --direct-url: the index build holds a session of its own \
+                 (a session lock, CREATE INDEX CONCURRENTLY); the migrations were applied"
+                    .into(),
+            ));
+        };
         let mut conn = actix_outbox::admin::connect(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
         let built = actix_outbox::admin::ensure_fifo_index(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
         println!(

@@ -291,9 +291,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     };
     drop(conn);
     config.source = Some(source);
-    let pool = actix_outbox::connect_pool(url.expose(), (config.workers + EXTRA_CONNECTIONS) as u32)
-        .await
-        .map_err(|e| CliError::store(&url, e))?;
+    let pool = args.database.pool((config.workers + EXTRA_CONNECTIONS) as u32).await?;
 
     // Before the broker: an orchestrator sees the process live, and not ready until it runs.
     let supervisor_slot = serve::SupervisorSlot::default();
@@ -313,7 +311,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         }
     };
     let source = config.source.clone().unwrap_or_default();
-    info!(database = %url, source = %source, fifo = %config.fifo,
+    info!(database = %url, pooler = %args.database.pooler, source = %source, fifo = %config.fifo,
         "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
     let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
@@ -322,9 +320,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     // pages never wait for the dispatcher's connections, nor it for theirs.
     let console = match &args.console_addr {
         Some(addr) => {
-            let pool = actix_outbox::connect_pool(url.expose(), CONSOLE_CONNECTIONS)
-                .await
-                .map_err(|e| CliError::store(&url, e))?;
+            let pool = args.database.pool(CONSOLE_CONNECTIONS).await?;
             let mut console = actix_outbox_console::Console::new(pool)
                 .supervisor(supervisor.clone())
                 .fifo(args.fifo.fifo()?)

@@ -220,8 +220,13 @@ impl ClaimActor {
                 Ok(conn) => conn,
                 Err(e) => return (None, Err(e.into())),
             };
+            let pooler = shared.pool.pooler();
             let released = match unanswered {
-                Some(publishing) => match store::release_unanswered(&mut conn, &owner, &publishing).await {
+                Some(publishing) => match store::unit(&mut conn, pooler, async |c| {
+                    store::release_unanswered(c, &owner, &publishing).await
+                })
+                .await
+                {
                     Ok(ids) => Some(ids),
                     Err(e) => return (None, Err(e)),
                 },
@@ -244,12 +249,13 @@ impl ClaimActor {
                 resume,
                 heads_after: heads_after.as_ref(),
             };
-            let claimed = store::claim(&mut conn, &params).await.map(|mut claim| {
-                for message in &mut claim.messages {
-                    message.source = source.clone();
-                }
-                claim
-            });
+            let claimed =
+                store::unit(&mut conn, pooler, async |c| store::claim(c, &params).await).await.map(|mut claim| {
+                    for message in &mut claim.messages {
+                        message.source = source.clone();
+                    }
+                    claim
+                });
             (released, claimed)
         };
         ctx.spawn(query.into_actor(self).map(move |(released, result): (_, Result<_, StoreError>), act, ctx| {

@@ -231,7 +231,7 @@ where
     let mut ceiling = RETRY_MIN;
     loop {
         let result = match shared.pool.get().await {
-            Ok(mut conn) => f(&mut conn).await,
+            Ok(mut conn) => store::unit(&mut conn, shared.pool.pooler(), async |c| f(c).await).await,
             Err(e) => Err(e.into()),
         };
         match result {

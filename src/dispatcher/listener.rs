@@ -152,8 +152,10 @@ async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> Result<bool
 /// `Ok` when the dispatcher is gone.
 async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> bool) -> Result<(), String> {
     // Not a pooled connection: LISTEN state and the session lock must not leak to other users,
-    // and the connection is held for as long as we listen.
-    let mut conn = pool.dedicated_connection().await.map_err(|e| e.to_string())?;
+    // and the connection is held for as long as we listen. The supervisor starts no listener
+    // on a pool that has no session to give.
+    let Some(conn) = pool.session().await else { return Ok(()) };
+    let mut conn = conn.map_err(|e| e.to_string())?;
     conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|e| e.to_string())?;
     debug!("insert listener connected");
     // Rows inserted while nobody was armed (or before we listened) are found by the claim that

@@ -16,7 +16,7 @@ use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::model::Fence;
 use crate::publisher::Publisher;
-use crate::store::PgPool;
+use crate::store::{PgPool, Pooler};
 
 /// The configuration, the pool, the sink and the counters of one dispatcher, and what it knows
 /// of the health of the two services it depends on.
@@ -67,14 +67,35 @@ impl Shared {
         }
     }
 
-    /// Under the FIFO gate, builds its index on `conn` the first time (or waits for another
-    /// dispatcher's build): before a gated claim or a count of the blocked aggregates, which
-    /// would read the whole table without it. Nothing with the gate off.
+    /// Under the FIFO gate, builds its index the first time (or waits for another dispatcher's
+    /// build): before a gated claim or a count of the blocked aggregates, which would read the
+    /// whole table without it. Nothing with the gate off.
+    ///
+    /// The build holds a session: on `conn` when it is one, on a connection of its own to the
+    /// direct URL behind a transaction pooler. Behind one without a direct URL, the index must
+    /// be there already.
     pub(crate) async fn fifo_index(&self, conn: &mut AsyncPgConnection) -> Result<(), StoreError> {
-        if self.config.fifo.is_on() && !self.fifo_index.load(Ordering::Relaxed) {
-            crate::store::ensure_fifo_index(conn).await?;
-            self.fifo_index.store(true, Ordering::Relaxed);
+        if !self.config.fifo.is_on() || self.fifo_index.load(Ordering::Relaxed) {
+            return Ok(());
         }
+        match self.pool.pooler() {
+            Pooler::None => {
+                crate::store::ensure_fifo_index(conn).await?;
+            }
+            Pooler::Transaction => match self.pool.session().await {
+                Some(session) => {
+                    crate::store::ensure_fifo_index(&mut session?).await?;
+                }
+                None if crate::store::fifo_index_valid(conn).await? => {}
+                None => {
+                    return Err(StoreError::NeedsSession {
+                        what: "building the FIFO gate's index outbox_fifo_gate (missing; `actix-outbox migrate --fifo` \
+                               on a direct URL builds it ahead of time)",
+                    });
+                }
+            },
+        }
+        self.fifo_index.store(true, Ordering::Relaxed);
         Ok(())
     }
 

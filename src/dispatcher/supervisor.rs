@@ -208,7 +208,12 @@ impl Actor for OutboxSupervisor {
             self.sample_table(ctx);
             ctx.run_interval(every, |act, ctx| act.sample_table(ctx));
         }
-        if config.listen_for_inserts {
+        if config.listen_for_inserts && !self.shared.pool.has_session() {
+            warn!(poll_interval = %humantime::format_duration(config.poll_interval),
+                "behind a transaction pooler with no direct URL, the insert listener is off: workers find new rows \
+                 by polling, so a new row may wait up to the poll interval; give the pool a direct URL to the server \
+                 (PoolConfig::direct_url, `run --direct-url`) to have inserts wake them at once");
+        } else if config.listen_for_inserts {
             let supervisor = ctx.address().downgrade();
             let wake = move |burst: usize| {
                 let alive = supervisor.upgrade();

@@ -180,9 +180,11 @@ pub async fn purge_inbox(
     consumer: &str,
     received_before: DateTime<Utc>,
 ) -> QueryResult<usize> {
-    diesel::delete(inbox::table.filter(inbox::consumer.eq(consumer)).filter(inbox::received_at.lt(received_before)))
-        .execute(conn)
-        .await
+    let delete = diesel::delete(
+        inbox::table.filter(inbox::consumer.eq(consumer)).filter(inbox::received_at.lt(received_before)),
+    );
+    // In a transaction of its own (or the caller's), so that it works through a transaction pooler.
+    crate::store::in_transaction(conn, async |c| delete.execute(c).await).await
 }
 
 #[cfg(test)]

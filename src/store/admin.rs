@@ -1,4 +1,7 @@
 //! What operators need: statistics, the dead-letter list and its two ways out, and purging.
+//!
+//! Each function runs in a transaction of its own (or in the caller's), so that it works on
+//! any connection, through a transaction pooler too (see `pool`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -11,6 +14,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
 
 use super::claim::interval;
+use super::pool::in_transaction;
 use super::sql::{SAMPLE_SQL, SAMPLE_UNFINISHED_SQL, SOURCE_SQL};
 use crate::error::StoreError;
 use crate::model::{OutboxRow, Status};
@@ -36,29 +40,32 @@ pub struct Stats {
 
 /// Reads [`Stats`] (database clock).
 pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
-    // Exact, unlike the dispatcher's gauges (whose `done` count is an estimate): an operator's
-    // question, asked now and then, may read the history.
-    let sample = sample(conn).await?;
-    let mut stats = Stats {
-        by_status: sample.by_status().into_iter().map(|(s, n)| (s.as_str().to_owned(), n)).collect(),
-        oldest_unfinished_age_s: sample.oldest,
-        expired_leases: sample.expired,
-        ..Stats::default()
-    };
+    in_transaction(conn, async |conn| {
+        // Exact, unlike the dispatcher's gauges (whose `done` count is an estimate): an operator's
+        // question, asked now and then, may read the history.
+        let sample = sample(conn).await?;
+        let mut stats = Stats {
+            by_status: sample.by_status().into_iter().map(|(s, n)| (s.as_str().to_owned(), n)).collect(),
+            oldest_unfinished_age_s: sample.oldest,
+            expired_leases: sample.expired,
+            ..Stats::default()
+        };
 
-    let histogram: Vec<(i32, i64)> = outbox::table
-        .filter(outbox::status.eq_any([Status::Pending, Status::Processing]))
-        .group_by(outbox::attempts)
-        .select((outbox::attempts, diesel::dsl::count_star()))
-        .load(conn)
-        .await?;
-    stats.attempts = histogram.into_iter().map(|(a, n)| (a.to_string(), n)).collect();
-    stats.source = match outbox_source(conn).await {
-        Ok(source) => Some(source),
-        Err(StoreError::NoSystemIdentifier { .. }) => None,
-        Err(e) => return Err(e),
-    };
-    Ok(stats)
+        let histogram: Vec<(i32, i64)> = outbox::table
+            .filter(outbox::status.eq_any([Status::Pending, Status::Processing]))
+            .group_by(outbox::attempts)
+            .select((outbox::attempts, diesel::dsl::count_star()))
+            .load(conn)
+            .await?;
+        stats.attempts = histogram.into_iter().map(|(a, n)| (a.to_string(), n)).collect();
+        stats.source = match outbox_source(conn).await {
+            Ok(source) => Some(source),
+            Err(StoreError::NoSystemIdentifier { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        Ok(stats)
+    })
+    .await
 }
 
 /// The outbox's default source name, `<system identifier>/<database>/<schema>.outbox`: what a
@@ -71,21 +78,24 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
 /// managed services revoke it; set the source by hand there). Neither failure is an SQL error,
 /// so the caller's transaction stays usable.
 pub async fn outbox_source(conn: &mut AsyncPgConnection) -> Result<String, StoreError> {
-    #[derive(QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = Nullable<Text>)]
-        system_identifier: Option<String>,
-        #[diesel(sql_type = Text)]
-        database: String,
-        #[diesel(sql_type = Nullable<Text>)]
-        table_name: Option<String>,
-    }
-    let row: Row = diesel::sql_query(SOURCE_SQL).get_result(conn).await?;
-    match (row.system_identifier, row.table_name) {
-        (_, None) => Err(StoreError::NoOutboxTable { database: row.database }),
-        (None, Some(_)) => Err(StoreError::NoSystemIdentifier { database: row.database }),
-        (Some(system), Some(table)) => Ok(format!("{system}/{}/{table}", row.database)),
-    }
+    in_transaction(conn, async |conn| {
+        #[derive(QueryableByName)]
+        struct Row {
+            #[diesel(sql_type = Nullable<Text>)]
+            system_identifier: Option<String>,
+            #[diesel(sql_type = Text)]
+            database: String,
+            #[diesel(sql_type = Nullable<Text>)]
+            table_name: Option<String>,
+        }
+        let row: Row = diesel::sql_query(SOURCE_SQL).get_result(conn).await?;
+        match (row.system_identifier, row.table_name) {
+            (_, None) => Err(StoreError::NoOutboxTable { database: row.database }),
+            (None, Some(_)) => Err(StoreError::NoSystemIdentifier { database: row.database }),
+            (Some(system), Some(table)) => Ok(format!("{system}/{}/{table}", row.database)),
+        }
+    })
+    .await
 }
 
 /// What the dispatcher samples of the table for its gauges: [`Stats`] less the attempts, read
@@ -122,43 +132,52 @@ impl Sample {
 
 /// Reads a [`Sample`] (database clock), exact: every row is read.
 pub(crate) async fn sample(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
-    Ok(diesel::sql_query(SAMPLE_SQL).get_result(conn).await?)
+    in_transaction(conn, async |conn| Ok(diesel::sql_query(SAMPLE_SQL).get_result(conn).await?)).await
 }
 
 /// Reads a [`Sample`] from the unfinished rows only, its `done` count estimated: for the
 /// dispatcher's gauges, whose cost must not grow with the history a table keeps.
 pub(crate) async fn sample_unfinished(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
-    Ok(diesel::sql_query(SAMPLE_UNFINISHED_SQL).get_result(conn).await?)
+    in_transaction(conn, async |conn| Ok(diesel::sql_query(SAMPLE_UNFINISHED_SQL).get_result(conn).await?)).await
 }
 
 /// Dead rows, oldest first, at most `limit`.
 pub async fn dead_list(conn: &mut AsyncPgConnection, limit: i64) -> Result<Vec<OutboxRow>, StoreError> {
-    Ok(outbox::table
-        .filter(outbox::status.eq(Status::Dead))
-        .order(outbox::id)
-        .limit(limit)
-        .select(OutboxRow::as_select())
-        .load(conn)
-        .await?)
+    in_transaction(conn, async |conn| {
+        Ok(outbox::table
+            .filter(outbox::status.eq(Status::Dead))
+            .order(outbox::id)
+            .limit(limit)
+            .select(OutboxRow::as_select())
+            .load(conn)
+            .await?)
+    })
+    .await
 }
 
 /// Sends the given dead rows back to `pending`, attempts reset, claimable now. Returns the ids
 /// changed; an id that is not a dead row is left alone and absent from the result.
 pub async fn dead_retry(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
-    Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
-        .set(retry_changes())
-        .returning(outbox::id)
-        .get_results(conn)
-        .await?)
+    in_transaction(conn, async |conn| {
+        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
+            .set(retry_changes())
+            .returning(outbox::id)
+            .get_results(conn)
+            .await?)
+    })
+    .await
 }
 
 /// Sends every dead row back to `pending`; returns the ids changed.
 pub async fn dead_retry_all(conn: &mut AsyncPgConnection) -> Result<Vec<i64>, StoreError> {
-    Ok(diesel::update(outbox::table.filter(outbox::status.eq(Status::Dead)))
-        .set(retry_changes())
-        .returning(outbox::id)
-        .get_results(conn)
-        .await?)
+    in_transaction(conn, async |conn| {
+        Ok(diesel::update(outbox::table.filter(outbox::status.eq(Status::Dead)))
+            .set(retry_changes())
+            .returning(outbox::id)
+            .get_results(conn)
+            .await?)
+    })
+    .await
 }
 
 #[allow(clippy::type_complexity)]
@@ -185,20 +204,23 @@ pub const SKIPPED_PREFIX: &str = "skipped by operator: ";
 /// `skipped by operator: <reason>` in `last_error` (the previous error is kept after it).
 /// Returns the ids changed; an id that is not a dead row is left alone.
 pub async fn dead_skip(conn: &mut AsyncPgConnection, ids: &[i64], reason: &str) -> Result<Vec<i64>, StoreError> {
-    let was = " (was: ".into_sql::<Nullable<Text>>().concat(outbox::last_error).concat(")");
-    Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
-        .set((
-            outbox::status.eq(Status::Done),
-            outbox::done_at.eq(now),
-            outbox::last_error.eq(SKIPPED_PREFIX
-                .into_sql::<Text>()
-                .concat(reason)
-                .concat(coalesce(was, ""))
-                .nullable()),
-        ))
-        .returning(outbox::id)
-        .get_results(conn)
-        .await?)
+    in_transaction(conn, async |conn| {
+        let was = " (was: ".into_sql::<Nullable<Text>>().concat(outbox::last_error).concat(")");
+        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
+            .set((
+                outbox::status.eq(Status::Done),
+                outbox::done_at.eq(now),
+                outbox::last_error.eq(SKIPPED_PREFIX
+                    .into_sql::<Text>()
+                    .concat(reason)
+                    .concat(coalesce(was, ""))
+                    .nullable()),
+            ))
+            .returning(outbox::id)
+            .get_results(conn)
+            .await?)
+    })
+    .await
 }
 
 #[diesel::declare_sql_function]
@@ -223,7 +245,8 @@ pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batc
             .limit(batch)
             .for_update()
             .skip_locked();
-        let n = diesel::delete(outbox::table.filter(outbox::id.eq_any(purgeable))).execute(conn).await?;
+        let delete = diesel::delete(outbox::table.filter(outbox::id.eq_any(purgeable)));
+        let n = in_transaction(conn, async |conn| Ok::<_, StoreError>(delete.execute(conn).await?)).await?;
         total += n as u64;
         if (n as i64) < batch {
             return Ok(total);

@@ -19,6 +19,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde::Serialize;
 use tracing::info;
 
+use super::pool::in_transaction;
 use super::sql::{
     BLOCKED_COUNT_SQL, BLOCKED_SQL, FIFO_INDEX_CREATE_SQL, FIFO_INDEX_DROP_SQL, FIFO_INDEX_STATE_SQL,
     FIFO_INDEX_TRY_LOCK_SQL, FIFO_INDEX_UNLOCK_SQL,
@@ -85,11 +86,8 @@ pub async fn blocked_aggregates(
     limit: i64,
 ) -> Result<Vec<BlockedAggregate>, StoreError> {
     let Some(types) = gated_types(fifo) else { return Ok(Vec::new()) };
-    Ok(diesel::sql_query(BLOCKED_SQL)
-        .bind::<Nullable<Array<Text>>, _>(types)
-        .bind::<BigInt, _>(limit.max(0))
-        .load(conn)
-        .await?)
+    let query = diesel::sql_query(BLOCKED_SQL).bind::<Nullable<Array<Text>>, _>(types).bind::<BigInt, _>(limit.max(0));
+    in_transaction(conn, async |conn| Ok(query.load(conn).await?)).await
 }
 
 /// How many aggregates are blocked by a dead row under `fifo`: the length
@@ -115,8 +113,8 @@ pub async fn blocked_aggregates_count(conn: &mut AsyncPgConnection, fifo: &Fifo)
         n: i64,
     }
     let Some(types) = gated_types(fifo) else { return Ok(0) };
-    let count: Count =
-        diesel::sql_query(BLOCKED_COUNT_SQL).bind::<Nullable<Array<Text>>, _>(types).get_result(conn).await?;
+    let query = diesel::sql_query(BLOCKED_COUNT_SQL).bind::<Nullable<Array<Text>>, _>(types);
+    let count: Count = in_transaction(conn, async |conn| Ok::<_, StoreError>(query.get_result(conn).await?)).await?;
     Ok(count.n)
 }
 
@@ -128,6 +126,23 @@ fn gated_types(fifo: &Fifo) -> Option<Option<&[String]>> {
         Fifo::All => Some(None),
         Fifo::EventTypes(types) => Some(Some(types)),
     }
+}
+
+#[derive(QueryableByName)]
+struct State {
+    #[diesel(sql_type = Nullable<Bool>)]
+    valid: Option<bool>,
+}
+
+/// Whether the FIFO gate's index is there and valid, read in a transaction of its own (or the
+/// caller's): what a dispatcher behind a transaction pooler without a session checks, since it
+/// cannot build the index itself.
+pub(crate) async fn fifo_index_valid(conn: &mut AsyncPgConnection) -> Result<bool, StoreError> {
+    let state: State = in_transaction(conn, async |conn| {
+        Ok::<_, StoreError>(diesel::sql_query(FIFO_INDEX_STATE_SQL).get_result(conn).await?)
+    })
+    .await?;
+    Ok(state.valid == Some(true))
 }
 
 /// How often a dispatcher waiting for another's build of the FIFO index looks again.
@@ -143,8 +158,9 @@ const FIFO_INDEX_POLL: std::time::Duration = std::time::Duration::from_millis(50
 /// producers and other dispatchers go on writing, and it waits for transactions already open on
 /// the table to end. One caller at a time builds (a session advisory lock, tried every 50 ms,
 /// so no statement waits on it); the others return once the index is valid. An invalid index a
-/// failed build left behind is dropped and built again. Takes a connection outside any
-/// transaction (a `CONCURRENTLY` statement cannot run inside one).
+/// failed build left behind is dropped and built again. Takes a session of its own, outside any
+/// transaction (a `CONCURRENTLY` statement cannot run inside one): a direct connection, not
+/// one through a transaction pooler.
 ///
 /// ```no_run
 /// # async fn f(conn: &mut diesel_async::AsyncPgConnection) -> Result<(), actix_outbox::StoreError> {
@@ -154,11 +170,6 @@ const FIFO_INDEX_POLL: std::time::Duration = std::time::Duration::from_millis(50
 /// # Ok(()) }
 /// ```
 pub async fn ensure_fifo_index(conn: &mut AsyncPgConnection) -> Result<bool, StoreError> {
-    #[derive(QueryableByName)]
-    struct State {
-        #[diesel(sql_type = Nullable<Bool>)]
-        valid: Option<bool>,
-    }
     #[derive(QueryableByName)]
     struct Locked {
         #[diesel(sql_type = Bool)]

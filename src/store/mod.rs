@@ -18,17 +18,16 @@ mod fifo;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod finalize;
 mod io;
+mod pool;
 mod prepared;
 mod producer;
 mod sql;
 
 use std::time::Duration;
 
-use diesel::ConnectionError;
+use diesel::connection::CacheSize;
 use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
-use diesel_async::pooled_connection::bb8::Pool;
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod};
-use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub(crate) use admin::sample_unfinished;
@@ -37,54 +36,21 @@ pub use admin::{
 };
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
+pub(crate) use fifo::fifo_index_valid;
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, ensure_fifo_index};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use finalize::{
     Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,
 };
+pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
+pub(crate) use pool::{in_transaction, unit};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 
 use crate::error::StoreError;
-use crate::url::{ConnectionString, InvalidConnectionString, with_causes};
+use crate::url::{ConnectionString, InvalidConnectionString};
 
 /// The migrations of `migrations/`, compiled into the crate.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/outbox");
-
-/// A bb8 pool of diesel-async PostgreSQL connections, each set up for the dispatcher; made by
-/// [`connect_pool`] and nothing else, so the dispatcher never runs on a connection that lacks
-/// the setup. It dereferences to the bb8 pool: `pool.get().await` checks a connection out.
-#[derive(Clone)]
-pub struct PgPool(Pool<AsyncPgConnection>);
-
-impl std::ops::Deref for PgPool {
-    type Target = Pool<AsyncPgConnection>;
-
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for PgPool {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = self.0.state();
-        f.debug_struct("PgPool")
-            .field("connections", &state.connections)
-            .field("idle", &state.idle_connections)
-            .finish()
-    }
-}
-
-/// Session settings applied to every pooled connection.
-///
-/// `plan_cache_mode = force_custom_plan`: the claim and the finalizes stay prepared, and after
-/// five runs PostgreSQL may switch a prepared statement to a generic plan. The batched finalize
-/// binds arrays, and its generic plan can assume ten elements and nest a loop over every
-/// processing row, several times slower; the claim's plan depends on its `LIMIT` and
-/// resume position. Custom plans see the real values on every run.
-const SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan";
-
-/// How long a checkout waits for a connection (see [`connect_pool`]).
-const CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The `application_name` of the connections this crate opens, unless the connection string
 /// names one.
@@ -102,6 +68,11 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// A failure is [`StoreError::Connect`] whose source is the driver's error, with its own cause
 /// ("Connection refused") and, when the server answered, its SQLSTATE.
 ///
+/// The connection keeps no prepared statement (each statement is prepared and closed where it
+/// runs), and the operator functions of [`admin`](crate::admin) each run in a transaction of
+/// their own, so such a connection works through a transaction pooler as well as straight to
+/// the server.
+///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
 /// let mut conn = actix_outbox::admin::connect("host=db user=app dbname=app").await?;
@@ -109,11 +80,23 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// # Ok(()) }
 /// ```
 pub async fn connect(database_url: &str) -> Result<AsyncPgConnection, StoreError> {
-    open(&ConnectionString::parse(database_url)?).await.map_err(StoreError::Connect)
+    open_uncached(&ConnectionString::parse(database_url)?).await.map_err(StoreError::Connect)
+}
+
+/// [`open`], the connection keeping no prepared statement: what [`connect`], the migrations and
+/// [`ensure_database`] use, so that they work through a transaction pooler.
+async fn open_uncached(
+    target: &ConnectionString,
+) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
+    let mut conn = open(target).await?;
+    conn.set_prepared_statement_cache_size(CacheSize::Disabled);
+    Ok(conn)
 }
 
 /// [`connect`] for a parsed string, the cause kept whole.
-async fn open(target: &ConnectionString) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
+pub(super) async fn open(
+    target: &ConnectionString,
+) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
     let mut config = target.config().clone();
     if config.get_application_name().is_none() {
         config.application_name(APPLICATION_NAME);
@@ -142,52 +125,13 @@ async fn open(target: &ConnectionString) -> Result<AsyncPgConnection, Box<dyn st
     }
 }
 
-/// Opens a pool of `size` connections to `database_url` (a URL or `key=value` pairs, see
-/// [`ConnectionString`]), each opened as [`connect`] does and set up for the dispatcher.
-/// Connections are made lazily, so this fails only on a malformed connection string;
-/// [`check_connection`] proves the database is reachable.
-///
-/// The pool may be shared by any runtimes (an actix-web app's workers and the dispatcher): each
-/// connection's socket is driven on a thread of the crate's own, not by the runtime that
-/// happened to open it, so it keeps working after that runtime stops.
-pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, StoreError> {
-    let target = ConnectionString::parse(database_url)?;
-    let mut config = ManagerConfig::<AsyncPgConnection>::default();
-    let setup_target = target.clone();
-    config.custom_setup = Box::new(move |_| {
-        let target = setup_target.clone();
-        Box::pin(async move {
-            // The pool wants a diesel error: keep the whole chain in its message.
-            let mut conn = open(&target).await.map_err(|e| ConnectionError::BadConnection(with_causes(e.as_ref())))?;
-            conn.batch_execute(SESSION_SETUP).await.map_err(ConnectionError::CouldntSetupConfiguration)?;
-            Ok(conn)
-        })
-    });
-    // A checkout does not ping: a `SELECT 1` before every claim and every finalize flush was a
-    // round trip of its own. A connection whose socket closed is still dropped (bb8 asks
-    // `is_broken` on return), and a statement on a connection that died unnoticed fails like
-    // any other transient error: the claim actor polls again, the finalizer retries.
-    config.recycling_method = RecyclingMethod::Fast;
-    let manager = AsyncDieselConnectionManager::new_with_config(target.expose(), config);
-    let pool = Pool::builder()
-        .max_size(size.max(1))
-        // While the database is away, bb8 keeps trying to connect for a checkout, pausing up
-        // to half this timeout between attempts, and hands the first connection that works to
-        // the waiting checkout: 3 s keeps those pauses at 1.5 s, so the dispatcher resumes
-        // soon after the database's return (the claim actors and the finalizer retry a failed
-        // checkout themselves).
-        .connection_timeout(CHECKOUT_TIMEOUT)
-        .build(manager)
-        .await
-        .map_err(|e| StoreError::Connect(Box::new(e)))?;
-    Ok(PgPool(pool))
-}
-
 /// Checks out one connection and runs `SELECT 1`.
 pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
-    let mut conn = pool.get().await?;
-    diesel::sql_query("SELECT 1").execute(&mut conn).await?;
-    Ok(())
+    pool.run(async |conn| {
+        diesel::sql_query("SELECT 1").execute(conn).await?;
+        Ok(())
+    })
+    .await
 }
 
 /// Applies the pending migrations to `database_url` and returns the versions it applied.
@@ -213,7 +157,7 @@ pub(crate) async fn apply_migrations(database_url: &str, set: EmbeddedMigrations
     let target = ConnectionString::parse(database_url)?;
     // A missing database is the first thing a new deployment hits: say how to create it rather
     // than hand over the server's refusal.
-    let conn = open(&target).await.map_err(|e| match target.database() {
+    let conn = open_uncached(&target).await.map_err(|e| match target.database() {
         Some(name) if is_missing_database(e.as_ref()) => StoreError::NoDatabase { database: name.to_owned() },
         _ => StoreError::Connect(e),
     })?;
@@ -263,15 +207,21 @@ pub(crate) async fn pending_in(database_url: &str, set: EmbeddedMigrations) -> R
     .await
 }
 
-/// Runs `f` with `conn` as diesel's synchronous migration harness, on a blocking thread of the
-/// current runtime (the one `conn` was opened on, which keeps driving it).
+/// Runs `f` with `conn` (opened by [`open_uncached`]) as diesel's synchronous migration harness,
+/// on a blocking thread of the current runtime (the one `conn` was opened on, which keeps
+/// driving it). All of `f` runs in one transaction (each migration in a savepoint of it), so
+/// that a run of migrations applies whole or not at all, and stays on one server connection
+/// behind a transaction pooler.
 async fn with_harness<T: Send + 'static>(
     conn: AsyncPgConnection,
     f: impl FnOnce(&mut AsyncConnectionWrapper<AsyncPgConnection>) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
-    tokio::task::spawn_blocking(move || f(&mut AsyncConnectionWrapper::from(conn)))
-        .await
-        .map_err(|e| StoreError::Migration(Box::new(e)))?
+    tokio::task::spawn_blocking(move || {
+        let mut harness = AsyncConnectionWrapper::from(conn);
+        diesel::Connection::transaction(&mut harness, f)
+    })
+    .await
+    .map_err(|e| StoreError::Migration(Box::new(e)))?
 }
 
 /// Creates the database named in `database_url` when it does not exist yet, through the
@@ -284,21 +234,21 @@ pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
     let Some(name) = target.database() else {
         return Err(InvalidConnectionString::new(database_url, "it names no database and no user".into()).into());
     };
-    match open(&target).await {
+    match open_uncached(&target).await {
         Ok(_) => return Ok(false),
         Err(e) if is_missing_database(e.as_ref()) => {}
         Err(e) => return Err(StoreError::Connect(e)),
     }
-    let mut admin = open(&target.with_database("postgres")).await.map_err(StoreError::Connect)?;
+    let mut admin = open_uncached(&target.with_database("postgres")).await.map_err(StoreError::Connect)?;
     #[derive(diesel::QueryableByName)]
     struct Exists {
         #[diesel(sql_type = diesel::sql_types::Bool)]
         exists: bool,
     }
-    let found: Exists = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
-        .bind::<diesel::sql_types::Text, _>(name)
-        .get_result(&mut admin)
-        .await?;
+    let exists = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS exists")
+        .bind::<diesel::sql_types::Text, _>(name);
+    let found: Exists =
+        pool::in_transaction(&mut admin, async |c| Ok::<_, StoreError>(exists.get_result(c).await?)).await?;
     if found.exists {
         return Ok(false);
     }
