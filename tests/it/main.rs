@@ -13,6 +13,7 @@ mod metrics;
 mod model;
 mod outage;
 mod producers;
+mod queues;
 mod rabbit;
 mod store;
 #[cfg(feature = "opentelemetry")]

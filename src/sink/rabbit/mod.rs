@@ -4,6 +4,7 @@
 //! The user-facing notes (where the connection lives, how broker answers become outcomes) are
 //! on [`RabbitSink`]; the mapping itself is `link::classify`, the only place that does it.
 
+mod binding;
 mod config;
 mod confirms;
 mod error;
@@ -17,6 +18,7 @@ use tokio::sync::oneshot;
 
 pub use lapin::ExchangeKind;
 
+pub use binding::{QueueBinding, QueueKind};
 pub use config::{RabbitConfig, RoutingKeyFn};
 pub use error::RabbitError;
 use link::LinkState;
