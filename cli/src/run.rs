@@ -500,7 +500,7 @@ mod tests {
     fn run_args(flags: &[&str]) -> Result<super::RunArgs, clap::Error> {
         let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);
         match Cli::try_parse_from(argv)?.command {
-            Command::Run(args) => Ok(args),
+            Command::Run(args) => Ok(*args),
             _ => panic!("a run command"),
         }
     }
