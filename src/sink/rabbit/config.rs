@@ -76,7 +76,7 @@ pub struct RabbitConfig {
     /// The `app_id` property of every message. Default `actix-outbox`.
     pub app_id: String,
     /// Bound on one connection attempt (TCP connect, AMQP handshake, confirm mode, exchange
-    /// declaration). Default 10 s.
+    /// and queue declarations). Default 10 s.
     pub connect_timeout: Duration,
     /// Delay before the first reconnection attempt after the link is lost; it doubles on every
     /// failed attempt up to [`RabbitConfig::reconnect_max`], with jitter. Default 100 ms.
