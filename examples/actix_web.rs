@@ -14,8 +14,8 @@
 //! - `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`): the sink declares the
 //!   `outbox` topic exchange (`EXCHANGE` overrides). Events are published `mandatory`: one that
 //!   no queue is bound for is returned by the broker and its row goes `dead` as unroutable, so
-//!   the example declares a durable demo queue, `DEMO_QUEUE` (default
-//!   `actix-outbox.orders-demo`), bound for `order.#`, where the events wait. Read them with
+//!   the sink declares a durable demo queue too (`RabbitConfig::bind_queue_with`), `DEMO_QUEUE`
+//!   (default `actix-outbox.orders-demo`), bound for `order.#`, where the events wait. Read them with
 //!   `cargo run --example inbox_consumer -- --queue actix-outbox.orders-demo --no-bind`, count
 //!   them with `rabbitmqctl list_queues name messages`, remove the queue with
 //!   `rabbitmqctl delete_queue actix-outbox.orders-demo`. `DEMO_QUEUE=` (empty) declares none.
@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use actix::Addr;
 use actix_outbox::dispatcher::Shutdown;
-use actix_outbox::sink::{RabbitConfig, RabbitSink, SinkState};
+use actix_outbox::sink::{QueueKind, RabbitConfig, RabbitSink, SinkState};
 use actix_outbox::{DispatcherConfig, NewEvent, OutboxSupervisor, PgPool, Publisher, StoreError};
 use actix_web::{App, HttpResponse, HttpServer, web};
 use diesel::sql_types::{BigInt, Text};
@@ -62,8 +62,9 @@ pub struct Settings {
     pub exchange: String,
     pub bind: String,
     pub http_workers: usize,
-    /// A queue to declare and bind for `order.#` at start, so that the events have somewhere
-    /// to go (see the module docs); `None` when something else consumes them.
+    /// A queue that the sink declares and binds for `order.#` each time it connects, so that
+    /// the events have somewhere to go (see the module docs); `None` when something else
+    /// consumes them.
     pub demo_queue: Option<String>,
 }
 
@@ -156,20 +157,22 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
         )
         .await?;
 
+    // [outbox-registration] begin: the sink and the dispatcher, inside the application.
+    let mut rabbit = RabbitConfig::new(&settings.amqp_url).exchange(&settings.exchange);
     if let Some(queue) = &settings.demo_queue {
-        bind_demo_queue(&settings.amqp_url, &settings.exchange, queue)
-            .await
-            .map_err(|e| format!("RabbitMQ (binding the demo queue): {e}"))?;
+        // Classic: the demo queue that earlier runs of this example left is one, and a queue's
+        // type cannot change.
+        rabbit = rabbit.bind_queue_with(queue, "order.#", QueueKind::Classic);
+    }
+    let sink = RabbitSink::connect(rabbit).await?;
+    let dispatcher = OutboxSupervisor::start(DispatcherConfig::default(), outbox_pool, sink.clone())?;
+    let outbox = web::Data::new(dispatcher.clone());
+    // [outbox-registration] end
+    if let Some(queue) = &settings.demo_queue {
         tracing::info!(queue = %queue, exchange = %settings.exchange,
             "order events wait in the demo queue (bound for order.#); read them with \
              `cargo run --example inbox_consumer -- --queue {queue} --no-bind`");
     }
-
-    // [outbox-registration] begin: the sink and the dispatcher, inside the application.
-    let sink = RabbitSink::connect(RabbitConfig::new(&settings.amqp_url).exchange(&settings.exchange)).await?;
-    let dispatcher = OutboxSupervisor::start(DispatcherConfig::default(), outbox_pool, sink.clone())?;
-    let outbox = web::Data::new(dispatcher.clone());
-    // [outbox-registration] end
 
     // The operator console at /outbox (docs/console.md): read-only unless ACTIX_OUTBOX_CONSOLE_TOKEN is set.
     let console = actix_outbox_console::Console::new(pool.clone())
@@ -199,24 +202,6 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     let addrs = server.addrs();
     let server = server.run();
     Ok(Running { addrs, handle: server.handle(), server, dispatcher, sink })
-}
-
-/// Declares the exchange as the sink does (durable topic) and a durable `queue` bound to it for
-/// `order.#`, on a short-lived connection of its own.
-async fn bind_demo_queue(amqp_url: &str, exchange: &str, queue: &str) -> Result<(), lapin::Error> {
-    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
-    use lapin::types::FieldTable;
-    let properties = lapin::ConnectionProperties::default().with_connection_name("actix_web example setup".into());
-    let conn = lapin::Connection::connect(amqp_url, properties).await?;
-    let channel = conn.create_channel().await?;
-    let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-    channel.exchange_declare(exchange.into(), lapin::ExchangeKind::Topic, durable, FieldTable::default()).await?;
-    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-    channel.queue_declare(queue.into(), durable, FieldTable::default()).await?;
-    channel
-        .queue_bind(queue.into(), exchange.into(), "order.#".into(), QueueBindOptions::default(), FieldTable::default())
-        .await?;
-    conn.close(200, "set up".into()).await
 }
 
 #[derive(Debug, Deserialize)]

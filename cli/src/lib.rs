@@ -84,7 +84,7 @@ pub enum Command {
     Migrate(MigrateArgs),
     /// Run the dispatcher, publishing to RabbitMQ, until SIGINT or SIGTERM.
     #[command(long_about = run::LONG_ABOUT)]
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Show rows by status, the oldest unfinished row, expired leases and attempts.
     #[command(long_about = stats::LONG_ABOUT)]
     Stats(StatsArgs),
@@ -112,7 +112,7 @@ impl Command {
     pub async fn execute(self) -> Result<(), CliError> {
         match self {
             Command::Migrate(args) => migrate::migrate(args).await,
-            Command::Run(args) => run::run(args).await,
+            Command::Run(args) => run::run(*args).await,
             Command::Stats(args) => stats::stats(args).await,
             Command::Dead(DeadCommand::List(args)) => dead::list(args).await,
             Command::Dead(DeadCommand::Retry(args)) => dead::retry(args).await,

@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use crate::{CliError, DatabaseArgs, FifoArgs, connect, serve};
 use actix_outbox::dispatcher::Shutdown;
-use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::sink::{QueueKind, RabbitConfig, RabbitError, RabbitSink};
 use actix_outbox::{DispatcherConfig, OutboxSupervisor, Retention};
 
 /// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
@@ -83,6 +83,17 @@ pub struct RunArgs {
     /// Do not declare the exchange (durable topic) at connect; it must exist already
     #[arg(long)]
     pub no_declare: bool,
+    /// Declare the durable queue NAME and bind it to the exchange with PATTERN (e.g.
+    /// billing:order.#) at every connect, after the exchange (also with --no-declare), so that
+    /// messages have somewhere to go instead of going dead as unroutable. Repeatable, also for
+    /// several patterns of one queue; NAME ends at the first ':'. A queue that exists with other
+    /// arguments (e.g. of the other type) exits 1 at start, saying what differs. For development
+    /// and simple deployments; leave queues managed elsewhere to their owner
+    #[arg(long, value_name = "NAME:PATTERN", value_parser = queue_binding)]
+    pub bind_queue: Vec<(String, String)>,
+    /// Type of the queues of --bind-queue
+    #[arg(long, value_name = "TYPE", value_enum, default_value_t = QueueType::Quorum, requires = "bind_queue")]
+    pub queue_type: QueueType,
     /// Send no x-outbox-source, x-aggregate-type, x-aggregate-id or x-attempt header
     /// (message_id, type and the producer's headers still go): less work for the broker, for
     /// consumers that read none of them (an inbox then sees no source)
@@ -169,6 +180,35 @@ impl From<RetentionArg> for Retention {
     }
 }
 
+/// `--queue-type`: [`QueueKind`] on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[non_exhaustive]
+pub enum QueueType {
+    /// Quorum queues, RabbitMQ's recommendation for durable queues (the default)
+    #[default]
+    Quorum,
+    /// Classic queues, e.g. for a queue that exists already as one (a queue's type cannot change)
+    Classic,
+}
+
+impl From<QueueType> for QueueKind {
+    fn from(arg: QueueType) -> Self {
+        match arg {
+            QueueType::Quorum => QueueKind::Quorum,
+            QueueType::Classic => QueueKind::Classic,
+        }
+    }
+}
+
+/// `--bind-queue NAME:PATTERN`: the queue's name ends at the first `:`; the pattern may be
+/// empty (a fanout or direct exchange's binding) or hold colons itself.
+fn queue_binding(arg: &str) -> Result<(String, String), String> {
+    match arg.split_once(':') {
+        Some((queue, pattern)) if !queue.is_empty() => Ok((queue.to_owned(), pattern.to_owned())),
+        _ => Err(format!("expected NAME:PATTERN, e.g. billing:order.#, got {arg:?}")),
+    }
+}
+
 /// `--log-format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 #[non_exhaustive]
@@ -246,11 +286,14 @@ impl RunArgs {
 
     /// The sink configuration these flags describe, validated (a malformed AMQP URL is bad input).
     fn rabbit_config(&self) -> Result<RabbitConfig, CliError> {
-        let config = RabbitConfig::cluster(self.amqp_url.iter().map(|u| u.trim().to_owned()))
+        let mut config = RabbitConfig::cluster(self.amqp_url.iter().map(|u| u.trim().to_owned()))
             .exchange(self.exchange.clone())
             .declare_exchange(!self.no_declare)
             .outbox_headers(!self.no_outbox_headers)
             .deduplication_header(self.deduplication_header);
+        for (queue, pattern) in &self.bind_queue {
+            config = config.bind_queue_with(queue, pattern, self.queue_type.into());
+        }
         config.validate().map_err(|e| CliError::BadInput(e.to_string()))?;
         Ok(config)
     }
@@ -453,9 +496,44 @@ mod tests {
     fn run_args(flags: &[&str]) -> Result<super::RunArgs, clap::Error> {
         let argv = ["actix-outbox", "run", "--database-url", "postgres://root@db/app"].iter().chain(flags);
         match Cli::try_parse_from(argv)?.command {
-            Command::Run(args) => Ok(args),
+            Command::Run(args) => Ok(*args),
             _ => panic!("a run command"),
         }
+    }
+
+    #[test]
+    fn bind_queue_flags_reach_the_sink_configuration() {
+        use actix_outbox::sink::QueueKind;
+        let bindings = |flags: &[&str]| {
+            let config = run_args(flags).unwrap().rabbit_config().unwrap();
+            config.bindings.iter().map(|b| (b.queue.clone(), b.pattern.clone(), b.kind)).collect::<Vec<_>>()
+        };
+        assert_eq!(bindings(&[]), []);
+        let q = |queue: &str, pattern: &str, kind| (queue.to_owned(), pattern.to_owned(), kind);
+        assert_eq!(
+            bindings(&[
+                "--bind-queue",
+                "billing:order.#",
+                "--bind-queue",
+                "billing:refund.*",
+                "--bind-queue",
+                "audit:a:b"
+            ]),
+            [
+                q("billing", "order.#", QueueKind::Quorum),
+                q("billing", "refund.*", QueueKind::Quorum),
+                q("audit", "a:b", QueueKind::Quorum)
+            ]
+        );
+        assert_eq!(bindings(&["--bind-queue", "all:", "--queue-type", "classic"]), [q("all", "", QueueKind::Classic)]);
+        for bad in ["billing", ":order.#"] {
+            let e = run_args(&["--bind-queue", bad]).unwrap_err();
+            assert!(e.to_string().contains("expected NAME:PATTERN"), "{bad}: {e}");
+        }
+        assert!(run_args(&["--queue-type", "classic"]).is_err(), "--queue-type needs a --bind-queue");
+        assert!(run_args(&["--bind-queue", "q:x", "--queue-type", "stream"]).is_err());
+        let long = run_args(&["--bind-queue", &format!("{}:x", "q".repeat(256))]).unwrap().rabbit_config().unwrap_err();
+        assert_eq!(long.exit_code(), crate::EXIT_USAGE, "{long}");
     }
 
     #[test]

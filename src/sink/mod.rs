@@ -14,4 +14,4 @@ mod rabbit;
 
 pub use crate::publisher::{ActorPublisher, FnPublisher, Publish, PublishFuture, SinkState, publisher_fn};
 pub use channel::{ChannelSink, SinkAction};
-pub use rabbit::{ExchangeKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn};
+pub use rabbit::{ExchangeKind, QueueBinding, QueueKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn};

@@ -100,6 +100,12 @@ impl TestBroker {
         self.exchanges.push(exchange);
     }
 
+    /// Deletes `queue` too when the test ends: one that the component under test declares
+    /// itself on the test's exchange.
+    pub fn remove_queue_at_end(&mut self, queue: String) {
+        self.queues.push(queue);
+    }
+
     /// Messages ready in `queue`.
     pub async fn depth(&self, queue: &str) -> u32 {
         let options = QueueDeclareOptions { passive: true, ..QueueDeclareOptions::default() };

@@ -14,6 +14,7 @@ mod metrics;
 mod model;
 mod outage;
 mod producers;
+mod queues;
 mod rabbit;
 mod startup;
 mod store;

@@ -349,3 +349,32 @@ async fn run_with_no_outbox_headers_sends_messages_without_a_header_table() {
     assert!(delivered.iter().all(|d| d.properties.headers().is_none()), "no header table");
     assert!(delivered.iter().all(|d| d.properties.kind().as_ref().map(|t| t.as_str()) == Some("test.happened")));
 }
+
+/// `run --bind-queue NAME:PATTERN` against the real broker: the dispatcher declares its
+/// exchange and the queue, binds it, and every row's message lands there instead of going
+/// dead as unroutable.
+#[tokio::test]
+async fn run_with_bind_queue_declares_the_queue_and_every_message_lands_in_it() {
+    let db = TestDb::new().await;
+    let ids = db.seed(3, "agg").await;
+    let mut broker = TestBroker::new("cli-bind").await;
+    let queue = actix_outbox_test_support::unique("cli-bound");
+    broker.remove_queue_at_end(queue.clone());
+    let amqp = amqp_url();
+    let binding = format!("{queue}:test.#");
+    let mut run = Dispatcher::start(
+        &db.url,
+        &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--bind-queue", binding.as_str()],
+    );
+    // Done, not dead: each message was routed to the queue, which the run had declared.
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+    let delivered = broker.take(&queue, 3).await;
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+
+    let mut got: Vec<i64> =
+        delivered.iter().map(|d| d.properties.message_id().as_ref().unwrap().as_str().parse().unwrap()).collect();
+    got.sort();
+    assert_eq!(got, ids);
+    assert_eq!(db.count_status("dead").await, 0);
+}

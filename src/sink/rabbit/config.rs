@@ -6,6 +6,7 @@ use std::time::Duration;
 use lapin::BasicProperties;
 use lapin::types::ShortString;
 
+use super::binding::{self, QueueBinding, QueueKind};
 use super::{ExchangeKind, RabbitError};
 use crate::amqp;
 use crate::config::{name_setters, pair_setter, setters};
@@ -45,7 +46,8 @@ pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
 ///     .exchange_kind(ExchangeKind::Direct)
 ///     .app_id("billing")
 ///     .routing_key(|m| format!("{}.{}", m.aggregate_type, m.event_type))
-///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(5));
+///     .reconnect_backoff(Duration::from_millis(50), Duration::from_secs(5))
+///     .bind_queue("billing.orders", "order.#");
 /// config.validate().unwrap();
 /// assert!(format!("{config:?}").contains("guest:***@"), "the password never reaches a log");
 /// ```
@@ -68,10 +70,13 @@ pub struct RabbitConfig {
     /// exchange that does not exist then fails retryably (the broker closes the channel with
     /// 404) until someone creates it. Default `true`.
     pub declare_exchange: bool,
+    /// Durable queues the sink declares and binds to the exchange each time it connects, after
+    /// the exchange; see [`RabbitConfig::bind_queue`]. Default none.
+    pub bindings: Vec<QueueBinding>,
     /// The `app_id` property of every message. Default `actix-outbox`.
     pub app_id: String,
     /// Bound on one connection attempt (TCP connect, AMQP handshake, confirm mode, exchange
-    /// declaration). Default 10 s.
+    /// and queue declarations). Default 10 s.
     pub connect_timeout: Duration,
     /// Delay before the first reconnection attempt after the link is lost; it doubles on every
     /// failed attempt up to [`RabbitConfig::reconnect_max`], with jitter. Default 100 ms.
@@ -113,6 +118,7 @@ impl std::fmt::Debug for RabbitConfig {
             .field("exchange", &self.exchange)
             .field("exchange_kind", &self.exchange_kind)
             .field("declare_exchange", &self.declare_exchange)
+            .field("bindings", &self.bindings)
             .field("app_id", &self.app_id)
             .field("connect_timeout", &self.connect_timeout)
             .field("reconnect_min", &self.reconnect_min)
@@ -135,6 +141,7 @@ impl RabbitConfig {
     /// | [`exchange`](RabbitConfig::exchange) | `outbox` |
     /// | [`exchange_kind`](RabbitConfig::exchange_kind) | [`ExchangeKind::Topic`] |
     /// | [`declare_exchange`](RabbitConfig::declare_exchange) | `true` |
+    /// | [`bindings`](RabbitConfig::bindings) | none |
     /// | [`app_id`](RabbitConfig::app_id) | `actix-outbox` |
     /// | [`connect_timeout`](RabbitConfig::connect_timeout) | 10 s |
     /// | [`reconnect_min`](RabbitConfig::reconnect_min), [`reconnect_max`](RabbitConfig::reconnect_max) | 100 ms, 10 s |
@@ -165,6 +172,7 @@ impl RabbitConfig {
             exchange: DEFAULT_EXCHANGE.to_owned(),
             exchange_kind: ExchangeKind::Topic,
             declare_exchange: true,
+            bindings: Vec::new(),
             app_id: DEFAULT_APP_ID.to_owned(),
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             reconnect_min: DEFAULT_RECONNECT_MIN,
@@ -233,6 +241,45 @@ impl RabbitConfig {
         self
     }
 
+    /// Declares the durable [`QueueKind::Quorum`] queue `queue` and binds it to the exchange
+    /// with `pattern` (for a topic exchange, e.g. `order.#`), each time the sink connects: a
+    /// message whose routing key matches then has somewhere to go instead of coming back
+    /// unroutable and going dead. Call it again for more patterns or more queues.
+    ///
+    /// Meant for development and simple deployments, where the publisher may own its
+    /// consumers' queues; where queues are managed elsewhere (definitions, another service),
+    /// leave them there. The sink declares the exchange first (unless
+    /// [`RabbitConfig::declare_exchange`] is off: the exchange must then exist when the sink
+    /// connects). A queue that already exists with other arguments (of the other type, not
+    /// durable, with arguments such as `x-expires` of its own) fails the connection with
+    /// [`RabbitError::Refused`] naming the queue and what differs; a queue that exists as the
+    /// sink declares it is left as it is, messages included. The sink never deletes a queue or
+    /// a binding.
+    ///
+    /// ```
+    /// use actix_outbox::sink::{QueueKind, RabbitConfig};
+    ///
+    /// let config = RabbitConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f")
+    ///     .bind_queue("billing.orders", "order.#")
+    ///     .bind_queue("billing.orders", "refund.#")
+    ///     .bind_queue_with("audit", "#", QueueKind::Classic);
+    /// assert_eq!(config.bindings.len(), 3);
+    /// assert_eq!(config.bindings[0].kind, QueueKind::Quorum);
+    /// ```
+    #[must_use]
+    pub fn bind_queue(self, queue: impl Into<String>, pattern: impl Into<String>) -> Self {
+        self.bind_queue_with(queue, pattern, QueueKind::default())
+    }
+
+    /// Like [`RabbitConfig::bind_queue`], with the queue's type: [`QueueKind::Classic`] for a
+    /// queue that exists already as a classic one (a queue's type cannot change), or where
+    /// quorum queues are not wanted. Every binding of one queue must give the same type.
+    #[must_use]
+    pub fn bind_queue_with(mut self, queue: impl Into<String>, pattern: impl Into<String>, kind: QueueKind) -> Self {
+        self.bindings.push(QueueBinding::new(queue.into(), pattern.into(), kind));
+        self
+    }
+
     /// Sets [`RabbitConfig::app_id`].
     #[must_use]
     pub fn app_id(mut self, app_id: impl Into<String>) -> Self {
@@ -279,6 +326,9 @@ impl RabbitConfig {
         if self.exchange.is_empty() && self.declare_exchange {
             return invalid("the default exchange (\"\") cannot be declared; set declare_exchange(false)".into());
         }
+        if let Err(why) = binding::check(&self.bindings, &self.exchange) {
+            return invalid(why);
+        }
         if self.connect_timeout.is_zero() {
             return invalid("connect timeout must be above zero".into());
         }
@@ -310,5 +360,16 @@ mod tests {
         assert!(backoff.to_string().contains("reconnect backoff"), "{backoff}");
         assert!(RabbitConfig::new("amqp://h").exchange("").validate().is_err());
         assert!(RabbitConfig::new("amqp://h").exchange("").declare_exchange(false).validate().is_ok());
+        let bound = RabbitConfig::new("amqp://h").bind_queue("orders", "order.#");
+        assert!(bound.clone().declare_exchange(false).validate().is_ok(), "the exchange may be managed elsewhere");
+        let e = bound.clone().bind_queue("", "#").validate().unwrap_err();
+        assert!(e.to_string().contains("needs a name"), "{e}");
+        let e = bound.clone().exchange("").declare_exchange(false).validate().unwrap_err();
+        assert!(e.to_string().contains("default exchange"), "{e}");
+        let debug = format!("{bound:?}");
+        assert!(
+            debug.contains(r#"bindings: [QueueBinding { queue: "orders", pattern: "order.#", kind: Quorum }]"#),
+            "{debug}"
+        );
     }
 }

@@ -19,7 +19,8 @@ pub enum RabbitError {
     },
     /// A broker answered but refused the connection (bad credentials, unknown vhost) or the
     /// sink's setup (confirm mode, the exchange declaration — e.g. an existing exchange of
-    /// another type).
+    /// another type —, a bound queue's declaration or binding — e.g. an existing queue of
+    /// another type, named in the reason with the fix).
     #[error("RabbitMQ at {url} refused the sink: {reason}")]
     Refused {
         /// The URL, password masked.

@@ -1,5 +1,6 @@
 //! The connection manager: on the sink's link thread, it connects (to each node of a cluster in
-//! turn), enables confirms, declares the exchange, watches the link and rebuilds it when lost.
+//! turn), enables confirms, declares the exchange and the bound queues, watches the link and
+//! rebuilds it when lost.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -12,9 +13,9 @@ use lapin::{Channel, Connection, ConnectionProperties, Event};
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
-use super::confirms;
 use super::link::{Link, LinkState};
 use super::{RabbitConfig, RabbitError};
+use super::{binding, confirms};
 use crate::amqp::connection::Stop;
 use crate::amqp::{Reconnect, connection_closer};
 use crate::publisher::SinkState;
@@ -129,8 +130,9 @@ impl Manager {
         }
     }
 
-    /// A channel in confirm mode with the exchange declared, on `reuse` if it is still
-    /// connected, else on a new connection.
+    /// A channel in confirm mode with the exchange and the bound queues declared, on `reuse` if
+    /// it is still connected, else on a new connection. Declared on every new channel, so that
+    /// a queue deleted while the link was down is there again.
     async fn establish(&mut self, reuse: Option<Connection>) -> Result<(Connection, Channel), RabbitError> {
         let conn = match reuse.filter(|c| c.status().connected()) {
             Some(conn) => conn,
@@ -161,6 +163,9 @@ impl Manager {
                 .await
                 .map_err(|e| refused(&format!("declaring exchange {:?}", self.config.exchange), e))?;
         }
+        binding::declare(&channel, &self.link.exchange, &self.config.bindings)
+            .await
+            .map_err(|reason| RabbitError::Refused { url: url.clone(), reason })?;
         Ok((conn, channel))
     }
 

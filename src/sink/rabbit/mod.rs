@@ -4,6 +4,7 @@
 //! The user-facing notes (where the connection lives, how broker answers become outcomes) are
 //! on [`RabbitSink`]; the mapping itself is `link::classify`, the only place that does it.
 
+mod binding;
 mod config;
 mod confirms;
 mod error;
@@ -17,6 +18,7 @@ use tokio::sync::oneshot;
 
 pub use lapin::ExchangeKind;
 
+pub use binding::{QueueBinding, QueueKind};
 pub use config::{RabbitConfig, RoutingKeyFn};
 pub use error::RabbitError;
 use link::LinkState;
@@ -52,8 +54,8 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 ///
 /// So the sink does not borrow the caller's runtime. [`RabbitSink::connect`] starts a thread of
 /// its own (`actix-outbox-amqp`) running a small current-thread tokio runtime, and the
-/// connection manager runs there: it connects, enables confirms, declares the exchange, watches
-/// the link, and reconnects with backoff when the connection or channel is lost. The thread
+/// connection manager runs there: it connects, enables confirms, declares the exchange (and the
+/// queues of [`RabbitConfig::bind_queue`]), watches the link, and reconnects with backoff when the connection or channel is lost. The thread
 /// lives exactly as long as the sink: it closes the connection and ends when the last clone of
 /// the [`RabbitSink`] is dropped or [`RabbitSink::close`] is called. That makes the sink safe to
 /// create from any arbiter (or from plain tokio) and to use from any other.
@@ -125,7 +127,7 @@ struct Handle {
 impl RabbitSink {
     /// Validates `config`, starts the sink's connection thread and waits for the first
     /// connection (bounded by [`RabbitConfig::connect_timeout`]): connected, confirm mode on,
-    /// exchange declared. Fails if the broker cannot be reached or refuses the setup; after this
+    /// exchange and bound queues declared. Fails if the broker cannot be reached or refuses the setup; after this
     /// first success, the sink reconnects by itself whenever the link is lost.
     pub async fn connect(config: RabbitConfig) -> Result<Self, RabbitError> {
         config.validate()?;
