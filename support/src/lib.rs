@@ -7,6 +7,13 @@
 //! - [`broker`]: the test's own exchange and queues on the test broker ([`TestBroker`]).
 //! - [`proxy::Proxy`]: a TCP proxy in front of PostgreSQL or RabbitMQ that cuts, refuses,
 //!   blackholes, delays and slows its connections, and plays RabbitMQ's `connection.blocked`.
+//! - [`pgbouncer::PgBouncer`]: a PgBouncer of the test's own in transaction pooling mode.
+//! - [`standby::ReplicatedPair`]: a primary and its streaming standby, both the test's own, to
+//!   fail over from one to the other.
+//!
+//! The last two start servers of their own as the `postgres` user (`runuser`, so the tests run
+//! as root): PgBouncer from `/usr/sbin/pgbouncer`, PostgreSQL 15's server programs from
+//! `/usr/lib/postgresql/15/bin` (Debian's packages `pgbouncer` and `postgresql-15`).
 //!
 //! Two environment variables say where the services are:
 //!
@@ -23,7 +30,10 @@
 
 pub mod broker;
 pub mod db;
+pub mod pgbouncer;
+mod process;
 pub mod proxy;
+pub mod standby;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -31,6 +41,8 @@ use std::time::{Duration, Instant};
 
 pub use broker::{TestBroker, amqp_addr, amqp_url};
 pub use db::{ScratchDb, TestDb, database_addr, database_url};
+pub use pgbouncer::PgBouncer;
+pub use standby::{ReplicatedPair, Replication};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
