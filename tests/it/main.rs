@@ -13,6 +13,7 @@ mod inbox;
 mod metrics;
 mod model;
 mod outage;
+mod pooler;
 mod producers;
 mod queues;
 mod rabbit;

@@ -1,0 +1,220 @@
+//! The dispatcher behind a transaction pooler: a PgBouncer of the test's own
+//! (`pool_mode = transaction`, Debian's 1.18, which keeps no protocol-level prepared statement
+//! for its clients) in front of the test server. The inbox behind one is in `inbox`, the
+//! command line's commands in the command line's tests.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix_outbox::dispatcher::{GetHealth, GetMetrics, Shutdown};
+use actix_outbox::sink::ChannelSink;
+use actix_outbox::{
+    DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PgPool, PoolConfig, Pooler, StoreError,
+};
+use diesel::sql_types::{BigInt, Text};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use actix_outbox_test_support::{PgBouncer, TestDb, database_addr, eventually};
+
+const WITHIN: Duration = Duration::from_secs(30);
+
+/// A pool through `bouncer` to `db`, as a deployment behind PgBouncer makes it; the listener's
+/// session goes straight to the server when `direct` says so.
+async fn pooled(bouncer: &PgBouncer, db: &TestDb, direct: bool) -> PgPool {
+    let mut config = PoolConfig::new(bouncer.route(&db.url)).size(6).pooler(Pooler::Transaction);
+    if direct {
+        config = config.direct_url(db.url.clone());
+    }
+    config.connect().await.expect("a pool through the bouncer")
+}
+
+/// A producer's connection through the bouncer: no statement cache, every insert in a
+/// transaction, as a producer behind a transaction pooler must be set up.
+async fn producer(bouncer: &PgBouncer, db: &TestDb) -> AsyncPgConnection {
+    actix_outbox::admin::connect(&bouncer.route(&db.url)).await.expect("a producer through the bouncer")
+}
+
+async fn enqueue(conn: &mut AsyncPgConnection, n: usize, tag: &str) -> Vec<i64> {
+    let events: Vec<_> = (0..n)
+        .map(|i| NewEvent::new("test", format!("{tag}-{}", i % 7), "test.happened", serde_json::json!({"n": i})))
+        .collect();
+    conn.transaction(async |tx| actix_outbox::enqueue_many(tx, &events).await)
+        .await
+        .expect("enqueue through the bouncer")
+}
+
+fn delivered(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>) -> BTreeMap<i64, usize> {
+    let mut seen = BTreeMap::new();
+    while let Ok(m) = rx.try_recv() {
+        *seen.entry(m.id).or_default() += 1;
+    }
+    seen
+}
+
+/// `total_xact_count` of `database` in the bouncer's `SHOW STATS`.
+async fn stats_total_xact(admin_url: &str, database: &str) -> i64 {
+    let url = admin_url.to_owned();
+    let database = database.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new("psql")
+            .args([url.as_str(), "-AtF", "|", "-c", "SHOW STATS"])
+            .output()
+            .expect("psql runs");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        // database|total_xact_count|...
+        text.lines()
+            .filter_map(|l| match l.split('|').collect::<Vec<_>>().as_slice() {
+                [name, transactions, ..] if *name == database => transactions.parse::<i64>().ok(),
+                _ => None,
+            })
+            .sum()
+    })
+    .await
+    .unwrap()
+}
+
+/// Rows committed through the bouncer before and while the dispatcher runs, the dispatcher's
+/// pool through the bouncer too: every row is published once and ends done, none dead, one
+/// attempt each; the bouncer carried the dispatcher's transactions. With a direct URL for its
+/// session, the insert listener is armed: with polling all but off, rows committed after the
+/// drain arrive at once.
+#[actix_rt::test]
+async fn a_dispatcher_behind_a_transaction_pooler_delivers_every_row_once() {
+    let db = TestDb::new().await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    let mut conn = producer(&bouncer, &db).await;
+    let before = enqueue(&mut conn, 300, "before").await;
+
+    let (sink, mut rx) = ChannelSink::new();
+    let config = DispatcherConfig::default().workers(3).batch(50).poll_interval(Duration::from_secs(60));
+    let dispatcher = OutboxSupervisor::start(config, pooled(&bouncer, &db, true).await, sink).unwrap();
+    let mut during = Vec::new();
+    for round in 0..10 {
+        during.extend(enqueue(&mut conn, 20, &format!("during-{round}")).await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let all = before.len() + during.len();
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == all as i64 }).await;
+    let through_bouncer = stats_total_xact(&bouncer.admin_url(), &db.name).await;
+
+    // Drained, with a 60 s poll: only the listener, on its direct session, can wake a worker.
+    assert!(dispatcher.send(GetHealth).await.unwrap().is_ready());
+    eventually(WITHIN, "the listener armed on its session", || async { advisory_locks(&db).await == 1 }).await;
+    let after = enqueue(&mut conn, 5, "after").await;
+    eventually(Duration::from_secs(10), "rows after the drain done without a poll", || async {
+        db.count_status("done").await == (all + after.len()) as i64
+    })
+    .await;
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let seen = delivered(&mut rx);
+    let expected: Vec<i64> = before.iter().chain(&during).chain(&after).copied().collect();
+    assert_eq!(seen.keys().copied().collect::<Vec<_>>(), expected, "every row published");
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "each once: {:?}",
+        seen.iter().filter(|(_, n)| **n > 1).collect::<Vec<_>>()
+    );
+    let rows = db.rows().await;
+    assert_eq!(rows.iter().map(|r| r.attempts).max(), Some(1));
+    assert_eq!(db.count_status("dead").await, 0);
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.done as usize, m.dead, m.claim_errors, m.finalize_errors), (expected.len(), 0, 0, 0));
+    // At least a claim and a finalize per batch of 50 went through the bouncer.
+    assert!(through_bouncer >= (all / 50 * 2) as i64, "{through_bouncer} transactions through the bouncer");
+}
+
+/// Behind a transaction pooler with no direct URL, nothing holds a session: no listener, and the
+/// workers find rows by polling.
+#[actix_rt::test]
+async fn without_a_direct_url_the_dispatcher_polls_through_the_pooler() {
+    let db = TestDb::new().await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    let mut conn = producer(&bouncer, &db).await;
+    let (sink, mut rx) = ChannelSink::new();
+    // Small batches from four workers, with a producer beside them: many transactions at once,
+    // so that the bouncer hands out several server connections.
+    let config = DispatcherConfig::default().workers(4).batch(5).poll_interval(Duration::from_millis(20));
+    let dispatcher = OutboxSupervisor::start(config, pooled(&bouncer, &db, false).await, sink).unwrap();
+    let mut ids = Vec::new();
+    for round in 0..30 {
+        ids.extend(enqueue(&mut conn, 10, &format!("polled-{round}")).await);
+    }
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 300 }).await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!(delivered(&mut rx).keys().copied().collect::<Vec<_>>(), ids);
+    // Drained and idle: no listener armed itself (its session lock would outlive transactions).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(advisory_locks(&db).await, 0, "no session lock behind the pooler");
+}
+
+/// Advisory locks held on the test database: the armed insert listener's session lock is the
+/// only one that outlives a transaction.
+async fn advisory_locks(db: &TestDb) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct Count {
+        #[diesel(sql_type = BigInt)]
+        n: i64,
+    }
+    let count: Count = diesel::sql_query(
+        "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database \
+         WHERE d.datname = $1 AND l.locktype = 'advisory' AND l.granted",
+    )
+    .bind::<Text, _>(&db.name)
+    .get_result(&mut db.conn().await)
+    .await
+    .unwrap();
+    count.n
+}
+
+/// A pool made for a direct connection but pointed at a transaction pooler keeps its statements
+/// prepared from one transaction to the next, and the next may run on another server
+/// connection: the error says what is wrong and what to do, not just
+/// `prepared statement "s1" does not exist`.
+#[actix_rt::test]
+async fn a_direct_pool_through_a_transaction_pooler_fails_with_an_error_naming_the_pooler() {
+    let db = TestDb::new().await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    let pool = actix_outbox::connect_pool(&bouncer.route(&db.url), 1).await.unwrap();
+    let mut conn = pool.get().await.unwrap();
+    let no_row = actix_outbox::dispatcher::Fence { id: 1, lease_version: 1 };
+    // Prepared and kept on the server connection the bouncer hands out first...
+    actix_outbox::testing::mark_done(&mut conn, &[no_row]).await.expect("the first run prepares it");
+    // ...which another client then holds in a transaction (the bouncer reuses its most recently
+    // used server connection first), so the next run lands on another one.
+    let mut other = AsyncPgConnection::establish(&bouncer.route(&db.url)).await.unwrap();
+    other.batch_execute("BEGIN; SELECT 1").await.unwrap();
+    let e = actix_outbox::testing::mark_done(&mut conn, &[no_row]).await.expect_err("the statement is not there");
+    other.batch_execute("COMMIT").await.unwrap();
+    assert!(matches!(e, StoreError::BehindTransactionPooler(_)), "{e:?}");
+    let message = e.to_string();
+    assert!(message.contains(r#"prepared statement "s"#), "the server's words: {message}");
+    assert!(message.contains("transaction pooler") && message.contains("--pooler transaction"), "{message}");
+    assert!(e.is_transient(), "another statement name may work: retried like an outage");
+}
+
+/// Under the FIFO gate behind a transaction pooler, the gate's index is built on the direct
+/// session; with no direct URL and no index, claims fail with an error that says how to build
+/// it, and nothing is claimed.
+#[actix_rt::test]
+async fn the_fifo_index_is_built_on_the_direct_session_or_asked_for() {
+    let db = TestDb::new().await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    let mut conn = producer(&bouncer, &db).await;
+    let ids = enqueue(&mut conn, 10, "fifo").await;
+
+    let (sink, _rx) = ChannelSink::new();
+    let config = DispatcherConfig::default().fifo(actix_outbox::Fifo::All).poll_interval(Duration::from_millis(50));
+    let without = OutboxSupervisor::start(config.clone(), pooled(&bouncer, &db, false).await, sink).unwrap();
+    eventually(WITHIN, "claims failing", || async { without.send(GetMetrics).await.unwrap().claim_errors >= 2 }).await;
+    without.send(Shutdown).await.unwrap();
+    assert_eq!(db.count_status("pending").await, 10, "nothing claimed without the gate's index");
+
+    let (sink, mut rx) = ChannelSink::new();
+    let with = OutboxSupervisor::start(config, pooled(&bouncer, &db, true).await, sink).unwrap();
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 10 }).await;
+    with.send(Shutdown).await.unwrap();
+    assert_eq!(delivered(&mut rx).keys().copied().collect::<Vec<_>>(), ids);
+}
