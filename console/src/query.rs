@@ -1,14 +1,15 @@
 //! The console's own reads of the table. The table keeps its history (possibly millions of
 //! `done` rows), and the overview reloads itself, so every statement here reads only what an
 //! index bounds: unfinished and dead rows through the partial indexes on them, or one row by
-//! its primary key. None counts the `done` rows.
+//! its primary key. None counts the `done` rows. Each read is a transaction of its own, so that it works
+//! through a transaction pooler too.
 
 use actix_outbox::StoreError;
 use actix_outbox::admin::{OutboxRow, Status};
 use actix_outbox::schema::outbox;
 use diesel::prelude::*;
 use diesel::sql_types::{BigInt, Double, Nullable};
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 /// The overview's figures, read in one statement, one status at a time through that status's
 /// partial index (`outbox_ready`, `outbox_leased`, `outbox_dead`), so the planner reads those
@@ -47,7 +48,7 @@ impl Overview {
 }
 
 pub(crate) async fn overview(conn: &mut AsyncPgConnection) -> Result<Overview, StoreError> {
-    Ok(diesel::sql_query(OVERVIEW_SQL).get_result(conn).await?)
+    conn.transaction(async |c| Ok(diesel::sql_query(OVERVIEW_SQL).get_result(c).await?)).await
 }
 
 /// What `/dead` is filtered by; blank fields filter nothing.
@@ -114,18 +115,22 @@ pub(crate) async fn dead_page(
     if let Some(after) = after {
         query = query.filter(outbox::id.gt(after));
     }
-    // One row more than shown tells whether there is a next page.
-    let mut rows: Vec<OutboxRow> =
-        query.order(outbox::id).limit(limit + 1).select(OutboxRow::as_select()).load(conn).await?;
-    let more = rows.len() as i64 > limit;
-    rows.truncate(limit as usize);
-    let total = dead_matching(filter).select(diesel::dsl::count_star()).get_result(conn).await?;
-    Ok(DeadPage { rows, more, total })
+    conn.transaction(async |c| {
+        // One row more than shown tells whether there is a next page.
+        let mut rows: Vec<OutboxRow> =
+            query.order(outbox::id).limit(limit + 1).select(OutboxRow::as_select()).load(c).await?;
+        let more = rows.len() as i64 > limit;
+        rows.truncate(limit as usize);
+        let total = dead_matching(filter).select(diesel::dsl::count_star()).get_result(c).await?;
+        Ok(DeadPage { rows, more, total })
+    })
+    .await
 }
 
 /// One row by id, whatever its status.
 pub(crate) async fn row(conn: &mut AsyncPgConnection, id: i64) -> Result<Option<OutboxRow>, StoreError> {
-    Ok(outbox::table.find(id).select(OutboxRow::as_select()).first(conn).await.optional()?)
+    conn.transaction(async |c| Ok(outbox::table.find(id).select(OutboxRow::as_select()).first(c).await.optional()?))
+        .await
 }
 
 #[cfg(test)]

@@ -901,3 +901,42 @@ async fn inbox_store_records_once_and_tracks_the_newest_per_aggregate() {
     assert!(!store::is_recorded(&mut conn, "c", "db-1", 7).await.unwrap());
     assert!(store::is_recorded(&mut conn, "other", "db-1", 7).await.unwrap(), "purge keeps to its consumer");
 }
+
+/// The consumer behind a transaction pooler (a PgBouncer of the test's own in
+/// `pool_mode = transaction`): 1,000 messages, 200 of them twice, exactly one effect each.
+/// Every attempt is one transaction, and the pool keeps no prepared statement past it.
+#[actix_rt::test]
+async fn behind_a_transaction_pooler_every_message_has_one_effect() {
+    let db = database().await;
+    let bouncer = actix_outbox_test_support::PgBouncer::start(&postgres_addr()).await;
+    let pool = actix_outbox::PoolConfig::new(bouncer.route(&db.url))
+        .size(6)
+        .pooler(actix_outbox::Pooler::Transaction)
+        .connect()
+        .await
+        .unwrap();
+    let mut broker = Broker::new().await;
+    let queue = broker.queue().await;
+    let mut events = Vec::new();
+    for id in 1..=1000 {
+        events.push(Event::new(id));
+        if id % 5 == 0 {
+            events.push(Event::new(id - 1));
+        }
+    }
+    broker.publish(&queue, &events).await;
+
+    let consumer = InboxSupervisor::start(config(amqp_url(), &queue).concurrency(4), pool, Recorder::ok()).unwrap();
+    eventually(WITHIN, "1,200 deliveries settled", || async {
+        let m = metrics(&consumer).await;
+        m.handled + m.duplicates == 1200
+    })
+    .await;
+    consumer.send(Shutdown).await.unwrap();
+
+    assert_one_effect_each(&db, 1..=1000).await;
+    assert_eq!(inbox_count(&db).await, 1000);
+    let m = metrics(&consumer).await;
+    assert_eq!((m.received, m.handled, m.duplicates, m.retried, m.dead_lettered), (1200, 1000, 200, 0, 0));
+    assert_eq!(broker.depth(&queue).await, 0);
+}
