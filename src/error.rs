@@ -115,8 +115,32 @@ impl StoreError {
         }
     }
 
-    /// Whether trying again later may succeed (the database was unreachable or the statement
-    /// lost a race), as opposed to a bug or bad input that will fail the same way again.
+    /// Whether the database refused a write because it is read-only (SQLSTATE 25006,
+    /// `read_only_sql_transaction`): a standby (hot standby refuses every write until it is
+    /// promoted), or a server or role with `default_transaction_read_only`. Transient (a
+    /// promotion ends it), but not the message's fault and not an unreachable database: the
+    /// dispatcher spends no attempt, claims nothing until writes work, and says the connection
+    /// string should reach the primary.
+    pub fn is_read_only(&self) -> bool {
+        use diesel::result::{DatabaseErrorKind as K, Error as E};
+        match self {
+            StoreError::Query(E::DatabaseError(K::ReadOnlyTransaction, _)) => true,
+            StoreError::Query(_)
+            | StoreError::Pool(_)
+            | StoreError::Connect(_)
+            | StoreError::Migration(_)
+            | StoreError::NoDatabase { .. }
+            | StoreError::BadUrl(_)
+            | StoreError::OutsideTransaction(_)
+            | StoreError::NoOutboxTable { .. }
+            | StoreError::NoSystemIdentifier { .. }
+            | StoreError::BehindTransactionPooler(_)
+            | StoreError::NeedsSession { .. } => false,
+        }
+    }
+
+    /// Whether trying again later may succeed (the database was unreachable or read-only, or the
+    /// statement lost a race), as opposed to a bug or bad input that will fail the same way again.
     pub fn is_transient(&self) -> bool {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
@@ -272,7 +296,24 @@ impl Error {
 
 #[cfg(test)]
 mod tests {
-    use super::is_lost_prepared_statement;
+    use super::*;
+    use diesel::result::{DatabaseErrorKind as K, Error as E};
+
+    fn database_error(kind: K) -> StoreError {
+        StoreError::Query(E::DatabaseError(kind, Box::new("refused".to_owned())))
+    }
+
+    /// A refused write on a standby (25006) waits like an unreachable database, and is told
+    /// apart from one.
+    #[test]
+    fn a_read_only_database_is_transient_and_told_apart() {
+        let read_only = database_error(K::ReadOnlyTransaction);
+        assert!(read_only.is_transient() && read_only.is_read_only());
+        for other in [database_error(K::ClosedConnection), database_error(K::SerializationFailure)] {
+            assert!(other.is_transient() && !other.is_read_only(), "{other}");
+        }
+        assert!(!database_error(K::UniqueViolation).is_read_only());
+    }
 
     #[test]
     fn a_lost_prepared_statement_is_the_drivers_name_missing_or_taken() {

@@ -563,6 +563,41 @@ mod tests {
         assert_eq!(ConnectionString::parse(quoted.expose()).unwrap().database(), Some(r"it's \ odd"));
     }
 
+    /// A failover-ready string lists every server (`target_session_attrs=read-write` picks the
+    /// primary): masked, parsed and rewritten like a single host's, in both forms.
+    #[test]
+    fn multi_host_strings_are_masked_and_rewritten_like_single_host_ones() {
+        for (raw, masked, other) in [
+            (
+                "postgres://app:s3cret@db1:5432,db2:5433/app?target_session_attrs=read-write",
+                "postgres://app:***@db1:5432,db2:5433/app?target_session_attrs=read-write",
+                "postgres://app:s3cret@db1:5432,db2:5433/other?target_session_attrs=read-write",
+            ),
+            (
+                "postgres://app@db1,db2/app?password=s3cret&target_session_attrs=read-write",
+                "postgres://app@db1,db2/app?password=***&target_session_attrs=read-write",
+                "postgres://app@db1,db2/other?password=s3cret&target_session_attrs=read-write",
+            ),
+            (
+                "host=db1,db2 port=5432,5433 user=app password=s3cret dbname=app target_session_attrs=read-write",
+                "host=db1,db2 port=5432,5433 user=app password=*** dbname=app target_session_attrs=read-write",
+                "host=db1,db2 port=5432,5433 user=app password=s3cret dbname=other target_session_attrs=read-write",
+            ),
+        ] {
+            let parsed = ConnectionString::parse(raw).unwrap_or_else(|e| panic!("{raw}: {e}"));
+            assert_eq!(parsed.config().get_hosts().len(), 2, "{raw}");
+            assert_eq!(
+                parsed.config().get_target_session_attrs(),
+                tokio_postgres::config::TargetSessionAttrs::ReadWrite
+            );
+            assert_eq!(parsed.to_string(), masked);
+            assert_eq!(format!("{parsed:?}"), format!("ConnectionString({masked:?})"));
+            let moved = parsed.with_database("other");
+            assert_eq!(moved.expose(), other, "{raw}");
+            assert!(!moved.to_string().contains("s3cret"), "{moved}");
+        }
+    }
+
     #[test]
     fn the_database_defaults_to_the_user() {
         assert_eq!(ConnectionString::parse("postgres://app@db").unwrap().database(), Some("app"));

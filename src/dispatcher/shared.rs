@@ -127,32 +127,53 @@ impl Shared {
 /// The database's health as the dispatcher's statements see it.
 #[derive(Debug, Default)]
 pub(crate) struct DbHealth {
-    down_since: Mutex<Option<Instant>>,
+    down: Mutex<Option<Down>>,
+}
+
+/// A spell of the database not being usable.
+#[derive(Debug, Clone, Copy)]
+struct Down {
+    since: Instant,
+    /// The last failure was a refused write (SQLSTATE 25006: a standby), not a lost server.
+    read_only: bool,
 }
 
 impl DbHealth {
-    /// A statement failed on a transient error. The first failure of an outage is logged as a
-    /// warning; the others at debug level.
+    /// A statement failed on a transient error. The first failure of a spell is logged as a
+    /// warning, and so is a change between unreachable and read-only; the others at debug
+    /// level.
     pub(crate) fn failed(&self, what: &str, e: &StoreError) {
-        let mut down = self.down_since.lock().unwrap_or_else(|e| e.into_inner());
-        if down.is_none() {
-            *down = Some(Instant::now());
+        let mut down = self.down.lock().unwrap_or_else(|e| e.into_inner());
+        let read_only = e.is_read_only();
+        let changed = down.is_none_or(|d| d.read_only != read_only);
+        let since = down.map_or_else(Instant::now, |d| d.since);
+        *down = Some(Down { since, read_only });
+        if !changed {
+            debug!(error = %e, during = what, "database still not usable");
+        } else if read_only {
+            warn!(error = %e, during = what,
+                "database is read-only (a standby?): nothing is claimed and no attempt is spent until it accepts \
+                 writes; point the URL at the primary, or list every server with target_session_attrs=read-write");
+        } else {
             warn!(error = %e, during = what,
                 "database unreachable: claims back off, finalizes keep their fences and retry while the leases run");
-        } else {
-            debug!(error = %e, during = what, "database still unreachable");
         }
+    }
+
+    /// Whether the database refused the last statement as read-only (and none answered since).
+    pub(crate) fn read_only(&self) -> bool {
+        self.down.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|d| d.read_only)
     }
 
     /// Whether the last statement that ran answered (true before the first).
     pub(crate) fn reachable(&self) -> bool {
-        self.down_since.lock().unwrap_or_else(|e| e.into_inner()).is_none()
+        self.down.lock().unwrap_or_else(|e| e.into_inner()).is_none()
     }
 
     /// A statement succeeded: logs the end of an outage, with its length.
     pub(crate) fn answered(&self) {
-        let mut down = self.down_since.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(since) = down.take() {
+        let mut down = self.down.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(Down { since, .. }) = down.take() {
             let outage = Duration::from_millis(since.elapsed().as_millis() as u64);
             info!(outage = %humantime::format_duration(outage), "database reachable again");
         }

@@ -259,6 +259,10 @@ pub struct Health {
     /// The last statement the dispatcher ran (claim, finalize, table sample) answered; true
     /// before the first.
     pub database_reachable: bool,
+    /// The database refused the dispatcher's last statement as read-only (SQLSTATE 25006): it
+    /// reached a standby, not the primary. Claiming waits, spending no attempt; false once a
+    /// statement succeeds.
+    pub database_read_only: bool,
     /// Shutdown has begun: the dispatcher claims nothing more.
     pub stopping: bool,
     /// The outbox's source name ([`DispatcherConfig::source`](crate::DispatcherConfig::source)),
@@ -277,6 +281,12 @@ impl Health {
     pub fn not_ready_reason(&self) -> Option<String> {
         if self.stopping {
             Some("the dispatcher is shutting down".to_owned())
+        } else if !self.database_reachable && self.database_read_only {
+            Some(
+                "the database is read-only (a standby, or default_transaction_read_only): point the URL at the primary, \
+                 or list every server with target_session_attrs=read-write"
+                    .to_owned(),
+            )
         } else if !self.database_reachable {
             Some("the database did not answer the dispatcher's last statement".to_owned())
         } else if !self.sink.is_up() {
@@ -297,6 +307,7 @@ impl Handler<GetHealth> for OutboxSupervisor {
             sink: self.sink.0.clone(),
             claiming_paused: self.shared.gate.claimable() == Claimable::No,
             database_reachable: self.shared.db.reachable(),
+            database_read_only: self.shared.db.read_only(),
             stopping: self.state != State::Running,
             source: self.shared.known_source().map(|s| s.to_string()),
         })

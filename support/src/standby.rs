@@ -10,6 +10,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::process::{OwnedDir, as_postgres, free_port, run, run_blocking};
+use crate::proxy::Proxy;
 use crate::unique;
 
 /// Debian's PostgreSQL 15 server programs.
@@ -73,18 +74,30 @@ pub struct ReplicatedPair {
     /// The standby was promoted: both ports are primaries, or only the second if the first was
     /// stopped.
     promoted: bool,
+    /// The standby's replication connection goes through it (set once the primary runs).
+    link: Option<Proxy>,
     dir: OwnedDir,
 }
 
 impl ReplicatedPair {
     /// Makes, starts and connects both servers; returns once the standby streams and accepts
-    /// connections.
+    /// connections. The standby streams through a [`Proxy`] of the pair's own, so that a test
+    /// can hold replication back ([`ReplicatedPair::hold_replication`]).
     pub async fn start(replication: Replication) -> ReplicatedPair {
         // initdb and pg_basebackup run for seconds: on the blocking threads, not the test's.
-        tokio::task::spawn_blocking(move || Self::start_blocking(replication)).await.expect("start thread")
+        let mut pair = tokio::task::spawn_blocking(Self::start_primary).await.expect("start thread");
+        let link = Proxy::start(format!("127.0.0.1:{}", pair.primary.port)).await;
+        let through = link.addr().port();
+        pair.link = Some(link);
+        tokio::task::spawn_blocking(move || {
+            pair.start_standby(through, replication);
+            pair
+        })
+        .await
+        .expect("start thread")
     }
 
-    fn start_blocking(replication: Replication) -> ReplicatedPair {
+    fn start_primary() -> ReplicatedPair {
         let dir = OwnedDir::new("pair");
         let sockets = dir.path().join("sockets");
         std::fs::create_dir(&sockets).unwrap();
@@ -100,30 +113,34 @@ impl ReplicatedPair {
             primary: Node { port: 0, data: primary_data, stopped: true },
             standby: Node { port: 0, data: dir.path().join("standby"), stopped: true },
             promoted: false,
+            link: None,
             dir,
         };
         pair.primary.port = pair.start_node(true);
+        pair
+    }
 
-        let standby = pair.standby.data.to_str().unwrap().to_owned();
-        let primary_port = pair.primary.port.to_string();
+    /// Copies the primary through the link on port `through` and starts the copy as its standby.
+    fn start_standby(&mut self, through: u16, replication: Replication) {
+        let standby = self.standby.data.to_str().unwrap().to_owned();
+        let through = through.to_string();
         run(as_postgres(
-            pair.dir.path(),
+            self.dir.path(),
             &format!("{BIN}/pg_basebackup"),
-            &["-h", "127.0.0.1", "-p", &primary_port, "-U", "root", "-D", &standby, "-R", "-X", "stream", "-c", "fast"],
+            &["-h", "127.0.0.1", "-p", &through, "-U", "root", "-D", &standby, "-R", "-X", "stream", "-c", "fast"],
         ))
         .unwrap_or_else(|e| panic!("pg_basebackup: {e}"));
-        pair.standby.port = pair.start_node(false);
+        self.standby.port = self.start_node(false);
 
         if replication == Replication::Synchronous {
             // Set on the primary only once its standby streams (commits would wait for it until
             // then), and never on the standby: promoted, it would wait for a standby of its own.
-            let conf = pair.primary.data.join("postgresql.conf");
+            let conf = self.primary.data.join("postgresql.conf");
             let mut text = std::fs::read_to_string(&conf).unwrap();
             text += "synchronous_standby_names = '*'\n";
             std::fs::write(&conf, text).unwrap();
-            run(pair.pg_ctl(true, &["reload"])).unwrap_or_else(|e| panic!("reload: {e}"));
+            run(self.pg_ctl(true, &["reload"])).unwrap_or_else(|e| panic!("reload: {e}"));
         }
-        pair
     }
 
     /// Appends the settings (with a free port) to the node's postgresql.conf and starts it,
@@ -249,6 +266,19 @@ impl ReplicatedPair {
             assert!(Instant::now() < deadline, "the promoted standby still recovers after {WITHIN:?}");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Holds replication back: the standby's link to the primary stops forwarding (as over a
+    /// broken network), so the standby receives nothing more and falls behind. Under
+    /// [`Replication::Asynchronous`] the primary goes on committing alone, and a failover now
+    /// loses everything committed since; under [`Replication::Synchronous`] its commits wait.
+    pub fn hold_replication(&self) {
+        self.link.as_ref().expect("the standby's link").stall();
+    }
+
+    /// Ends [`ReplicatedPair::hold_replication`]: the standby receives what it missed.
+    pub fn release_replication(&self) {
+        self.link.as_ref().expect("the standby's link").resume();
     }
 
     /// Whether the standby has been promoted.

@@ -131,15 +131,15 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     dispatcher.send(Shutdown).await.unwrap();
 }
 
-/// Log lines written at `info` and above, as text.
+/// Log lines written at `info` and above, as text (also used by `failover`).
 #[derive(Clone, Default)]
-struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
+pub(crate) struct Captured(Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl Captured {
     /// Captures every log line of the process from now on, through a process-wide subscriber:
     /// only for a test that runs alone in its process ([`crate::alone`]). A thread-local one
     /// would race its neighbours' threads over the callsites' cached interest.
-    fn install() -> Captured {
+    pub(crate) fn install() -> Captured {
         let captured = Captured::default();
         let writer = captured.clone();
         let subscriber = tracing_subscriber::fmt()
@@ -151,7 +151,7 @@ impl Captured {
         captured
     }
 
-    fn text(&self) -> String {
+    pub(crate) fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
 }

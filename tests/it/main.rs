@@ -8,6 +8,7 @@ use actix_outbox_test_support::proxy;
 mod actors;
 mod alone;
 mod connect;
+mod failover;
 mod fifo;
 mod inbox;
 mod metrics;
