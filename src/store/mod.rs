@@ -109,10 +109,23 @@ pub(super) async fn open(
     // Opened, and driven, on the crate's own runtime: see `io`.
     let connecting = async {
         io::on_connection_runtime(async move {
-            let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
-                AsyncPgConnection::try_from_client_and_connection(client, connection).await?,
-            )
+            let (client, mut connection) = config.connect(tokio_postgres::NoTls).await?;
+            // diesel-async sets the connection up with two statements of its own (`SET TIME
+            // ZONE`, `SET CLIENT_ENCODING`), each parsed, run and closed in separate protocol
+            // steps: through a transaction pooler, those steps outside a transaction go to
+            // whichever server is free, and under concurrent connects one finds another's
+            // statement name taken or its own gone. Opened in a transaction, the setup stays on
+            // one server; the socket is driven here until BEGIN answers, then handed on.
+            tokio::select! {
+                begun = client.batch_execute("BEGIN") => begun?,
+                ended = &mut connection => {
+                    ended?;
+                    return Err("the server closed the connection during its setup".into());
+                }
+            }
+            let mut conn = AsyncPgConnection::try_from_client_and_connection(client, connection).await?;
+            conn.batch_execute("COMMIT").await?;
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(conn)
         })
         .await?
     };

@@ -218,3 +218,52 @@ async fn the_fifo_index_is_built_on_the_direct_session_or_asked_for() {
     with.send(Shutdown).await.unwrap();
     assert_eq!(delivered(&mut rx).keys().copied().collect::<Vec<_>>(), ids);
 }
+
+/// Many connections opened at once through the pooler, as a dispatcher's workers and a
+/// console open them at start: every one is set up (the driver's own `SET`s at connect are
+/// statements too, and a pooler hands each of them to whichever server is free) and answers.
+/// Pools and single connections alike, three rounds of 12 at once.
+#[actix_rt::test]
+async fn connections_opened_at_once_through_the_pooler_all_work() {
+    let db = TestDb::new().await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    for round in 0..3 {
+        let pool =
+            PoolConfig::new(bouncer.route(&db.url)).size(12).pooler(Pooler::Transaction).connect().await.unwrap();
+        let barrier = Arc::new(tokio::sync::Barrier::new(12));
+        let checked_out = (0..12).map(|i| {
+            let (pool, barrier) = (pool.clone(), barrier.clone());
+            async move {
+                let mut conn = pool.get().await.map_err(|e| format!("pooled connection {i}: {e}"))?;
+                barrier.wait().await;
+                let one: i64 = conn
+                    .transaction(async |tx| {
+                        diesel::select(diesel::dsl::sql::<BigInt>("1::bigint")).get_result(tx).await
+                    })
+                    .await
+                    .map_err(|e: diesel::result::Error| format!("pooled connection {i}: {e}"))?;
+                Ok::<_, String>(one)
+            }
+        });
+        let opened = (0..12).map(|i| {
+            let url = bouncer.route(&db.url);
+            async move {
+                let mut conn = actix_outbox::admin::connect(&url).await.map_err(|e| format!("connection {i}: {e}"))?;
+                conn.transaction(async |tx| {
+                    diesel::select(diesel::dsl::sql::<BigInt>("1::bigint")).get_result::<i64>(tx).await
+                })
+                .await
+                .map_err(|e| format!("connection {i}: {e}"))
+            }
+        });
+        let both = futures_util::future::join(
+            futures_util::future::join_all(checked_out),
+            futures_util::future::join_all(opened),
+        );
+        let (pooled, single) = tokio::time::timeout(WITHIN, both).await.unwrap_or_else(|_| {
+            panic!("round {round}: connections still not set up after {WITHIN:?}\n{}", bouncer.log())
+        });
+        let failed: Vec<String> = pooled.into_iter().chain(single).filter_map(Result::err).collect();
+        assert!(failed.is_empty(), "round {round}: {failed:#?}\n{}", bouncer.log());
+    }
+}
