@@ -147,7 +147,7 @@ pub struct RunArgs {
     /// change made in the console requires; ACTIX_OUTBOX_CONSOLE_TOKEN gives it instead
     #[arg(long, value_name = "PATH", requires = "console_addr")]
     pub console_token_file: Option<std::path::PathBuf>,
-    /// Do not LISTEN for inserts (needed behind a transaction-mode PgBouncer); new rows wait for the poll
+    /// Do not LISTEN for inserts; new rows wait for the poll (behind a transaction pooler without --direct-url, the listener is off anyway)
     #[arg(long)]
     pub no_listen: bool,
     /// What becomes of a row once its message is confirmed: keep it as done (for stats, audits
