@@ -25,6 +25,7 @@ const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 const DEFAULT_SINK_PROBE_INTERVAL: Duration = Duration::from_millis(500);
 /// How often the dispatcher samples the outbox table for its gauges, by default.
 const DEFAULT_TABLE_METRICS_INTERVAL: Duration = Duration::from_secs(5);
+const DEFAULT_SUMMARY_INTERVAL: Duration = Duration::from_secs(60);
 /// Age (since `created_at`) past which a deferral sends the row dead, by default.
 const DEFAULT_MAX_DEFER_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
@@ -115,6 +116,13 @@ pub struct DispatcherConfig {
     /// PostgreSQL's estimate of the table's live rows less the unfinished ones). `None`: no
     /// sampling. Default 5 s.
     pub table_metrics_interval: Option<Duration>,
+    /// How often the dispatcher logs a summary at `info`: messages published, retried, deferred
+    /// and dead, rows reaped and leases lost since the last one, with the backlog and the oldest
+    /// unfinished row's age as the last table sample saw them. Per-batch lines are at `debug`,
+    /// so this is what a busy dispatcher writes at the default level, beside the changes of
+    /// state (sink down and up, an outage, a lost lease) logged as they happen. `None`: no
+    /// summary. Default 60 s.
+    pub summary_interval: Option<Duration>,
     /// What becomes of a row once its message is confirmed: kept as `done` (the default) or
     /// deleted by the same fenced statement. See [`Retention`] for the trade-off.
     pub retention: Retention,
@@ -151,6 +159,7 @@ impl Default for DispatcherConfig {
     /// | [`listen_for_inserts`](DispatcherConfig::listen_for_inserts) | `true` |
     /// | [`sink_probe_interval`](DispatcherConfig::sink_probe_interval) | 500 ms |
     /// | [`table_metrics_interval`](DispatcherConfig::table_metrics_interval) | `Some(5 s)` |
+    /// | [`summary_interval`](DispatcherConfig::summary_interval) | `Some(60 s)` |
     /// | [`retention`](DispatcherConfig::retention) | [`Retention::Keep`] |
     /// | [`source`](DispatcherConfig::source) | `None`: derived from the database |
     ///
@@ -181,6 +190,7 @@ impl Default for DispatcherConfig {
             listen_for_inserts: true,
             sink_probe_interval: DEFAULT_SINK_PROBE_INTERVAL,
             table_metrics_interval: Some(DEFAULT_TABLE_METRICS_INTERVAL),
+            summary_interval: Some(DEFAULT_SUMMARY_INTERVAL),
             retention: Retention::Keep,
             source: None,
         }
@@ -275,6 +285,8 @@ impl DispatcherConfig {
         sink_probe_interval: Duration,
         /// Sets [`DispatcherConfig::table_metrics_interval`] (`None`: no sampling).
         table_metrics_interval: Option<Duration>,
+        /// Sets [`DispatcherConfig::summary_interval`] (`None`: no summary).
+        summary_interval: Option<Duration>,
         /// Sets [`DispatcherConfig::retention`].
         retention: Retention,
     }
@@ -342,6 +354,9 @@ impl DispatcherConfig {
         if self.table_metrics_interval.is_some_and(|d| d.is_zero()) {
             return Err(ZeroTableMetricsInterval);
         }
+        if self.summary_interval.is_some_and(|d| d.is_zero()) {
+            return Err(ZeroSummaryInterval);
+        }
         if self.backoff_base > self.backoff_cap {
             return Err(BackoffBaseAboveCap { base: self.backoff_base, cap: self.backoff_cap });
         }
@@ -390,6 +405,9 @@ pub enum ConfigError {
     /// `table_metrics_interval` is `Some(0)` (use `None` to turn sampling off).
     #[error("table metrics interval must be above zero (None turns sampling off)")]
     ZeroTableMetricsInterval,
+    /// `summary_interval` is `Some(0)` (use `None` to turn the summary off).
+    #[error("summary interval must be above zero (None turns the summary off)")]
+    ZeroSummaryInterval,
     /// `max_attempts` below 1.
     #[error("max attempts must be at least 1 (got {0})")]
     MaxAttempts(i32),

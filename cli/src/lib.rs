@@ -123,15 +123,13 @@ impl Command {
         }
     }
 
-    /// The log filter when `RUST_LOG` is unset: the dispatcher reports its batches at `info`;
-    /// one-shot commands stay quiet unless something is wrong. lapin's own lines are left out:
-    /// the sink reports every failure of its link itself (a refused login, a lost connection,
-    /// each reconnection), once and in our words, and the dispatcher logs returned (unroutable)
-    /// messages as the rows going dead. `RUST_LOG=info,lapin=debug` brings them back.
+    /// The log level when `RUST_LOG` is unset: the dispatcher reports at `info` (a summary a
+    /// minute, and each change of state); one-shot commands stay quiet unless something is
+    /// wrong. Other crates' lines are kept out either way ([`QUIET_CRATES`]).
     fn default_log_filter(&self) -> &'static str {
         match self {
-            Command::Run(_) => "info,lapin=off",
-            _ => "warn,lapin=off",
+            Command::Run(_) => "info",
+            _ => "warn",
         }
     }
 
@@ -178,14 +176,39 @@ fn usage_error(e: &clap::Error) -> ExitCode {
     ExitCode::from(code)
 }
 
+/// Third-party crates whose own lines are left out of the logs (with the level they are held
+/// to) unless `RUST_LOG` names them: the sink reports every failure of its link itself (a
+/// refused login, a lost connection, each reconnection), once and in our words, where lapin
+/// would log three ERROR lines of its own, and the dispatcher logs returned (unroutable)
+/// messages as the rows going dead; the driver's server notices (`relation ... already exists,
+/// skipping`) say nothing an operator acts on. `RUST_LOG=info,lapin=debug` brings lapin back.
+const QUIET_CRATES: [(&str, &str); 2] = [("lapin", "off"), ("tokio_postgres", "warn")];
+
+/// The log filter's directives: `RUST_LOG` when it is set and valid, else the command's default
+/// level; with [`QUIET_CRATES`] held to their levels unless the filter names them.
+fn log_directives(default_filter: &str, from_env: Option<&str>) -> String {
+    use tracing_subscriber::EnvFilter;
+    let given = from_env.filter(|f| !f.trim().is_empty() && EnvFilter::try_new(f).is_ok());
+    let text = given.unwrap_or(default_filter);
+    let mut directives = text.to_owned();
+    for (name, level) in QUIET_CRATES {
+        let named = text.split(',').any(|d| d.trim().split(['=', '[', ':']).next() == Some(name));
+        if !named {
+            directives.push_str(&format!(",{name}={level}"));
+        }
+    }
+    directives
+}
+
 /// Logs to stderr; `RUST_LOG` overrides the command's default level.
 ///
 /// Logging never stops the work: a log line that cannot be written (stderr closed, a broken
 /// pipe, a full disk) is dropped, without the error report the formatter would otherwise write
 /// to stderr with `eprintln!`, which panics on a closed stderr.
 fn init_logging(default_filter: &str, format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let directives = log_directives(default_filter, std::env::var("RUST_LOG").ok().as_deref());
+    let filter = tracing_subscriber::EnvFilter::try_new(&directives)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
     let builder =
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(|| LossyStderr).log_internal_errors(false);
     // Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org).
@@ -414,6 +437,19 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    /// Third-party lines stay out whether `RUST_LOG` is set or not, unless it names the crate.
+    #[test]
+    fn third_party_crates_stay_quiet_unless_named() {
+        let shown = |env: Option<&str>| log_directives("info", env);
+        assert_eq!(shown(None), "info,lapin=off,tokio_postgres=warn");
+        assert_eq!(shown(Some("info")), "info,lapin=off,tokio_postgres=warn");
+        assert_eq!(shown(Some("debug,actix_outbox=trace")), "debug,actix_outbox=trace,lapin=off,tokio_postgres=warn");
+        assert_eq!(shown(Some("info,lapin=debug")), "info,lapin=debug,tokio_postgres=warn");
+        assert_eq!(shown(Some("lapin::channel=trace")), "lapin::channel=trace,tokio_postgres=warn");
+        // An invalid filter falls back to the default, quiet crates included.
+        assert_eq!(shown(Some("info,=[")), "info,lapin=off,tokio_postgres=warn");
     }
 
     #[test]

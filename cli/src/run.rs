@@ -46,7 +46,7 @@ const CONSOLE_CONNECTIONS: u32 = 2;
 /// `--help` text.
 pub(super) const LONG_ABOUT: &str = "Run the dispatcher: claim pending outbox rows under a lease, publish each to the RabbitMQ \
     exchange with publisher confirms, and record the outcome with fenced writes. Logs go to \
-    stderr (RUST_LOG, default info), one line a claimed batch.\n\n\
+    stderr (RUST_LOG, default info): a summary a minute, and each change of state.\n\n\
     PostgreSQL must be reachable at start (otherwise exit 1). An unreachable broker at start is \
     retried with backoff and logged until it comes up; once connected, the sink reconnects by \
     itself.\n\n\
@@ -129,6 +129,9 @@ pub struct RunArgs {
     /// Pause after a claim that found fewer rows than a batch
     #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.poll_interval.into())]
     pub poll_interval: humantime::Duration,
+    /// How often to log a summary at info (published, retried, deferred, dead, reaped, lost leases, backlog, oldest row's age); 0 turns it off
+    #[arg(long, value_name = "DURATION", default_value = "60s")]
+    pub summary_interval: humantime::Duration,
     /// Prefix of the lease_owner written on claimed rows (default: HOSTNAME:PID); keep it unique per running dispatcher
     #[arg(long, value_name = "ID")]
     pub owner: Option<String>,
@@ -232,6 +235,7 @@ impl RunArgs {
             .publish_timeout(self.publish_timeout.into())
             .poll_interval(self.poll_interval.into())
             .listen_for_inserts(!self.no_listen)
+            .summary_interval(Some(Duration::from(self.summary_interval)).filter(|d| !d.is_zero()))
             .retention(self.retention.into());
         if let Some(owner) = &self.owner {
             config = config.owner(owner.clone());

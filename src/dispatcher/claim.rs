@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, warn};
 
 use super::finalize::FinalizerSlot;
 use super::gate::Claimable;
@@ -292,7 +292,7 @@ impl ClaimActor {
                     Metrics::add(&metrics.claimed, n);
                     Metrics::add(&metrics.in_flight, n);
                     if n > 0 {
-                        info!(worker = %act.owner, claimed = n, first_id = claim.messages[0].id,
+                        debug!(worker = %act.owner, claimed = n, first_id = claim.messages[0].id,
                             last_id = claim.messages[n - 1].id, "claimed batch");
                     }
                     let bytes: usize = claim.messages.iter().map(OutboxMessage::payload_bytes).sum();

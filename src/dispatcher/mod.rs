@@ -37,6 +37,7 @@ mod listener;
 mod publish;
 mod sampler;
 mod shared;
+mod summary;
 // `pub(crate)`: the crate root re-exports the supervisor, `testing` its crash hooks.
 pub(crate) mod supervisor;
 

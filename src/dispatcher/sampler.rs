@@ -33,6 +33,7 @@ pub(crate) async fn sample(shared: Arc<Shared>) {
     match result {
         Ok((sample, blocked)) => {
             shared.db.answered();
+            shared.summary.sampled(sample);
             for (status, n) in sample.by_status() {
                 metrics::gauge!("outbox_rows", "status" => status.as_str()).set(n as f64);
             }

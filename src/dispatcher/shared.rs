@@ -43,6 +43,8 @@ pub(crate) struct Shared {
     source: OnceLock<Arc<str>>,
     /// The FIFO gate's index is known to be there (see `store::ensure_fifo_index`).
     fifo_index: AtomicBool,
+    /// What the minute's summary reports.
+    pub(crate) summary: super::summary::Summary,
 }
 
 impl Shared {
@@ -62,6 +64,7 @@ impl Shared {
             db: DbHealth::default(),
             wakeups: Arc::default(),
             publishing,
+            summary: Default::default(),
             source,
             fifo_index: AtomicBool::new(false),
         }

@@ -204,6 +204,9 @@ impl Actor for OutboxSupervisor {
         self.check_sink();
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
         ctx.run_interval(SINK_CHECK_PERIOD, |act, _| act.check_sink());
+        if let Some(every) = config.summary_interval {
+            ctx.run_interval(every, |act, _| act.shared.summary.log(act.shared.metrics.snapshot()));
+        }
         if let Some(every) = config.table_metrics_interval {
             self.sample_table(ctx);
             ctx.run_interval(every, |act, ctx| act.sample_table(ctx));

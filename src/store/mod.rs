@@ -30,10 +30,10 @@ use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
-pub(crate) use admin::sample_unfinished;
 pub use admin::{
     SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, outbox_source, purge_done, stats,
 };
+pub(crate) use admin::{Sample, sample_unfinished};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
 pub(crate) use fifo::fifo_index_valid;
