@@ -146,8 +146,13 @@ impl ClaimActor {
         self
     }
 
+    /// The next poll: `poll_interval`, jittered; longer while another dispatcher leads the
+    /// insert wake-ups (see `listener`), whose calls for help wake this one's workers when
+    /// there is a backlog.
     fn schedule_poll(&mut self, ctx: &mut Context<Self>) {
-        self.schedule_claim(ctx, jittered(self.shared.config.poll_interval));
+        let every = self.shared.config.poll_interval;
+        let every = if self.shared.wakeups.following() { every * super::listener::FOLLOWER_POLL_FACTOR } else { every };
+        self.schedule_claim(ctx, jittered(every));
     }
 
     fn schedule_claim(&mut self, ctx: &mut Context<Self>, delay: Duration) {
@@ -287,7 +292,7 @@ impl ClaimActor {
                     }
                     let n = claim.messages.len();
                     if !probe {
-                        act.shared.wakeups.claimed(n);
+                        act.shared.wakeups.claimed(n, n == batch);
                     }
                     Metrics::add(&metrics.claimed, n);
                     Metrics::add(&metrics.in_flight, n);

@@ -18,6 +18,18 @@
 //! producer transaction that saw the lock free has committed (each held the lock in shared mode
 //! until then), and arming is followed by one more claim, which sees their rows.
 //! A producer that started after arming finds the lock taken and notifies.
+//!
+//! **One leader in a fleet.** Several dispatchers on one outbox would otherwise each listen,
+//! each be woken by every insert and each tick while busy: every row chased by every process,
+//! a claim that finds it and others that find nothing, so the database's work per message grew
+//! with the fleet. So only one listener of the outbox's database *leads*: the one whose session
+//! holds the advisory lock [`LEAD_KEY`]. It listens, arms and ticks as above, waking its own
+//! workers. The others follow: they neither listen nor tick, and their workers find rows by
+//! their poll (`poll_interval`), which also serves rows that come due for a retry; a worker
+//! whose claim comes back full claims again at once, so a backlog beyond the leader's pace is
+//! shared by the whole fleet. A follower tries the lock every [`FOLLOW_CHECK`]: when the
+//! leader's process dies or stops, its session ends, the lock is free, and a follower leads
+//! within that time (meanwhile the polls find new rows).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -26,7 +38,7 @@ use std::time::Duration;
 use diesel::sql_types::{BigInt, Bool};
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::{FutureExt, StreamExt};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::store::PgPool;
 
@@ -38,6 +50,13 @@ pub(crate) const CHANNEL: &str = "outbox_insert";
 /// `2026-12-02-000007_notify_only_when_armed` spells the same number.
 pub(crate) const ARMED_KEY: i64 = 0x6f75_7462_6f78;
 
+/// The advisory-lock key (64-bit space) that the leading listener of a database holds for its
+/// session: [`ARMED_KEY`] + 1. Nothing else takes it.
+pub(crate) const LEAD_KEY: i64 = ARMED_KEY + 1;
+
+/// How often a following listener tries to lead.
+pub(crate) const FOLLOW_CHECK: Duration = Duration::from_secs(1);
+
 /// While disarmed, the first pause between two wake-ups.
 pub(crate) const BUSY_TICK: Duration = Duration::from_millis(2);
 /// While disarmed, the longest pause between two wake-ups (claims keep coming back empty and
@@ -48,6 +67,29 @@ pub(crate) const BUSY_TICK_MAX: Duration = Duration::from_millis(100);
 /// row).
 const ARM_AFTER: Duration = Duration::from_millis(8);
 
+/// The channel a leading listener notifies when its workers find a backlog (claims that come
+/// back with a whole batch), so that the followers' workers help at once rather than at their
+/// next poll. At most one notification every [`HELP_EVERY`].
+pub(crate) const HELP_CHANNEL: &str = "outbox_fleet_help";
+
+/// The shortest pause between two of the leader's calls for help.
+const HELP_EVERY: Duration = Duration::from_millis(50);
+
+/// A follower's workers poll this many times less often than `poll_interval`: the leader's
+/// wake-ups and calls for help do the work their polls would.
+pub(crate) const FOLLOWER_POLL_FACTOR: u32 = 4;
+
+/// What the listener asks of the dispatcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Wake {
+    /// Nothing: only whether the dispatcher is still there.
+    Check,
+    /// Wake one worker (in turn).
+    One,
+    /// Wake every worker: the leader found a backlog.
+    All,
+}
+
 /// What the listener and the claim actors tell each other.
 #[derive(Debug, Default)]
 pub(crate) struct Wakeups {
@@ -55,15 +97,27 @@ pub(crate) struct Wakeups {
     empty_claims: AtomicU64,
     /// Claims that came back with rows.
     full_claims: AtomicU64,
+    /// Claims that came back with a whole batch (a backlog).
+    whole_batches: AtomicU64,
     /// The listener holds the armed lock.
     armed: AtomicBool,
+    /// Another dispatcher's listener leads: this one's workers poll less often.
+    following: AtomicBool,
 }
 
 impl Wakeups {
-    /// A claim came back with `rows` rows.
-    pub(crate) fn claimed(&self, rows: usize) {
+    /// A claim came back with `rows` rows, a whole batch if `whole`.
+    pub(crate) fn claimed(&self, rows: usize, whole: bool) {
         let counter = if rows == 0 { &self.empty_claims } else { &self.full_claims };
         counter.fetch_add(1, Relaxed);
+        if whole {
+            self.whole_batches.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// Whether this dispatcher's listener follows another's lead.
+    pub(crate) fn following(&self) -> bool {
+        AtomicBool::load(&self.following, Relaxed)
     }
 
     /// (empty claims, claims with rows) so far.
@@ -79,14 +133,15 @@ impl Wakeups {
 
 /// Listens until the dispatcher is gone, reconnecting with a capped backoff.
 ///
-/// `wake(burst)` wakes a worker after `burst` notifications (`0` only asks whether the
-/// dispatcher is still there) and returns false once it is gone. The supervisor hands in one
+/// `wake(what)` wakes one worker or all ([`Wake`]) and returns false once the dispatcher is
+/// gone. The supervisor hands in one
 /// that holds a weak address, so the listener never keeps a dropped dispatcher alive.
-pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(usize) -> bool) {
+pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wake) -> bool) {
     let mut backoff = Duration::from_millis(100);
-    while wake(0) {
+    while wake(Wake::Check) {
         let result = listen_once(&pool, &wakeups, &wake).await;
         wakeups.armed.store(false, Relaxed);
+        wakeups.following.store(false, Relaxed);
         match result {
             Ok(()) => return,
             Err(e) => {
@@ -102,6 +157,16 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(us
 struct Locked {
     #[diesel(sql_type = Bool)]
     ok: bool,
+}
+
+/// Takes the lead if no other listener of the database holds it.
+async fn try_lead(conn: &mut AsyncPgConnection) -> Result<bool, String> {
+    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok")
+        .bind::<BigInt, _>(LEAD_KEY)
+        .get_result(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(row.ok)
 }
 
 /// Takes the armed lock if no producer transaction holds it in shared mode.
@@ -150,25 +215,49 @@ async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> Result<bool
 }
 
 /// `Ok` when the dispatcher is gone.
-async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> bool) -> Result<(), String> {
+async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(Wake) -> bool) -> Result<(), String> {
     // Not a pooled connection: LISTEN state and the session lock must not leak to other users,
     // and the connection is held for as long as we listen. The supervisor starts no listener
     // on a pool that has no session to give.
     let Some(conn) = pool.session().await else { return Ok(()) };
     let mut conn = conn.map_err(|e| e.to_string())?;
+    let mut followed = false;
+    while !try_lead(&mut conn).await? {
+        if !followed {
+            debug!("another dispatcher's listener leads on this outbox: following");
+            conn.batch_execute(&format!("LISTEN {HELP_CHANNEL}")).await.map_err(|e| e.to_string())?;
+            wakeups.following.store(true, Relaxed);
+            followed = true;
+        }
+        // The leader found a backlog: every worker claims, and goes on while its claims come
+        // back whole.
+        let help = notified(&mut conn, FOLLOW_CHECK).await?;
+        let _ = swallow(&mut conn)?;
+        if !wake(if help { Wake::All } else { Wake::Check }) {
+            return Ok(());
+        }
+    }
+    if followed {
+        conn.batch_execute(&format!("UNLISTEN {HELP_CHANNEL}")).await.map_err(|e| e.to_string())?;
+        let _ = swallow(&mut conn)?;
+        wakeups.following.store(false, Relaxed);
+        info!("the dispatcher that led the insert wake-ups is gone: this one leads them now");
+    }
     conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|e| e.to_string())?;
-    debug!("insert listener connected");
+    debug!("insert listener connected and leading");
     // Rows inserted while nobody was armed (or before we listened) are found by the claim that
     // follows the first arming, or by the busy ticks.
     let mut tick = BUSY_TICK;
     let mut seen = wakeups.counts();
     let mut try_now = true;
+    let mut whole_seen = AtomicU64::load(&wakeups.whole_batches, Relaxed);
+    let mut help_sent: Option<std::time::Instant> = None;
     loop {
         if wakeups.armed() {
             // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the
             // connection.
             if !notified(&mut conn, Duration::from_secs(5)).await? {
-                if wake(0) {
+                if wake(Wake::Check) {
                     continue;
                 }
                 return Ok(());
@@ -176,7 +265,7 @@ async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> 
             // A burst of inserts is one wake-up: swallow what has already arrived.
             let burst = 1 + swallow(&mut conn)?;
             debug!(burst, "rows inserted; waking a worker and disarming");
-            if !wake(burst) {
+            if !wake(Wake::One) {
                 return Ok(());
             }
             // Rows are coming: stop the producers' notifications (each serialises their commits)
@@ -205,17 +294,26 @@ async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> 
             wakeups.armed.store(true, Relaxed);
             // Every producer that saw the lock free has committed: one more claim finds its rows.
             let _ = swallow(&mut conn)?;
-            if !wake(1) {
+            if !wake(Wake::One) {
                 return Ok(());
             }
             continue;
         }
         try_now = false;
-        // Another dispatcher may be armed: its producers' notifications reach us too.
-        let burst = usize::from(notified(&mut conn, tick).await?);
-        let burst = burst + if burst > 0 { swallow(&mut conn)? } else { 0 };
-        if !wake(burst.max(1)) {
+        // No other listener arms while this one leads; a notification is a producer that saw
+        // the lock taken just before the disarm.
+        if notified(&mut conn, tick).await? {
+            let _ = swallow(&mut conn)?;
+        }
+        if !wake(Wake::One) {
             return Ok(());
         }
+        // The workers found a backlog since the last call: the followers help.
+        let whole = AtomicU64::load(&wakeups.whole_batches, Relaxed);
+        if whole > whole_seen && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
+            conn.batch_execute(&format!("NOTIFY {HELP_CHANNEL}")).await.map_err(|e| e.to_string())?;
+            help_sent = Some(std::time::Instant::now());
+        }
+        whole_seen = whole;
     }
 }

@@ -218,10 +218,12 @@ impl Actor for OutboxSupervisor {
                  (PoolConfig::direct_url, `run --direct-url`) to have inserts wake them at once");
         } else if config.listen_for_inserts {
             let supervisor = ctx.address().downgrade();
-            let wake = move |burst: usize| {
+            let wake = move |what: super::listener::Wake| {
                 let alive = supervisor.upgrade();
-                if let (Some(addr), true) = (&alive, burst > 0) {
-                    addr.do_send(WakeWorkers);
+                match (&alive, what) {
+                    (Some(addr), super::listener::Wake::One) => addr.do_send(WakeWorkers),
+                    (Some(addr), super::listener::Wake::All) => addr.do_send(WakeAll),
+                    _ => {}
                 }
                 alive.is_some()
             };
@@ -332,6 +334,23 @@ impl Handler<WakeWorkers> for OutboxSupervisor {
         if self.state == State::Running && !self.workers.is_empty() {
             self.next_wake = (self.next_wake + 1) % self.workers.len();
             self.workers[self.next_wake].do_send(Wake);
+        }
+    }
+}
+
+/// The leading dispatcher found a backlog: every worker claims now (see `listener`).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+struct WakeAll;
+
+impl Handler<WakeAll> for OutboxSupervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: WakeAll, _: &mut Context<Self>) {
+        if self.state == State::Running {
+            for worker in &self.workers {
+                worker.do_send(Wake);
+            }
         }
     }
 }

@@ -43,6 +43,7 @@ pub use finalize::{
     Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,
 };
 pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
 pub(crate) use pool::{in_transaction, unit};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 

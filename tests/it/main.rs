@@ -10,6 +10,7 @@ mod alone;
 mod connect;
 mod failover;
 mod fifo;
+mod fleet;
 mod inbox;
 mod metrics;
 mod model;

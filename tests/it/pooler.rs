@@ -20,6 +20,9 @@ use actix_outbox_test_support::{PgBouncer, TestDb, database_addr, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
+/// The advisory-lock key the armed insert listener holds (the migration's trigger spells it).
+pub(crate) const ARMED: i64 = 122_550_254_464_888;
+
 /// A pool through `bouncer` to `db`, as a deployment behind PgBouncer makes it; the listener's
 /// session goes straight to the server when `direct` says so.
 async fn pooled(bouncer: &PgBouncer, db: &TestDb, direct: bool) -> PgPool {
@@ -101,7 +104,8 @@ async fn a_dispatcher_behind_a_transaction_pooler_delivers_every_row_once() {
 
     // Drained, with a 60 s poll: only the listener, on its direct session, can wake a worker.
     assert!(dispatcher.send(GetHealth).await.unwrap().is_ready());
-    eventually(WITHIN, "the listener armed on its session", || async { advisory_locks(&db).await == 1 }).await;
+    eventually(WITHIN, "the listener armed on its session", || async { advisory_locks(&db, Some(ARMED)).await == 1 })
+        .await;
     let after = enqueue(&mut conn, 5, "after").await;
     eventually(Duration::from_secs(10), "rows after the drain done without a poll", || async {
         db.count_status("done").await == (all + after.len()) as i64
@@ -147,12 +151,12 @@ async fn without_a_direct_url_the_dispatcher_polls_through_the_pooler() {
     assert_eq!(delivered(&mut rx).keys().copied().collect::<Vec<_>>(), ids);
     // Drained and idle: no listener armed itself (its session lock would outlive transactions).
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(advisory_locks(&db).await, 0, "no session lock behind the pooler");
+    assert_eq!(advisory_locks(&db, None).await, 0, "no session lock behind the pooler");
 }
 
-/// Advisory locks held on the test database: the armed insert listener's session lock is the
-/// only one that outlives a transaction.
-async fn advisory_locks(db: &TestDb) -> i64 {
+/// Advisory locks held on the test database, of `key` or of any: the insert listener's session
+/// locks (the lead, and the armed lock) are the only ones that outlive a transaction.
+async fn advisory_locks(db: &TestDb, key: Option<i64>) -> i64 {
     #[derive(diesel::QueryableByName)]
     struct Count {
         #[diesel(sql_type = BigInt)]
@@ -160,9 +164,11 @@ async fn advisory_locks(db: &TestDb) -> i64 {
     }
     let count: Count = diesel::sql_query(
         "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database \
-         WHERE d.datname = $1 AND l.locktype = 'advisory' AND l.granted",
+         WHERE d.datname = $1 AND l.locktype = 'advisory' AND l.granted \
+           AND ($2 IS NULL OR (l.classid::int8 << 32 | l.objid::int8) = $2)",
     )
     .bind::<Text, _>(&db.name)
+    .bind::<diesel::sql_types::Nullable<BigInt>, _>(key)
     .get_result(&mut db.conn().await)
     .await
     .unwrap();
