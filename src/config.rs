@@ -101,8 +101,11 @@ pub struct DispatcherConfig {
     /// Default [`Fifo::Off`]. See [`Fifo`] for the rule and its cost.
     pub fifo: Fifo,
     /// `LISTEN` on a dedicated connection for the outbox's insert trigger and wake a worker at
-    /// once, instead of waiting for the poll. Needs a session-capable connection (not a
-    /// transaction-mode PgBouncer). Default true.
+    /// once, instead of waiting for the poll. It needs a session: behind a transaction pooler,
+    /// the pool's direct URL ([`PoolConfig::direct_url`](crate::PoolConfig::direct_url));
+    /// without one the dispatcher polls. Of several dispatchers on one outbox, one listener
+    /// leads the wake-ups and the others' workers poll less often and help on a backlog (the
+    /// operations guide's "Running several dispatchers"). Default true.
     pub listen_for_inserts: bool,
     /// While the sink is unavailable, how often one row is claimed to try it with (a probe).
     /// The first publish that gets through resumes claiming at full speed. A sink that reports
