@@ -138,8 +138,10 @@ impl Wakeups {
 /// that holds a weak address, so the listener never keeps a dropped dispatcher alive.
 pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wake) -> bool) {
     let mut backoff = Duration::from_millis(100);
+    let mut reconnecting = false;
     while wake(Wake::Check) {
-        let result = listen_once(&pool, &wakeups, &wake).await;
+        let result = listen_once(&pool, &wakeups, &wake, reconnecting).await;
+        reconnecting = true;
         wakeups.armed.store(false, Relaxed);
         wakeups.following.store(false, Relaxed);
         match result {
@@ -157,6 +159,24 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wa
 struct Locked {
     #[diesel(sql_type = Bool)]
     ok: bool,
+}
+
+#[derive(diesel::QueryableByName)]
+struct Server {
+    #[diesel(sql_type = diesel::sql_types::Text)]
+    addr: String,
+}
+
+/// The address of the server `conn` reached (`host:port`), as the server sees itself: with a
+/// connection string that lists several hosts, the one actually connected.
+async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, String> {
+    let row: Server = diesel::sql_query(
+        "SELECT coalesce(host(inet_server_addr()), 'socket') || ':' || current_setting('port') AS addr",
+    )
+    .get_result(conn)
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(row.addr)
 }
 
 /// Takes the lead if no other listener of the database holds it.
@@ -215,12 +235,23 @@ async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> Result<bool
 }
 
 /// `Ok` when the dispatcher is gone.
-async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(Wake) -> bool) -> Result<(), String> {
+async fn listen_once(
+    pool: &PgPool,
+    wakeups: &Wakeups,
+    wake: &impl Fn(Wake) -> bool,
+    reconnecting: bool,
+) -> Result<(), String> {
     // Not a pooled connection: LISTEN state and the session lock must not leak to other users,
     // and the connection is held for as long as we listen. The supervisor starts no listener
     // on a pool that has no session to give.
     let Some(conn) = pool.session().await else { return Ok(()) };
     let mut conn = conn.map_err(|e| e.to_string())?;
+    let server = server_of(&mut conn).await?;
+    if reconnecting {
+        info!(%server, "insert listener reconnected");
+    } else {
+        info!(%server, "insert listener connected");
+    }
     let mut followed = false;
     while !try_lead(&mut conn).await? {
         if !followed {

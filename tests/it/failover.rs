@@ -141,6 +141,7 @@ async fn fail_over_mid_run(replication: Replication) -> (BTreeMap<i64, usize>, V
     actix_outbox::migrate(&pair.primary_url(&name)).await.unwrap();
     let old = On(pair.primary_url(&name));
     let new = On(pair.standby_url(&name));
+    let (primary_port, standby_port) = (pair.primary_port(), pair.standby_port());
     let before = old.seed(3000, "before").await;
     // The seed is the producers' and went before the run: only the dispatcher's own writes
     // race the failover.
@@ -202,6 +203,17 @@ async fn fail_over_mid_run(replication: Replication) -> (BTreeMap<i64, usize>, V
         assert_eq!(seen[id], 1, "row {id}, committed after the failover, delivered once");
     }
     let logs = captured.text();
+    // The logs name the server the listener reached, of the two the URL lists.
+    let connected = lines(&logs, "insert listener connected");
+    assert!(
+        connected.len() == 1 && connected[0].contains(&format!("server=127.0.0.1:{primary_port}")),
+        "{connected:?}"
+    );
+    let reconnected = lines(&logs, "insert listener reconnected");
+    assert!(
+        reconnected.last().is_some_and(|l| l.contains(&format!("server=127.0.0.1:{standby_port}"))),
+        "the last reconnection reached the promoted standby: {reconnected:?}"
+    );
     (seen, rows, window, logs)
 }
 
