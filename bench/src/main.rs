@@ -169,6 +169,17 @@ struct Opts {
     #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
     phase_timeout: Duration,
+    /// Run the dispatcher phases of `--phases` (e2e, latency, loaded) twice each: direct, then
+    /// through a PgBouncer in transaction mode that the bench starts (`/usr/sbin/pgbouncer`,
+    /// as the `postgres` user, on a free port), and report both side by side.
+    #[arg(long, conflicts_with = "pooler_url")]
+    pgbouncer: bool,
+    /// As `--pgbouncer`, through a transaction pooler that already runs:
+    /// `postgres://user@host:port`, which must pass the bench's database (`<name>_<pid>`) to
+    /// the bench's server; its admin console (`/pgbouncer`) gives `SHOW STATS` if it allows.
+    #[arg(long)]
+    #[serde(skip)]
+    pooler_url: Option<String>,
     /// Print one JSON document instead of the tables.
     #[arg(long)]
     json: bool,
@@ -264,6 +275,10 @@ struct DispatcherChild {
     /// Print `confirm <id> <unix nanos>` for every confirmed publish.
     #[arg(long)]
     report_confirms: bool,
+    /// `--db` is a transaction pooler's URL: the pool runs with `Pooler::Transaction`, and this
+    /// URL (the server's own) gives the insert listener its session.
+    #[arg(long)]
+    direct_url: Option<String>,
 }
 
 #[derive(Args, Debug)]
