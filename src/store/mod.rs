@@ -42,8 +42,8 @@ pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, e
 pub use finalize::{
     Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,
 };
+pub(crate) use pool::unit;
 pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
-pub(crate) use pool::{in_transaction, unit};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 
 use crate::error::StoreError;
