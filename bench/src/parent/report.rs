@@ -199,13 +199,16 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
     }
 }
 
+/// Picks one phase's comparison out of a run's.
+type PhaseOf = fn(&PoolerRun) -> Option<Pair>;
+
 /// The median of each figure of the runs' pooler comparisons.
 fn median_pooler(runs: &[RunResult]) -> Option<PoolerRun> {
     let pooler: Vec<&PoolerRun> = runs.iter().filter_map(|r| r.pooler.as_ref()).collect();
     if pooler.is_empty() {
         return None;
     }
-    let pair = |phase: fn(&PoolerRun) -> Option<Pair>| {
+    let pair = |phase: PhaseOf| {
         let pairs: Vec<Pair> = pooler.iter().filter_map(|p| phase(p)).collect();
         if pairs.is_empty() {
             return None;
@@ -387,8 +390,7 @@ fn print_pooler(report: &Report<'_>) {
             f(p.pooled.cost.bouncer_xacts_per_msg, 2),
         ])
     };
-    let phases: [(&str, fn(&PoolerRun) -> Option<Pair>); 3] =
-        [("e2e", |p| p.e2e), ("latency", |p| p.latency), ("loaded", |p| p.loaded)];
+    let phases: [(&str, PhaseOf); 3] = [("e2e", |p| p.e2e), ("latency", |p| p.latency), ("loaded", |p| p.loaded)];
     for (name, phase) in phases {
         for (i, r) in report.runs.iter().enumerate() {
             if let Some(pair) = r.pooler.as_ref().and_then(phase) {
