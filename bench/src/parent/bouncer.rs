@@ -68,22 +68,32 @@ impl Bouncer {
             let dir = std::env::temp_dir().join(format!("outbox_bench_pgbouncer.{}.{attempt}", std::process::id()));
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir(&dir)?;
-            let listen = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             let ini = dir.join("pgbouncer.ini");
-            std::fs::write(dir.join("userlist.txt"), format!("\"{user}\" \"\"\n"))?;
-            std::fs::write(&ini, ini_text(&dir, &host, port, listen, pool_size, &user))?;
-            for path in [dir.as_path(), &dir.join("userlist.txt"), &ini] {
-                give_to_postgres(path)?;
-            }
-            let child = Command::new("runuser")
-                .args(["-u", RUN_AS, "--", PGBOUNCER])
-                .arg(&ini)
-                .current_dir(&dir)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .map_err(|e| format!("runuser {PGBOUNCER}: {e}"))?;
+            let spawned = (|| -> Result<(u16, Child), BoxError> {
+                let listen = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+                std::fs::write(dir.join("userlist.txt"), format!("\"{user}\" \"\"\n"))?;
+                std::fs::write(&ini, ini_text(&dir, &host, port, listen, pool_size, &user))?;
+                for path in [dir.as_path(), &dir.join("userlist.txt"), &ini] {
+                    give_to_postgres(path)?;
+                }
+                let child = Command::new("runuser")
+                    .args(["-u", RUN_AS, "--", PGBOUNCER])
+                    .arg(&ini)
+                    .current_dir(&dir)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .map_err(|e| format!("runuser {PGBOUNCER}: {e}"))?;
+                Ok((listen, child))
+            })();
+            let (listen, child) = match spawned {
+                Ok(spawned) => spawned,
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    return Err(e);
+                }
+            };
             let mut own = Owned { child, pid: 0, dir };
             let server = format!("postgres://{user}@127.0.0.1:{listen}");
             match own.wait_accepting(&server).await {
