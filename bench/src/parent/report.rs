@@ -406,7 +406,8 @@ fn print_pooler(report: &Report<'_>) {
     println!("delivery); p50/p99 = commit → consumer delivery (ms); rate x, p99 x = pooled ÷ direct (medians: of");
     println!("the runs' ratios); pg = PostgreSQL CPU (us/msg), pgb = the bouncer's own CPU (us/msg); xact/msg =");
     println!("transactions the bouncer passed to the server per message (SHOW STATS). Seeding, the latency rows and");
-    println!("the loaded producers go direct; the dispatcher's listener goes direct (its --direct-url).");
+    println!("the loaded producers go direct; the dispatcher's listener goes direct (its --direct-url). The first");
+    println!("table's dups and rss count the pooled halves too.");
 }
 
 fn print_history(report: &Report<'_>) {
