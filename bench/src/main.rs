@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p actix-outbox-bench -- --messages 100000
+//! cargo run --release -p actix-outbox-bench -- --phases e2e,latency,loaded --pgbouncer --runs 3
 //! ```
 //!
 //! It needs PostgreSQL and RabbitMQ (the README's quick-start addresses; `DATABASE_URL` and
@@ -40,6 +41,24 @@
 //! 8. **history** (`--phases history`): end to end again, with the `--messages` new rows
 //!    inserted after `--kept-done` `done` rows (a day of history, vacuumed as autovacuum would
 //!    have), and its rate ÷ the e2e phase's rate of the same run.
+//! 9. **through a transaction pooler** (`--pgbouncer`): the bench starts a PgBouncer of its own
+//!    (`/usr/sbin/pgbouncer` as the `postgres` user through `runuser`, `pool_mode = transaction`,
+//!    `default_pool_size = processes × (workers + 2)` so it never queues the dispatchers, trust
+//!    authentication, on a free port of 127.0.0.1, in a temporary folder; killed by the pid in
+//!    its pid file when the bench ends, also when a phase fails), and every dispatcher phase of
+//!    `--phases` among `e2e`, `latency` and `loaded` runs twice in each run: straight to the
+//!    server, then with the dispatcher's pool behind the bouncer (`Pooler::Transaction`, the
+//!    direct URL as `direct_url`, so its insert listener still has a session). `--pooler-url
+//!    postgres://user@host:port` uses a pooler that already runs instead (it must pass the
+//!    bench's database to the bench's server). Seeding, the latency rows and the loaded
+//!    producers always go direct: both sides of a comparison then differ only in the
+//!    dispatcher's path, and the bouncer's figures are the dispatcher's alone. The report puts
+//!    the two side by side per phase and run: the rate the dispatcher delivered, commit →
+//!    delivery p50 / p99 (latency phases), pooled ÷ direct of the rate and of the p99,
+//!    PostgreSQL's CPU per message on each side, and, through the pooler, the bouncer's own CPU
+//!    per message (`/proc/<pid>/stat`, only of the bench's own bouncer) and the transactions
+//!    it passed to the server per message (`total_xact_count` of `SHOW STATS` on its admin
+//!    console, before and after). The broker, database and history phases run direct only.
 //!
 //! Beside the rates it prints where the CPU went: the busy time of the whole machine per
 //! message in each throughput phase (`/proc/stat`: PostgreSQL, RabbitMQ, the dispatcher, the
@@ -49,7 +68,8 @@
 //! everything shares a few cores, end to end costs about the sum of the two ceilings' CPU per
 //! message, and these columns show it.
 //!
-//! `--phases` picks phases (default `broker,database,e2e,latency`); `--json` prints one JSON document.
+//! `--phases` picks phases (default `broker,database,e2e,latency`); `--json` prints one JSON document
+//! (the pooler comparison under each run's `pooler`).
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
 //! `VACUUM ANALYZE`d, so every phase starts from the same state. The dispatcher runs with its
 //! default settings except those given on the command line, and a pool of `workers + 2`
@@ -63,8 +83,9 @@
 //!
 //! The code follows the two roles: [`parent`] sets up, runs the phases ([`parent`]'s `phases`),
 //! tallies the consumer and reports; [`child`] is a dispatcher or a raw publisher, started by
-//! the parent as this binary with a hidden subcommand. [`procstat`] reads `/proc`, [`message`]
-//! is what both kinds of child send.
+//! the parent as this binary with a hidden subcommand (a dispatcher behind the pooler gets the
+//! pooler's URL and `--direct-url`). [`procstat`] reads `/proc`, [`message`] is what both kinds
+//! of child send; the parent's `bouncer` starts and reads the pooler.
 
 // The two roles of the binary: the parent orchestrates, the children (this binary re-executed)
 // are the processes it measures.
@@ -169,6 +190,17 @@ struct Opts {
     #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
     phase_timeout: Duration,
+    /// Run the dispatcher phases of `--phases` (e2e, latency, loaded) twice each: direct, then
+    /// through a PgBouncer in transaction mode that the bench starts (`/usr/sbin/pgbouncer`,
+    /// as the `postgres` user, on a free port), and report both side by side.
+    #[arg(long, conflicts_with = "pooler_url")]
+    pgbouncer: bool,
+    /// As `--pgbouncer`, through a transaction pooler that already runs:
+    /// `postgres://user@host:port`, which must pass the bench's database (`<name>_<pid>`) to
+    /// the bench's server; its admin console (`/pgbouncer`) gives `SHOW STATS` if it allows.
+    #[arg(long)]
+    #[serde(skip)]
+    pooler_url: Option<String>,
     /// Print one JSON document instead of the tables.
     #[arg(long)]
     json: bool,
@@ -264,6 +296,10 @@ struct DispatcherChild {
     /// Print `confirm <id> <unix nanos>` for every confirmed publish.
     #[arg(long)]
     report_confirms: bool,
+    /// `--db` is a transaction pooler's URL: the pool runs with `Pooler::Transaction`, and this
+    /// URL (the server's own) gives the insert listener its session.
+    #[arg(long)]
+    direct_url: Option<String>,
 }
 
 #[derive(Args, Debug)]

@@ -81,6 +81,13 @@ pub(crate) fn peak_rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU time (user + system) the process `pid` has used so far, in seconds; `None` when it is
+/// gone (or off Linux).
+pub(crate) fn process_cpu_seconds(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(process_cpu_ticks(&stat)?.1 as f64 / USER_HZ)
+}
+
 /// CPU time (user + system) this process has used so far, in seconds.
 pub(crate) fn own_cpu_seconds() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;

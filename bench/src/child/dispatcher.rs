@@ -1,12 +1,14 @@
 //! The dispatcher process: the library's supervisor over the benchmark's database, with the
-//! RabbitMQ sink (end to end, latency) or with one that does nothing (the database ceiling).
+//! RabbitMQ sink (end to end, latency) or with one that does nothing (the database ceiling),
+//! straight to the server or through a transaction pooler (`--direct-url`).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use actix_outbox::dispatcher::{GetMetrics, Shutdown};
 use actix_outbox::sink::{PublishFuture, RabbitSink};
-use actix_outbox::{MetricsSnapshot, OutboxMessage, OutboxSupervisor, Publisher};
+use actix_outbox::{MetricsSnapshot, OutboxMessage, OutboxSupervisor, PoolConfig, Pooler, Publisher};
+use diesel_async::SimpleAsyncConnection;
 use serde::Serialize;
 
 use super::{commands, emit, wait_for};
@@ -56,12 +58,27 @@ pub(crate) async fn dispatcher(role: DispatcherChild, opts: Opts) -> Result<(), 
     let mut commands = commands();
     let config = opts.dispatcher_config();
     let pool_size = config.workers + 2;
-    let pool = actix_outbox::connect_pool(&role.db, pool_size as u32).await?;
+    let pool = match &role.direct_url {
+        None => actix_outbox::connect_pool(&role.db, pool_size as u32).await?,
+        Some(direct) => {
+            PoolConfig::new(&role.db)
+                .size(pool_size as u32)
+                .pooler(Pooler::Transaction)
+                .direct_url(direct)
+                .connect()
+                .await?
+        }
+    };
     // Open every connection now, so that start-up is not timed.
     let warm = futures_util::future::join_all((0..pool_size).map(|_| pool.get())).await;
-    for conn in warm {
-        conn?;
+    let mut warm = warm.into_iter().collect::<Result<Vec<_>, _>>()?;
+    if role.direct_url.is_some() {
+        // A pooler opens its server connections on a client's first transaction: one
+        // statement on every connection at once has it open as many as the pool may use.
+        let opened = futures_util::future::join_all(warm.iter_mut().map(|c| c.batch_execute("SELECT 1"))).await;
+        opened.into_iter().collect::<Result<Vec<_>, _>>()?;
     }
+    drop(warm);
     let rabbit = match role.sink.as_str() {
         "null" => None,
         "rabbit" => Some(RabbitSink::connect(rabbit_config(&opts, &role.exchange)).await?),

@@ -4,6 +4,7 @@
 //! on it) and starts the children of each phase (`kids`); `phases` measures, `tally` is what
 //! the consumer saw, `report` prints it.
 
+mod bouncer;
 mod kids;
 mod phases;
 mod report;
@@ -22,7 +23,8 @@ use lapin::options::{
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
-use crate::{BoxError, Opts};
+use crate::{BoxError, Opts, Phase};
+use bouncer::Bouncer;
 use phases::one_run;
 use report::{Machine, Report, median_of, print_report};
 use tally::Tally;
@@ -61,6 +63,10 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
         return Err("--messages, --runs and --processes must be at least 1".into());
     }
     opts.dispatcher_config().validate()?;
+    let pooled = opts.pgbouncer || opts.pooler_url.is_some();
+    if pooled && ![Phase::E2e, Phase::Latency, Phase::Loaded].iter().any(|p| opts.phases.contains(p)) {
+        return Err("--pgbouncer and --pooler-url compare the e2e, latency and loaded phases: --phases has none".into());
+    }
     let names = Names::new(&opts)?;
     // Ctrl-C still cleans up: the children see their stdin close and stop.
     let result = tokio::select! {
@@ -104,6 +110,16 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         diesel::sql_query("SELECT current_setting('server_version') AS v").get_result(&mut db).await?;
     // What the dispatchers will stamp their messages with, for the raw publisher to do the same.
     let source = actix_outbox::admin::outbox_source(&mut db).await?;
+    // The pooler of the pooled phases; the bench's own is killed when this returns, whatever
+    // the outcome (and so before the database is dropped).
+    let bouncer = match &opts.pooler_url {
+        Some(url) => Some(Bouncer::existing(url)?),
+        // Enough server connections that the bouncer never queues the dispatchers' transactions.
+        None if opts.pgbouncer => {
+            Some(Bouncer::start(&names.database_url, (opts.processes * (opts.workers + 2)) as u32).await?)
+        }
+        None => None,
+    };
 
     // The exchange (as the sink declares it) and a durable queue that takes everything.
     let amqp = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
@@ -151,7 +167,7 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         if !opts.json {
             eprintln!("run {}/{}...", run + 1, opts.runs);
         }
-        runs.push(one_run(opts, names, &source, run, &mut db, &tally).await?);
+        runs.push(one_run(opts, names, &source, run, &mut db, &tally, bouncer.as_ref()).await?);
     }
     consumer.abort();
     let _ = amqp.close(200, "bench done".into()).await;
@@ -165,6 +181,7 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         },
         options: opts,
         in_flight_per_process: opts.depth_per_process(),
+        pooler: bouncer.as_ref().map(|b| b.description().to_owned()),
         runs,
         median,
     })

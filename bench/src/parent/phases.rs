@@ -1,5 +1,6 @@
-//! The phases of one run (broker ceiling, database ceiling, end to end, idle latency) and
-//! what each cost.
+//! The phases of one run (broker ceiling, database ceiling, end to end, idle latency, loaded
+//! latency, history) and what each cost; with a pooler, the dispatcher phases (end to end and
+//! both latencies) run a second time with the dispatchers behind it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -9,8 +10,9 @@ use diesel::sql_types::{BigInt, Int4, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use super::Names;
+use super::bouncer::Bouncer;
 use super::kids::Kids;
-use super::report::{Loaded, RunResult};
+use super::report::{Cost, Loaded, Pair, PoolerRun, RunResult, Way};
 use super::tally::{Tally, tally_of};
 use crate::procstat::{Server, ServerTicks, machine_busy_seconds};
 use crate::{BoxError, EVENT_TYPE, Opts, Phase, RAW_ID_BASE, REPORT_PERIOD, RetentionArg, SETTLE};
@@ -26,6 +28,8 @@ struct Spent {
     /// CPU seconds of the PostgreSQL and of the RabbitMQ processes over the phase.
     postgres_cpu_seconds: f64,
     rabbitmq_cpu_seconds: f64,
+    /// Per message: PostgreSQL's CPU, and the pooler's (dispatcher phases only).
+    cost: Cost,
 }
 
 impl Spent {
@@ -40,6 +44,7 @@ impl Spent {
             consumer_lag: None,
             postgres_cpu_seconds: servers_before.spent_since(&servers, Server::Postgres),
             rabbitmq_cpu_seconds: servers_before.spent_since(&servers, Server::Rabbitmq),
+            cost: Cost::default(),
         }
     }
 
@@ -58,6 +63,53 @@ impl Spent {
 
     fn dispatcher_us_per_message(&self, n: usize) -> Option<f64> {
         self.dispatcher_cpu_seconds.map(|s| s * 1e6 / n as f64)
+    }
+}
+
+/// Which way a phase's dispatcher children reach the database.
+#[derive(Clone, Copy)]
+enum Via<'a> {
+    /// Straight to the server.
+    Direct,
+    /// Through the transaction pooler (`Pooler::Transaction`), the listener straight to the
+    /// server.
+    Pooler(&'a Bouncer),
+}
+
+/// What a phase costs the servers, read when it starts: PostgreSQL's CPU and, through a
+/// pooler, the bouncer's CPU and transaction count.
+struct Meter {
+    servers: ServerTicks,
+    bouncer_cpu: Option<f64>,
+    bouncer_xacts: Option<u64>,
+}
+
+impl Meter {
+    async fn start(via: Via<'_>, names: &Names) -> Self {
+        let bouncer_xacts = match via {
+            Via::Direct => None,
+            Via::Pooler(bouncer) => bouncer.xact_count(&names.database).await,
+        };
+        let bouncer_cpu = match via {
+            Via::Direct => None,
+            Via::Pooler(bouncer) => bouncer.cpu_seconds(),
+        };
+        Self { servers: ServerTicks::read(), bouncer_cpu, bouncer_xacts }
+    }
+
+    /// The cost per message of the `n` messages since [`Meter::start`].
+    async fn cost(&self, via: Via<'_>, names: &Names, n: usize) -> Cost {
+        let postgres = self.servers.spent_since(&ServerTicks::read(), Server::Postgres);
+        let (cpu, xacts) = match via {
+            Via::Direct => (None, None),
+            Via::Pooler(bouncer) => (bouncer.cpu_seconds(), bouncer.xact_count(&names.database).await),
+        };
+        let per = |v: f64| v / n as f64;
+        Cost {
+            postgres_us_per_msg: Spent::server_us_per_message(postgres, n),
+            bouncer_us_per_msg: self.bouncer_cpu.zip(cpu).map(|(a, b)| per((b - a) * 1e6)),
+            bouncer_xacts_per_msg: self.bouncer_xacts.zip(xacts).map(|(a, b)| per(b.saturating_sub(a) as f64)),
+        }
     }
 }
 
@@ -92,12 +144,16 @@ fn common_args(opts: &Opts) -> Vec<String> {
     args
 }
 
-fn dispatcher_args(opts: &Opts, names: &Names, sink: &str, report_confirms: bool) -> Vec<String> {
+fn dispatcher_args(opts: &Opts, names: &Names, via: Via<'_>, sink: &str, report_confirms: bool) -> Vec<String> {
     let mut args = common_args(opts);
-    args.extend(
-        ["child-dispatcher", "--db", &names.database_url, "--exchange", &names.exchange, "--sink", sink]
-            .map(str::to_owned),
-    );
+    let db = match via {
+        Via::Direct => names.database_url.clone(),
+        Via::Pooler(bouncer) => bouncer.route(&names.database),
+    };
+    args.extend(["child-dispatcher", "--db", &db, "--exchange", &names.exchange, "--sink", sink].map(str::to_owned));
+    if let Via::Pooler(_) = via {
+        args.extend(["--direct-url".to_owned(), names.database_url.clone()]);
+    }
     if report_confirms {
         args.push("--report-confirms".to_owned());
     }
@@ -117,10 +173,12 @@ pub(super) async fn one_run(
     run: usize,
     db: &mut AsyncPgConnection,
     tally: &Mutex<Tally>,
+    bouncer: Option<&Bouncer>,
 ) -> Result<RunResult, BoxError> {
     let n = opts.messages;
     let mut result = RunResult::default();
     let mut peak_kib = 0_u64;
+    let mut pooler = PoolerRun::default();
 
     let phase = |p: Phase| opts.phases.contains(&p);
 
@@ -134,7 +192,7 @@ pub(super) async fn one_run(
     // 2. Database ceiling.
     if phase(Phase::Database) {
         let first = seed(db, n, 0, opts).await?;
-        let spent = dispatch(opts, names, "null", n, tally, first, &mut peak_kib).await?;
+        let spent = dispatch(opts, names, Via::Direct, "null", n, tally, first, &mut peak_kib).await?;
         verify_done(db, n, 0, opts.retention == RetentionArg::Delete).await?;
         result.database_ceiling_msg_s = Some(spent.rate(n));
         result.database_cpu_us_per_msg = spent.cpu_us_per_message(n);
@@ -145,7 +203,7 @@ pub(super) async fn one_run(
     if phase(Phase::E2e) {
         let first = seed(db, n, 0, opts).await?;
         let wal = wal_position(db).await?;
-        let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+        let spent = dispatch(opts, names, Via::Direct, "rabbit", n, tally, first, &mut peak_kib).await?;
         result.end_to_end_wal_bytes_per_msg = Some((wal_position(db).await? - wal) / n as f64);
         verify_done(db, n, 0, opts.retention == RetentionArg::Delete).await?;
         result.end_to_end_msg_s = Some(spent.rate(n));
@@ -155,6 +213,16 @@ pub(super) async fn one_run(
         result.end_to_end_rabbitmq_us_per_msg = Spent::server_us_per_message(spent.rabbitmq_cpu_seconds, n);
         result.end_to_end_consumer_lag = spent.consumer_lag;
         result.end_to_end_duplicates = tally_of(tally).duplicates;
+        if let Some(bouncer) = bouncer {
+            let direct = Way { msg_s: spent.rate(n), p50_ms: None, p99_ms: None, cost: spent.cost };
+            let first = seed(db, n, 0, opts).await?;
+            let spent = dispatch(opts, names, Via::Pooler(bouncer), "rabbit", n, tally, first, &mut peak_kib).await?;
+            verify_done(db, n, 0, opts.retention == RetentionArg::Delete).await?;
+            let duplicates = tally_of(tally).duplicates;
+            result.end_to_end_duplicates = result.end_to_end_duplicates.max(duplicates);
+            let pooled = Way { msg_s: spent.rate(n), p50_ms: None, p99_ms: None, cost: spent.cost };
+            pooler.e2e = Some(Pair::new(direct, pooled));
+        }
     }
 
     // 4. The ratio.
@@ -166,23 +234,33 @@ pub(super) async fn one_run(
 
     // 5. Idle latency.
     if phase(Phase::Latency) && opts.latency_samples > 0 {
-        let latency = idle_latency(opts, names, db, tally, &mut peak_kib).await?;
-        result.latency_confirm_p50_ms = Some(latency.0);
-        result.latency_confirm_p99_ms = Some(latency.1);
-        result.latency_delivery_p50_ms = Some(latency.2);
-        result.latency_delivery_p99_ms = Some(latency.3);
+        let latency = idle_latency(opts, names, Via::Direct, db, tally, &mut peak_kib).await?;
+        result.latency_confirm_p50_ms = Some(latency.confirm_p50_ms);
+        result.latency_confirm_p99_ms = Some(latency.confirm_p99_ms);
+        result.latency_delivery_p50_ms = latency.way.p50_ms;
+        result.latency_delivery_p99_ms = latency.way.p99_ms;
+        if let Some(bouncer) = bouncer {
+            let pooled = idle_latency(opts, names, Via::Pooler(bouncer), db, tally, &mut peak_kib).await?;
+            pooler.latency = Some(Pair::new(latency.way, pooled.way));
+        }
     }
 
     // 6. Loaded latency.
     if phase(Phase::Loaded) {
-        result.loaded = Some(loaded_latency(opts, names, db, tally, &mut peak_kib).await?);
+        let (loaded, direct) = loaded_latency(opts, names, Via::Direct, db, tally, &mut peak_kib).await?;
+        result.loaded = Some(loaded);
+        if let Some(bouncer) = bouncer {
+            let (_, pooled) = loaded_latency(opts, names, Via::Pooler(bouncer), db, tally, &mut peak_kib).await?;
+            pooler.loaded = Some(Pair::new(direct, pooled));
+        }
     }
+    result.pooler = bouncer.is_some().then_some(pooler);
 
     // 7. End to end beside a kept history.
     if phase(Phase::History) {
         let first = seed(db, n, opts.kept_done, opts).await?;
         let wal = wal_position(db).await?;
-        let spent = dispatch(opts, names, "rabbit", n, tally, first, &mut peak_kib).await?;
+        let spent = dispatch(opts, names, Via::Direct, "rabbit", n, tally, first, &mut peak_kib).await?;
         result.history_wal_bytes_per_msg = Some((wal_position(db).await? - wal) / n as f64);
         verify_done(db, n, opts.kept_done, opts.retention == RetentionArg::Delete).await?;
         let rate = spent.rate(n);
@@ -333,6 +411,7 @@ async fn verify_done(db: &mut AsyncPgConnection, n: usize, kept: usize, deleted:
 async fn dispatch(
     opts: &Opts,
     names: &Names,
+    via: Via<'_>,
     sink: &str,
     n: usize,
     tally: &Mutex<Tally>,
@@ -341,9 +420,10 @@ async fn dispatch(
 ) -> Result<Spent, BoxError> {
     let rabbit = sink == "rabbit";
     tally_of(tally).expect(first, n, false);
-    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, sink, false)).collect();
+    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, via, sink, false)).collect();
     let mut kids = Kids::spawn(&args)?;
     kids.ready(Duration::from_secs(30)).await?;
+    let meter = Meter::start(via, names).await;
     let servers = ServerTicks::read();
     let busy = machine_busy_seconds();
     let started = Instant::now();
@@ -370,6 +450,7 @@ async fn dispatch(
             break Spent::since(started, busy, &servers);
         }
     };
+    spent.cost = meter.cost(via, names, n).await;
     let mut dispatcher_cpu = 0.0;
     for report in kids.stop(Duration::from_secs(30)).await? {
         *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
@@ -380,18 +461,29 @@ async fn dispatch(
     Ok(spent)
 }
 
-/// Inserts rows one at a time while the dispatcher idles; returns commit → confirm p50, p99
-/// and commit → delivery p50, p99 in milliseconds.
+/// The idle-latency phase's figures.
+struct Idle {
+    /// Commit → the sink's publisher confirm, milliseconds.
+    confirm_p50_ms: f64,
+    confirm_p99_ms: f64,
+    /// Commit → consumer delivery (p50, p99), the rate and the cost.
+    way: Way,
+}
+
+/// Inserts rows one at a time (straight to the server) while the dispatcher idles; returns
+/// commit → confirm and commit → delivery p50 and p99 in milliseconds, and what it cost.
 async fn idle_latency(
     opts: &Opts,
     names: &Names,
+    via: Via<'_>,
     db: &mut AsyncPgConnection,
     tally: &Mutex<Tally>,
     peak_kib: &mut u64,
-) -> Result<(f64, f64, f64, f64), BoxError> {
+) -> Result<Idle, BoxError> {
     db.batch_execute("TRUNCATE outbox").await?;
-    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", true)).collect();
+    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, via, "rabbit", true)).collect();
     let (mut kids, mut confirms) = Kids::settled(&args, SETTLE).await?;
+    let meter = Meter::start(via, names).await;
 
     // The ids are known only once inserted: record every arrival, whatever its id.
     tally_of(tally).expect(0, 0, true);
@@ -420,6 +512,7 @@ async fn idle_latency(
             Err(_) => return Err("latency rows were not all confirmed within 30 s".into()),
         }
     }
+    let cost = meter.cost(via, names, opts.latency_samples).await;
     for report in kids.stop(Duration::from_secs(30)).await? {
         *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
     }
@@ -427,24 +520,42 @@ async fn idle_latency(
     let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
     let mut to_confirm: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, confirms[id])).collect();
     let mut to_delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
-    Ok((
-        percentile(&mut to_confirm, 0.50),
-        percentile(&mut to_confirm, 0.99),
-        percentile(&mut to_delivery, 0.50),
-        percentile(&mut to_delivery, 0.99),
-    ))
+    let msg_s = delivered_rate(&commits, &arrivals);
+    Ok(Idle {
+        confirm_p50_ms: percentile(&mut to_confirm, 0.50),
+        confirm_p99_ms: percentile(&mut to_confirm, 0.99),
+        way: Way {
+            msg_s,
+            p50_ms: Some(percentile(&mut to_delivery, 0.50)),
+            p99_ms: Some(percentile(&mut to_delivery, 0.99)),
+            cost,
+        },
+    })
 }
 
-/// Commits single-row transactions at `--rate` for `--seconds` while the dispatcher runs with
-/// its defaults and the consumer reads the queue; returns the achieved rate and the commit →
-/// delivery distribution (and the database's own `done_at - created_at`, for comparison).
+/// Rows ÷ the time from the first commit to the last delivery: the rate the dispatcher kept up
+/// with in a latency phase.
+fn delivered_rate(commits: &[(i64, SystemTime)], arrivals: &HashMap<i64, SystemTime>) -> f64 {
+    let first = commits.iter().map(|(_, c)| *c).min();
+    let last = commits.iter().filter_map(|(id, _)| arrivals.get(id).copied()).max();
+    match first.zip(last).and_then(|(first, last)| last.duration_since(first).ok()) {
+        Some(span) if !span.is_zero() => commits.len() as f64 / span.as_secs_f64(),
+        _ => 0.0,
+    }
+}
+
+/// Commits single-row transactions (straight to the server) at `--rate` for `--seconds` while
+/// the dispatcher runs with its defaults and the consumer reads the queue; returns the achieved
+/// rate and the commit → delivery distribution (and the database's own `done_at - created_at`,
+/// for comparison), and the same as a [`Way`], with what it cost.
 async fn loaded_latency(
     opts: &Opts,
     names: &Names,
+    via: Via<'_>,
     db: &mut AsyncPgConnection,
     tally: &Mutex<Tally>,
     peak_kib: &mut u64,
-) -> Result<Loaded, BoxError> {
+) -> Result<(Loaded, Way), BoxError> {
     if opts.rate == 0 || opts.seconds == 0 || opts.producers == 0 {
         return Err("--rate, --seconds and --producers must be at least 1".into());
     }
@@ -453,9 +564,10 @@ async fn loaded_latency(
     for _ in 0..opts.producers {
         producers.push(AsyncPgConnection::establish(&names.database_url).await?);
     }
-    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, "rabbit", false)).collect();
+    let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, via, "rabbit", false)).collect();
     let (mut kids, mut ignore) = Kids::settled(&args, SETTLE).await?;
     tally_of(tally).expect(0, 0, true);
+    let meter = Meter::start(via, names).await;
 
     let total = opts.rate as usize * opts.seconds as usize;
     let pad = opts.payload_bytes.saturating_sub(24) as i32;
@@ -520,12 +632,14 @@ async fn loaded_latency(
             }
         }
     }
+    let cost = meter.cost(via, names, total).await;
     for report in kids.stop(Duration::from_secs(30)).await? {
         *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
     }
     let arrivals = tally_of(tally).arrivals.take().unwrap_or_default();
     let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
     let mut delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
+    let msg_s = delivered_rate(&commits, &arrivals);
 
     #[derive(diesel::QueryableByName)]
     struct DbLatency {
@@ -544,7 +658,7 @@ async fn loaded_latency(
     )
     .get_result(db)
     .await?;
-    Ok(Loaded {
+    let loaded = Loaded {
         target_rate: f64::from(opts.rate),
         achieved_rate: total as f64 / elapsed.as_secs_f64(),
         rows: total,
@@ -554,7 +668,9 @@ async fn loaded_latency(
         max_ms: percentile(&mut delivery, 1.0),
         db_done_p50_ms: on_db.p50,
         db_done_p99_ms: on_db.p99,
-    })
+    };
+    let way = Way { msg_s, p50_ms: Some(loaded.p50_ms), p99_ms: Some(loaded.p99_ms), cost };
+    Ok((loaded, way))
 }
 
 #[derive(diesel::QueryableByName)]

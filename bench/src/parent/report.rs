@@ -46,6 +46,63 @@ pub(super) struct RunResult {
     pub(super) history_ratio: Option<f64>,
     pub(super) history_postgres_us_per_msg: Option<f64>,
     pub(super) history_wal_bytes_per_msg: Option<f64>,
+    /// With `--pgbouncer` or `--pooler-url`: the dispatcher phases direct and through the pooler.
+    pub(super) pooler: Option<PoolerRun>,
+}
+
+/// What a phase cost per message: PostgreSQL's CPU, and through a pooler the bouncer's CPU and
+/// the transactions it passed to the server.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(super) struct Cost {
+    /// CPU time of every `postgres` process over the phase ÷ its messages, microseconds.
+    pub(super) postgres_us_per_msg: Option<f64>,
+    /// CPU time of the bench's own PgBouncer over the phase ÷ its messages, microseconds.
+    pub(super) bouncer_us_per_msg: Option<f64>,
+    /// `SHOW STATS` `total_xact_count` of the bench's database over the phase ÷ its messages.
+    pub(super) bouncer_xacts_per_msg: Option<f64>,
+}
+
+/// One dispatcher phase on one way to the database (direct, or through the pooler).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(super) struct Way {
+    /// Messages a second the dispatcher delivered: end to end, rows ÷ the phase's time; in the
+    /// latency phases, rows ÷ the time from the first commit to the last delivery.
+    pub(super) msg_s: f64,
+    /// Commit → consumer delivery, milliseconds (latency phases).
+    pub(super) p50_ms: Option<f64>,
+    pub(super) p99_ms: Option<f64>,
+    #[serde(flatten)]
+    pub(super) cost: Cost,
+}
+
+/// One phase run direct, then through the pooler, in the same run.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(super) struct Pair {
+    pub(super) direct: Way,
+    pub(super) pooled: Way,
+    /// pooled ÷ direct of the rate.
+    pub(super) rate_ratio: f64,
+    /// pooled ÷ direct of the p99 (latency phases).
+    pub(super) p99_ratio: Option<f64>,
+}
+
+impl Pair {
+    pub(super) fn new(direct: Way, pooled: Way) -> Self {
+        Self {
+            direct,
+            pooled,
+            rate_ratio: pooled.msg_s / direct.msg_s,
+            p99_ratio: direct.p99_ms.zip(pooled.p99_ms).map(|(d, p)| p / d),
+        }
+    }
+}
+
+/// The phases `--pgbouncer` (or `--pooler-url`) runs twice, of one run.
+#[derive(Debug, Clone, Default, Serialize)]
+pub(super) struct PoolerRun {
+    pub(super) e2e: Option<Pair>,
+    pub(super) latency: Option<Pair>,
+    pub(super) loaded: Option<Pair>,
 }
 
 /// Latency under a steady load: single-row commits at `--rate` for `--seconds`.
@@ -71,6 +128,8 @@ pub(super) struct Report<'a> {
     pub(super) machine: Machine,
     pub(super) options: &'a Opts,
     pub(super) in_flight_per_process: usize,
+    /// The transaction pooler the pooled phases went through.
+    pub(super) pooler: Option<String>,
     pub(super) runs: Vec<RunResult>,
     pub(super) median: RunResult,
 }
@@ -117,6 +176,7 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
         peak_rss_mib: m(|r| r.peak_rss_mib),
         end_to_end_duplicates: runs.iter().map(|r| r.end_to_end_duplicates).max().unwrap_or(0),
         end_to_end_consumer_lag: runs.iter().filter_map(|r| r.end_to_end_consumer_lag).max(),
+        pooler: median_pooler(runs),
         loaded: {
             let loaded: Vec<&Loaded> = runs.iter().filter_map(|r| r.loaded.as_ref()).collect();
             let m = |f: fn(&Loaded) -> f64| median(loaded.iter().map(|l| f(l)).collect());
@@ -137,6 +197,49 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
             })
         },
     }
+}
+
+/// Picks one phase's comparison out of a run's.
+type PhaseOf = fn(&PoolerRun) -> Option<Pair>;
+
+/// The median of each figure of the runs' pooler comparisons.
+fn median_pooler(runs: &[RunResult]) -> Option<PoolerRun> {
+    let pooler: Vec<&PoolerRun> = runs.iter().filter_map(|r| r.pooler.as_ref()).collect();
+    if pooler.is_empty() {
+        return None;
+    }
+    let pair = |phase: PhaseOf| {
+        let pairs: Vec<Pair> = pooler.iter().filter_map(|p| phase(p)).collect();
+        if pairs.is_empty() {
+            return None;
+        }
+        let way = |side: fn(&Pair) -> Way| {
+            let ways: Vec<Way> = pairs.iter().map(side).collect();
+            let o = |f: fn(&Way) -> Option<f64>| {
+                let v: Vec<f64> = ways.iter().filter_map(f).collect();
+                (!v.is_empty()).then(|| median(v))
+            };
+            Way {
+                msg_s: median(ways.iter().map(|w| w.msg_s).collect()),
+                p50_ms: o(|w| w.p50_ms),
+                p99_ms: o(|w| w.p99_ms),
+                cost: Cost {
+                    postgres_us_per_msg: o(|w| w.cost.postgres_us_per_msg),
+                    bouncer_us_per_msg: o(|w| w.cost.bouncer_us_per_msg),
+                    bouncer_xacts_per_msg: o(|w| w.cost.bouncer_xacts_per_msg),
+                },
+            }
+        };
+        let ratios: Vec<f64> = pairs.iter().filter_map(|p| p.p99_ratio).collect();
+        Some(Pair {
+            direct: way(|p| p.direct),
+            pooled: way(|p| p.pooled),
+            // The median of the runs' ratios, not the ratio of the medians.
+            rate_ratio: median(pairs.iter().map(|p| p.rate_ratio).collect()),
+            p99_ratio: (!ratios.is_empty()).then(|| median(ratios)),
+        })
+    };
+    Some(PoolerRun { e2e: pair(|p| p.e2e), latency: pair(|p| p.latency), loaded: pair(|p| p.loaded) })
 }
 
 pub(super) fn print_report(report: &Report<'_>) {
@@ -242,6 +345,69 @@ pub(super) fn print_report(report: &Report<'_>) {
     if report.runs.iter().any(|r| r.history_msg_s.is_some()) {
         print_history(report);
     }
+    if report.runs.iter().any(|r| r.pooler.is_some()) {
+        print_pooler(report);
+    }
+}
+
+/// The pooled phases beside the direct ones: one line per phase and run, direct and pooled side
+/// by side.
+fn print_pooler(report: &Report<'_>) {
+    println!();
+    println!("through a transaction pooler: {}", report.pooler.as_deref().unwrap_or("-"));
+    let header = [
+        "phase", "run", "direct/s", "pooled/s", "rate x", "p50 dir", "p50 pool", "p99 dir", "p99 pool", "p99 x",
+        "pg:dir", "pg:pool", "pgb:pool", "xact/msg",
+    ];
+    let widths = [7, 8, 9, 9, 7, 8, 8, 8, 8, 6, 7, 7, 8, 8];
+    let line = |cells: &[String]| {
+        let text: Vec<String> = cells
+            .iter()
+            .zip(widths)
+            .enumerate()
+            .map(|(i, (cell, w))| if i < 2 { format!("{cell:<w$}") } else { format!("{cell:>w$}") })
+            .collect();
+        println!("{}", text.join(" "));
+    };
+    line(&header.map(str::to_owned));
+    let f = |v: Option<f64>, digits: usize| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"));
+    let x = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.2}x"));
+    let row = |phase: &str, run: &str, p: &Pair| {
+        line(&[
+            phase.to_owned(),
+            run.to_owned(),
+            f(Some(p.direct.msg_s), 0),
+            f(Some(p.pooled.msg_s), 0),
+            x(Some(p.rate_ratio)),
+            f(p.direct.p50_ms, 1),
+            f(p.pooled.p50_ms, 1),
+            f(p.direct.p99_ms, 1),
+            f(p.pooled.p99_ms, 1),
+            x(p.p99_ratio),
+            f(p.direct.cost.postgres_us_per_msg, 0),
+            f(p.pooled.cost.postgres_us_per_msg, 0),
+            f(p.pooled.cost.bouncer_us_per_msg, 0),
+            f(p.pooled.cost.bouncer_xacts_per_msg, 2),
+        ])
+    };
+    let phases: [(&str, PhaseOf); 3] = [("e2e", |p| p.e2e), ("latency", |p| p.latency), ("loaded", |p| p.loaded)];
+    for (name, phase) in phases {
+        for (i, r) in report.runs.iter().enumerate() {
+            if let Some(pair) = r.pooler.as_ref().and_then(phase) {
+                row(name, &format!("{}", i + 1), &pair);
+            }
+        }
+        if let Some(pair) = report.median.pooler.as_ref().and_then(phase) {
+            row(name, &format!("median/{}", report.runs.len()), &pair);
+        }
+    }
+    println!("each phase runs direct, then through the pooler, in the same run; direct/s, pooled/s = messages a");
+    println!("second the dispatcher delivered (e2e: rows ÷ the phase; latency, loaded: rows ÷ first commit to last");
+    println!("delivery); p50/p99 = commit → consumer delivery (ms); rate x, p99 x = pooled ÷ direct (medians: of");
+    println!("the runs' ratios); pg = PostgreSQL CPU (us/msg), pgb = the bouncer's own CPU (us/msg); xact/msg =");
+    println!("transactions the bouncer passed to the server per message (SHOW STATS). Seeding, the latency rows and");
+    println!("the loaded producers go direct; the dispatcher's listener goes direct (its --direct-url). The first");
+    println!("table's dups and rss count the pooled halves too.");
 }
 
 fn print_history(report: &Report<'_>) {
