@@ -28,6 +28,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::{FutureExt, StreamExt};
 use tracing::{debug, warn};
 
+use crate::error::StoreError;
 use crate::store::PgPool;
 
 /// The channel the migration's trigger notifies on every `INSERT` statement into `outbox`.
@@ -98,6 +99,13 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(us
     }
 }
 
+/// A failed statement of the listener's, in words: as the store's errors say it, so that a lost
+/// prepared statement (a listener session that goes through a transaction pooler) names the
+/// pooler and the fix rather than the server's bare `prepared statement "s1" does not exist`.
+fn query_failed(e: diesel::result::Error) -> String {
+    StoreError::from(e).to_string()
+}
+
 #[derive(diesel::QueryableByName)]
 struct Locked {
     #[diesel(sql_type = Bool)]
@@ -110,7 +118,7 @@ async fn try_arm(conn: &mut AsyncPgConnection) -> Result<bool, String> {
         .bind::<BigInt, _>(ARMED_KEY)
         .get_result(conn)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(query_failed)?;
     Ok(row.ok)
 }
 
@@ -119,7 +127,7 @@ async fn disarm(conn: &mut AsyncPgConnection) -> Result<(), String> {
         .bind::<BigInt, _>(ARMED_KEY)
         .get_result(conn)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(query_failed)?;
     Ok(())
 }
 
@@ -156,7 +164,7 @@ async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> 
     // on a pool that has no session to give.
     let Some(conn) = pool.session().await else { return Ok(()) };
     let mut conn = conn.map_err(|e| e.to_string())?;
-    conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|e| e.to_string())?;
+    conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(query_failed)?;
     debug!("insert listener connected");
     // Rows inserted while nobody was armed (or before we listened) are found by the claim that
     // follows the first arming, or by the busy ticks.
@@ -217,5 +225,26 @@ async fn listen_once(pool: &PgPool, wakeups: &Wakeups, wake: &impl Fn(usize) -> 
         if !wake(burst.max(1)) {
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diesel::result::{DatabaseErrorKind, Error};
+
+    /// The listener's session through a transaction pooler loses its prepared statements too:
+    /// its log line says what is wrong and what to set, as the claims' and finalizes' do.
+    #[test]
+    fn a_lost_prepared_statement_of_the_listener_names_the_pooler_and_the_fix() {
+        let lost = Error::DatabaseError(
+            DatabaseErrorKind::Unknown,
+            Box::new(r#"prepared statement "s16" does not exist"#.to_owned()),
+        );
+        let message = query_failed(lost);
+        assert!(message.contains(r#"prepared statement "s16" does not exist"#), "{message}");
+        assert!(message.contains("transaction pooler") && message.contains("`--pooler transaction`"), "{message}");
+        let other = Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new("canceling statement".to_owned()));
+        assert_eq!(query_failed(other), "database query failed: canceling statement");
     }
 }
