@@ -230,6 +230,32 @@ async fn dead_list_retry_and_skip_through_a_transaction_pooler() {
     );
 }
 
+/// `dead blocked --fifo` and `stats --fifo` through the bouncer: the aggregate a dead head
+/// holds back, with the rows waiting behind it, exactly as a direct connection reads it.
+#[tokio::test]
+async fn dead_blocked_and_stats_fifo_through_a_transaction_pooler() {
+    let b = behind().await;
+    b.db.seed(3, "a").await;
+    b.db.seed(2, "b").await;
+    make_dead(&b.db, &[1]).await;
+
+    let through: Value =
+        serde_json::from_str(&pooled_ok(&b.url, &["dead", "blocked", "--fifo", "--json"]).await).unwrap();
+    let direct: Value = serde_json::from_str(&ok(&b.db.url, &["dead", "blocked", "--fifo", "--json"]).await).unwrap();
+    assert_eq!(through, direct);
+    let blocked = through.as_array().unwrap();
+    assert_eq!(blocked.len(), 1, "{through}");
+    assert_eq!(
+        (&blocked[0]["aggregate_id"], &blocked[0]["dead_id"], &blocked[0]["waiting"]),
+        (&json!("a"), &json!(1), &json!(2))
+    );
+
+    let mut stats: Value = serde_json::from_str(&pooled_ok(&b.url, &["stats", "--json", "--fifo"]).await).unwrap();
+    stats.as_object_mut().unwrap().remove("oldest_unfinished_age_s");
+    assert_eq!(stats["by_status"], json!({"pending": 4, "processing": 0, "done": 0, "dead": 1}));
+    assert_eq!((&stats["blocked_aggregates_total"], &stats["blocked_aggregates"]), (&json!(1), &through));
+}
+
 /// `purge` through the bouncer, in small batches (each its own transaction): exactly the done
 /// rows older than the age given.
 #[tokio::test]
