@@ -450,8 +450,7 @@ async fn the_console_works_on_a_pool_through_a_transaction_pooler() {
     let other = db.insert("dead", "4", "order.paid", Some("bang")).await;
     db.insert("done", "5", "order.created", None).await;
     let bouncer = PgBouncer::start(&database_addr()).await;
-    let pool =
-        PoolConfig::new(bouncer.route(&db.url)).size(4).pooler(Pooler::Transaction).connect().await.unwrap();
+    let pool = PoolConfig::new(bouncer.route(&db.url)).size(4).pooler(Pooler::Transaction).connect().await.unwrap();
     let app = service(Console::new(pool).token(TOKEN)).await;
     let get = async |uri: &str| {
         let resp = test::call_service(&app, test::TestRequest::get().uri(uri).to_request()).await;

@@ -93,9 +93,8 @@ async fn transactions_through(bouncer: &PgBouncer, database: &str) -> i64 {
 #[tokio::test]
 async fn migrate_through_a_transaction_pooler_and_fifo_only_with_a_direct_url() {
     let db = ScratchDb::new();
-    let mut admin = diesel_async::AsyncPgConnection::establish(&actix_outbox_test_support::database_url("postgres"))
-        .await
-        .unwrap();
+    let mut admin =
+        diesel_async::AsyncPgConnection::establish(&actix_outbox_test_support::database_url("postgres")).await.unwrap();
     admin.batch_execute(&format!("CREATE DATABASE {}", db.name)).await.unwrap();
     let bouncer = PgBouncer::start(&database_addr()).await;
     let url = bouncer.route(&db.url);
@@ -142,8 +141,7 @@ async fn enqueue_and_stats_through_a_transaction_pooler() {
     let mut ids = Vec::new();
     for i in 0..7 {
         let payload = format!(r#"{{"n": {i}}}"#);
-        let args =
-            ["enqueue", "--aggregate-type", "order", "--aggregate-id", "42", "--event-type", "order.created"];
+        let args = ["enqueue", "--aggregate-type", "order", "--aggregate-id", "42", "--event-type", "order.created"];
         let out = pooled_ok(&b.url, &[&args[..], &["--payload", payload.as_str()]].concat()).await;
         ids.push(out.trim().parse::<i64>().unwrap_or_else(|e| panic!("{out:?}: {e}")));
     }
@@ -222,7 +220,10 @@ async fn dead_list_retry_and_skip_through_a_transaction_pooler() {
         row.last_error.as_deref(),
         Some(format!("{SKIPPED_PREFIX}cancelled by hand (was: retryable: nack 3)").as_str())
     );
-    assert_eq!(pooled_ok(&b.url, &["dead", "retry", "--all"]).await, "retried 1 dead row (now pending, attempts reset)\n");
+    assert_eq!(
+        pooled_ok(&b.url, &["dead", "retry", "--all"]).await,
+        "retried 1 dead row (now pending, attempts reset)\n"
+    );
     assert_eq!(pooled_ok(&b.url, &["dead", "list"]).await, "no dead rows\n");
     assert_eq!(
         (b.db.count_status("pending").await, b.db.count_status("done").await, b.db.count_status("dead").await),
@@ -393,7 +394,8 @@ async fn run_through_a_transaction_pooler_without_a_direct_url_polls_and_relays_
 /// not exit (the error is retried like an outage, and another statement name may work), but
 /// every line that speaks of a prepared statement says that a transaction pooler is in between
 /// and what to set: never the server's bare `prepared statement "s1" does not exist`, from the
-/// claims, the finalizes or the insert listener. SIGTERM still ends it with exit 0.
+/// claims, the finalizes or the insert listener. SIGTERM still ends it with exit 0, once the
+/// finalizes in flight have had their lease to succeed.
 #[tokio::test]
 async fn run_with_the_default_pooler_through_a_transaction_pooler_says_to_set_it() {
     let b = behind().await;
@@ -403,8 +405,20 @@ async fn run_with_the_default_pooler_through_a_transaction_pooler_says_to_set_it
     broker.remove_queue_at_end(queue.clone());
     let mut flags = run_flags(&broker.exchange, &format!("{queue}:#"), &amqp_url(), "100ms");
     flags.drain(..2); // the default pooler
+    // The finalizes of a stop fail like the claims and are retried while the rows' leases run:
+    // a short lease bounds the stop.
+    flags.extend(["--lease", "8s", "--publish-timeout", "2s"].map(str::to_owned));
     let mut run = Dispatcher::start(&b.url, &flags.iter().map(String::as_str).collect::<Vec<_>>());
-    eventually(WITHIN, "a lost prepared statement", || async { run.logged("prepared statement") >= 1 }).await;
+    let deadline = std::time::Instant::now() + WITHIN;
+    while run.logged("prepared statement") == 0 {
+        let running = run.is_running();
+        assert!(
+            running && std::time::Instant::now() < deadline,
+            "no lost prepared statement; log:\n{}",
+            run.log().join("\n")
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The listener, which arms once the table drains or a few ticks pass, has its turn too.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(run.is_running(), "retried, not a crash; log:\n{}", run.log().join("\n"));
