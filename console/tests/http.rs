@@ -431,3 +431,82 @@ async fn service_at_root(
 ) -> impl Service<actix_http::Request, Response = ServiceResponse, Error = actix_web::Error> {
     test::init_service(App::new().service(console.scope(""))).await
 }
+
+/// The console on a pool made for a transaction pooler (`Pooler::Transaction`), through a
+/// PgBouncer of the test's own in `pool_mode = transaction`: the overview, the dead list and a
+/// row page count what is there, many pages at once included, and a retry of a dead row goes
+/// through and shows on every page afterwards. No page speaks of a prepared statement.
+#[actix_web::test]
+async fn the_console_works_on_a_pool_through_a_transaction_pooler() {
+    use actix_outbox::{PoolConfig, Pooler};
+    use actix_outbox_test_support::{PgBouncer, database_addr};
+
+    let db = TestDb::new().await;
+    for _ in 0..3 {
+        db.insert("pending", "1", "order.created", None).await;
+    }
+    db.insert("processing", "2", "order.created", None).await;
+    let dead = db.insert("dead", "3", "order.paid", Some("boom")).await;
+    let other = db.insert("dead", "4", "order.paid", Some("bang")).await;
+    db.insert("done", "5", "order.created", None).await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    let pool = PoolConfig::new(bouncer.route(&db.url)).size(4).pooler(Pooler::Transaction).connect().await.unwrap();
+    let app = service(Console::new(pool).token(TOKEN)).await;
+    let get = async |uri: &str| {
+        let resp = test::call_service(&app, test::TestRequest::get().uri(uri).to_request()).await;
+        let status = resp.status();
+        let page = body(resp).await;
+        assert_eq!(status, StatusCode::OK, "{uri}: {page}");
+        assert!(!page.contains("prepared statement"), "{uri}: {page}");
+        page
+    };
+
+    let overview = get("/outbox/").await;
+    assert!(overview.contains(r#"<div class="value" id="count-pending">3</div>"#), "{overview}");
+    assert!(overview.contains(r#"<div class="value" id="count-processing">1</div>"#), "{overview}");
+    assert!(overview.contains(r#"<a class="value" id="count-dead" href="/outbox/dead">2</a>"#), "{overview}");
+    // Pages at once, more than the pool holds: each read a transaction of its own, on whichever
+    // server connection the bouncer gives it.
+    let pages = futures_util::future::join_all((0..12).map(|i| {
+        let uri = match i % 3 {
+            0 => "/outbox/".to_owned(),
+            1 => "/outbox/dead".to_owned(),
+            _ => format!("/outbox/rows/{dead}"),
+        };
+        let app = &app;
+        async move {
+            let resp = test::call_service(app, test::TestRequest::get().uri(&uri).to_request()).await;
+            (uri, resp.status(), body(resp).await)
+        }
+    }))
+    .await;
+    for (uri, status, page) in pages {
+        assert_eq!(status, StatusCode::OK, "{uri}: {page}");
+        assert!(!page.contains("prepared statement"), "{uri}: {page}");
+    }
+
+    let list = get("/outbox/dead").await;
+    assert!(list.contains("<p id=\"dead-total\">2 dead rows match</p>"), "{list}");
+    assert_eq!(list.matches("<tr id=\"row-").count(), 2, "{list}");
+    let row = get(&format!("/outbox/rows/{dead}")).await;
+    assert!(row.contains("<td id=\"col-status\"><span class=\"status dead\">dead</span></td>"), "{row}");
+    assert!(row.contains("<td class=\"error\" id=\"col-last-error\">boom</td>"), "{row}");
+    let resp = test::call_service(&app, test::TestRequest::get().uri("/outbox/rows/999999").to_request()).await;
+    assert_eq!(resp.status(), StatusCode::NOT_FOUND);
+
+    // A repair: retry the dead row, with the operator's bearer token.
+    let req = form_post(&format!("/outbox/dead/{dead}/retry"), "")
+        .insert_header((header::AUTHORIZATION, format!("Bearer {TOKEN}")))
+        .to_request();
+    let resp = test::call_service(&app, req).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(body(resp).await, format!("{{\"retried\":[{dead}]}}"));
+    assert_eq!(db.state(dead).await, ("pending".to_owned(), 0, Some("boom".to_owned())));
+    assert_eq!(db.state(other).await.0, "dead", "only the row named");
+    let overview = get("/outbox/").await;
+    assert!(overview.contains(r#"<div class="value" id="count-pending">4</div>"#), "{overview}");
+    assert!(overview.contains(r#"<a class="value" id="count-dead" href="/outbox/dead">1</a>"#), "{overview}");
+    assert!(get("/outbox/dead").await.contains("<p id=\"dead-total\">1 dead row matches</p>"));
+    let row = get(&format!("/outbox/rows/{dead}")).await;
+    assert!(row.contains("<td id=\"col-status\"><span class=\"status pending\">pending</span></td>"), "{row}");
+}

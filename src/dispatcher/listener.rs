@@ -40,6 +40,7 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use futures_util::{FutureExt, StreamExt};
 use tracing::{debug, info, warn};
 
+use crate::error::StoreError;
 use crate::store::PgPool;
 
 /// The channel the migration's trigger notifies on every `INSERT` statement into `outbox`.
@@ -155,6 +156,13 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wa
     }
 }
 
+/// A failed statement of the listener's, in words: as the store's errors say it, so that a lost
+/// prepared statement (a listener session that goes through a transaction pooler) names the
+/// pooler and the fix rather than the server's bare `prepared statement "s1" does not exist`.
+fn query_failed(e: diesel::result::Error) -> String {
+    StoreError::from(e).to_string()
+}
+
 #[derive(diesel::QueryableByName)]
 struct Locked {
     #[diesel(sql_type = Bool)]
@@ -175,7 +183,7 @@ async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, String> {
     )
     .get_result(conn)
     .await
-    .map_err(|e| e.to_string())?;
+    .map_err(query_failed)?;
     Ok(row.addr)
 }
 
@@ -185,7 +193,7 @@ async fn try_lead(conn: &mut AsyncPgConnection) -> Result<bool, String> {
         .bind::<BigInt, _>(LEAD_KEY)
         .get_result(conn)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(query_failed)?;
     Ok(row.ok)
 }
 
@@ -195,7 +203,7 @@ async fn try_arm(conn: &mut AsyncPgConnection) -> Result<bool, String> {
         .bind::<BigInt, _>(ARMED_KEY)
         .get_result(conn)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(query_failed)?;
     Ok(row.ok)
 }
 
@@ -204,7 +212,7 @@ async fn disarm(conn: &mut AsyncPgConnection) -> Result<(), String> {
         .bind::<BigInt, _>(ARMED_KEY)
         .get_result(conn)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(query_failed)?;
     Ok(())
 }
 
@@ -256,7 +264,7 @@ async fn listen_once(
     while !try_lead(&mut conn).await? {
         if !followed {
             debug!("another dispatcher's listener leads on this outbox: following");
-            conn.batch_execute(&format!("LISTEN {HELP_CHANNEL}")).await.map_err(|e| e.to_string())?;
+            conn.batch_execute(&format!("LISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
             wakeups.following.store(true, Relaxed);
             followed = true;
         }
@@ -269,12 +277,12 @@ async fn listen_once(
         }
     }
     if followed {
-        conn.batch_execute(&format!("UNLISTEN {HELP_CHANNEL}")).await.map_err(|e| e.to_string())?;
+        conn.batch_execute(&format!("UNLISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
         let _ = swallow(&mut conn)?;
         wakeups.following.store(false, Relaxed);
         info!("the dispatcher that led the insert wake-ups is gone: this one leads them now");
     }
-    conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(|e| e.to_string())?;
+    conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(query_failed)?;
     debug!("insert listener connected and leading");
     // Rows inserted while nobody was armed (or before we listened) are found by the claim that
     // follows the first arming, or by the busy ticks.
@@ -342,9 +350,30 @@ async fn listen_once(
         // The workers found a backlog since the last call: the followers help.
         let whole = AtomicU64::load(&wakeups.whole_batches, Relaxed);
         if whole > whole_seen && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
-            conn.batch_execute(&format!("NOTIFY {HELP_CHANNEL}")).await.map_err(|e| e.to_string())?;
+            conn.batch_execute(&format!("NOTIFY {HELP_CHANNEL}")).await.map_err(query_failed)?;
             help_sent = Some(std::time::Instant::now());
         }
         whole_seen = whole;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diesel::result::{DatabaseErrorKind, Error};
+
+    /// The listener's session through a transaction pooler loses its prepared statements too:
+    /// its log line says what is wrong and what to set, as the claims' and finalizes' do.
+    #[test]
+    fn a_lost_prepared_statement_of_the_listener_names_the_pooler_and_the_fix() {
+        let lost = Error::DatabaseError(
+            DatabaseErrorKind::Unknown,
+            Box::new(r#"prepared statement "s16" does not exist"#.to_owned()),
+        );
+        let message = query_failed(lost);
+        assert!(message.contains(r#"prepared statement "s16" does not exist"#), "{message}");
+        assert!(message.contains("transaction pooler") && message.contains("`--pooler transaction`"), "{message}");
+        let other = Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new("canceling statement".to_owned()));
+        assert_eq!(query_failed(other), "database query failed: canceling statement");
     }
 }

@@ -157,6 +157,10 @@ impl DbHealth {
             warn!(error = %e, during = what,
                 "database is read-only (a standby?): nothing is claimed and no attempt is spent until it accepts \
                  writes; point the URL at the primary, or list every server with target_session_attrs=read-write");
+        } else if matches!(e, StoreError::BehindTransactionPooler(_)) {
+            warn!(error = %e, during = what,
+                "the pool is not set up for the transaction pooler its statements go through: claims back off, \
+                 finalizes keep their fences and retry while the leases run, and most fail until it is");
         } else {
             warn!(error = %e, during = what,
                 "database unreachable: claims back off, finalizes keep their fences and retry while the leases run");

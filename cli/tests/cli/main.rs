@@ -15,6 +15,7 @@ mod docs;
 mod enqueue;
 mod fifo;
 mod migrate;
+mod pooler;
 mod purge;
 mod run;
 mod serve;
