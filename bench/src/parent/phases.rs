@@ -568,6 +568,7 @@ async fn loaded_latency(
     let (mut kids, mut ignore) = Kids::settled(&args, SETTLE).await?;
     tally_of(tally).expect(0, 0, true);
     let meter = Meter::start(via, names).await;
+    let before = DbCounters::read(db).await?;
 
     let total = opts.rate as usize * opts.seconds as usize;
     let pad = opts.payload_bytes.saturating_sub(24) as i32;
@@ -636,6 +637,12 @@ async fn loaded_latency(
     for report in kids.stop(Duration::from_secs(30)).await? {
         *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
     }
+    // The dispatchers have exited, so every one of their backends has reported its statistics.
+    let after = DbCounters::read(db).await?;
+    // Of the commits, the producers' (one a row, their connections closed) and the bench's own
+    // first read are not the dispatchers'.
+    let dispatcher_xacts = after.xact_commit - before.xact_commit - total as i64 - 1;
+    let per_row = |v: f64| v / total as f64;
     let arrivals = tally_of(tally).arrivals.take().unwrap_or_default();
     let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
     let mut delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
@@ -668,9 +675,37 @@ async fn loaded_latency(
         max_ms: percentile(&mut delivery, 1.0),
         db_done_p50_ms: on_db.p50,
         db_done_p99_ms: on_db.p99,
+        dispatcher_xacts_per_row: per_row(dispatcher_xacts as f64),
+        blks_hit_per_row: per_row((after.blks_hit - before.blks_hit) as f64),
+        wal_bytes_per_row: per_row(after.wal_bytes - before.wal_bytes),
     };
     let way = Way { msg_s, p50_ms: Some(loaded.p50_ms), p99_ms: Some(loaded.p99_ms), cost };
     Ok((loaded, way))
+}
+
+/// The database's counters: its transactions and buffer hits (`pg_stat_database`, as its
+/// backends have reported them), and the server's WAL position.
+#[derive(diesel::QueryableByName)]
+struct DbCounters {
+    #[diesel(sql_type = BigInt)]
+    xact_commit: i64,
+    #[diesel(sql_type = BigInt)]
+    blks_hit: i64,
+    #[diesel(sql_type = diesel::sql_types::Double)]
+    wal_bytes: f64,
+}
+
+impl DbCounters {
+    async fn read(db: &mut AsyncPgConnection) -> Result<Self, BoxError> {
+        // A snapshot of the statistics is cached for the transaction: clear it to read them now.
+        db.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
+        Ok(diesel::sql_query(
+            "SELECT xact_commit, blks_hit, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes
+             FROM pg_stat_database WHERE datname = current_database()",
+        )
+        .get_result(db)
+        .await?)
+    }
 }
 
 #[derive(diesel::QueryableByName)]

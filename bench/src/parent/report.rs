@@ -120,6 +120,13 @@ pub(super) struct Loaded {
     /// The database's own `done_at - created_at` (the finalize's clock), milliseconds.
     pub(super) db_done_p50_ms: Option<f64>,
     pub(super) db_done_p99_ms: Option<f64>,
+    /// What the database did per row over the phase (`pg_stat_database` of the bench's
+    /// database), the producers' own commits taken out: the dispatchers' transactions.
+    pub(super) dispatcher_xacts_per_row: f64,
+    /// Buffer hits per row, everyone's (producers' inserts included).
+    pub(super) blks_hit_per_row: f64,
+    /// WAL bytes per row, everyone's.
+    pub(super) wal_bytes_per_row: f64,
 }
 
 #[derive(Serialize)]
@@ -194,6 +201,9 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
                 max_ms: m(|l| l.max_ms),
                 db_done_p50_ms: o(|l| l.db_done_p50_ms),
                 db_done_p99_ms: o(|l| l.db_done_p99_ms),
+                dispatcher_xacts_per_row: m(|l| l.dispatcher_xacts_per_row),
+                blks_hit_per_row: m(|l| l.blks_hit_per_row),
+                wal_bytes_per_row: m(|l| l.wal_bytes_per_row),
             })
         },
     }
@@ -446,17 +456,28 @@ fn print_loaded(report: &Report<'_>) {
     let o = report.options;
     println!();
     println!(
-        "loaded latency: {} rows/s for {} s, one row per transaction on {} producer connections",
-        o.rate, o.seconds, o.producers
+        "loaded latency: {} rows/s for {} s, one row per transaction on {} producer connections, {} dispatcher process(es)",
+        o.rate, o.seconds, o.producers, o.processes
     );
     println!(
-        "{:<8} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10}",
-        "run", "rows/s", "rows", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "db p50 ms", "db p99 ms"
+        "{:<8} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "run",
+        "rows/s",
+        "rows",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "max ms",
+        "db p50 ms",
+        "db p99 ms",
+        "xact/row",
+        "hits/row",
+        "wal/row"
     );
     let ms = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
     let row = |name: &str, l: &Loaded| {
         println!(
-            "{:<8} {:>9.0} {:>7} {:>8.1} {:>8.1} {:>9.1} {:>8.1} {:>10} {:>10}",
+            "{:<8} {:>9.0} {:>7} {:>8.1} {:>8.1} {:>9.1} {:>8.1} {:>10} {:>10} {:>8.2} {:>8.1} {:>8.0}",
             name,
             l.achieved_rate,
             l.rows,
@@ -465,7 +486,10 @@ fn print_loaded(report: &Report<'_>) {
             l.p999_ms,
             l.max_ms,
             ms(l.db_done_p50_ms),
-            ms(l.db_done_p99_ms)
+            ms(l.db_done_p99_ms),
+            l.dispatcher_xacts_per_row,
+            l.blks_hit_per_row,
+            l.wal_bytes_per_row
         )
     };
     for (i, r) in report.runs.iter().enumerate() {
@@ -477,5 +501,7 @@ fn print_loaded(report: &Report<'_>) {
         row(&format!("median/{}", report.runs.len()), l);
     }
     println!("rows/s = achieved (rows ÷ first slot to last commit); p* = commit (the INSERT returned) → consumer");
-    println!("delivery; db = done_at − created_at on the database clock (to the finalize's commit).");
+    println!("delivery; db = done_at − created_at on the database clock (to the finalize's commit); xact/row =");
+    println!("the dispatchers' transactions per row (pg_stat_database xact_commit less the producers' commits),");
+    println!("hits/row = buffer hits per row (blks_hit), wal/row = WAL bytes per row, over the whole phase.");
 }
