@@ -73,6 +73,9 @@ const ARM_AFTER: Duration = Duration::from_millis(8);
 /// next poll. At most one notification every [`HELP_EVERY`].
 pub(crate) const HELP_CHANNEL: &str = "outbox_fleet_help";
 
+/// Whole batches the leader's workers claim before it calls for help.
+const HELP_AFTER: u64 = 2;
+
 /// The shortest pause between two of the leader's calls for help.
 const HELP_EVERY: Duration = Duration::from_millis(50);
 
@@ -347,13 +350,14 @@ async fn listen_once(
         if !wake(Wake::One) {
             return Ok(());
         }
-        // The workers found a backlog since the last call: the followers help.
+        // The workers found a backlog since the last call (more than one whole batch: one is
+        // a pause of this process as often as a backlog): the followers help.
         let whole = AtomicU64::load(&wakeups.whole_batches, Relaxed);
-        if whole > whole_seen && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
+        if whole >= whole_seen + HELP_AFTER && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
             conn.batch_execute(&format!("NOTIFY {HELP_CHANNEL}")).await.map_err(query_failed)?;
             help_sent = Some(std::time::Instant::now());
+            whole_seen = whole;
         }
-        whole_seen = whole;
     }
 }
 

@@ -16,9 +16,12 @@ use tracing::debug;
 use super::shared::Shared;
 use crate::store;
 
-/// Samples the table once and sets the gauges.
-pub(crate) async fn sample(shared: Arc<Shared>) {
-    let result = async {
+/// What one sample read: the table's unfinished rows, and the blocked aggregates under FIFO.
+pub(crate) type Sampled = Result<(store::Sample, Option<i64>), crate::StoreError>;
+
+/// Samples the table once; [`report`] sets the gauges.
+pub(crate) async fn sample(shared: Arc<Shared>) -> Sampled {
+    async {
         let mut conn = shared.pool.get().await?;
         let sample = store::sample_unfinished(&mut conn).await?;
         let blocked = if shared.config.fifo.is_on() {
@@ -29,7 +32,11 @@ pub(crate) async fn sample(shared: Arc<Shared>) {
         };
         Ok::<_, crate::StoreError>((sample, blocked))
     }
-    .await;
+    .await
+}
+
+/// Sets the gauges from a sample (or counts its failure).
+pub(crate) fn report(shared: &Shared, result: Sampled) {
     match result {
         Ok((sample, blocked)) => {
             shared.db.answered();

@@ -144,7 +144,13 @@ impl OutboxSupervisor {
         }
         self.sampling = true;
         let sample = super::sampler::sample(self.shared.clone());
-        ctx.spawn(sample.into_actor(self).map(|(), act, _| act.sampling = false));
+        // A dispatcher that stopped while its sample ran reports nothing more.
+        ctx.spawn(sample.into_actor(self).map(|sampled, act, _| {
+            act.sampling = false;
+            if act.state != State::Stopped {
+                super::sampler::report(&act.shared, sampled);
+            }
+        }));
     }
 
     fn check_sink(&mut self) {

@@ -98,11 +98,13 @@ async fn fleet_cost(processes: usize, rows: usize, rate: u32) -> Cost {
 }
 
 /// Three dispatchers on one outbox cost the database about what one costs, per message, at the
-/// same steady load: they do not all chase every insert.
+/// same steady load: they do not all chase every insert. At a load this host keeps up with
+/// beside a test suite (a leader that falls behind calls the others, rightly, and then they
+/// claim too); the bench's loaded phase gives the figures at 1,000 rows/s.
 #[actix_rt::test]
 async fn three_dispatchers_cost_about_what_one_costs_per_message() {
-    let one = fleet_cost(1, 3000, 1000).await;
-    let three = fleet_cost(3, 3000, 1000).await;
+    let one = fleet_cost(1, 2000, 250).await;
+    let three = fleet_cost(3, 2000, 250).await;
     eprintln!("one dispatcher: {one:?}; three: {three:?}");
     assert!(three.transactions <= one.transactions * 1.3, "transactions per row: one {one:?}, three {three:?}");
     assert!(three.buffer_hits <= one.buffer_hits * 1.3, "buffer hits per row: one {one:?}, three {three:?}");
