@@ -112,14 +112,18 @@ impl Node {
     }
 }
 
-/// Whether process `pid` is an Erlang VM of node `name` (one of its arguments is the name).
+/// Whether process `pid` is the Erlang VM of node `name`. RabbitMQ 3.10 passes the node name
+/// to its VM in the environment (`RABBITMQ_NODENAME`), not among the arguments.
 fn runs_node(pid: u32, name: &str) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|cmdline| cmdline.split(|b| *b == 0).any(|arg| arg == name.as_bytes()))
-        .unwrap_or(false)
+    let wanted = format!("RABBITMQ_NODENAME={name}");
+    let is_vm = std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "beam.smp");
+    is_vm
+        && std::fs::read(format!("/proc/{pid}/environ"))
+            .map(|environ| environ.split(|b| *b == 0).any(|var| var == wanted.as_bytes()))
+            .unwrap_or(false)
 }
 
-/// Every process that runs node `name`, found by its arguments (a node that had not yet
+/// Every process that runs node `name`, found by its environment (a node that had not yet
 /// written its pid file when the test failed).
 fn pids_of(name: &str) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };

@@ -2,11 +2,19 @@
 //! every node's URL, publishing to a quorum queue it declares (`bind_queue_with`, quorum), while
 //! a node dies, the queue's leader goes away, or a stopped node comes back.
 //!
-//! In each: every row ends done with the one attempt it may spend (`max_attempts(1)`: an
-//! attempt spent on the loss would send the row dead), every event id is on the queue (read
-//! from a node that survived), and the copies beyond one per row stay within the window the
-//! dispatcher had in flight when a publish could be lost (`workers × max_in_flight` per such
-//! loss). The tests run one at a time (three nodes on a small machine are enough), each with a
+//! In each: every row ends done, none dead; a publish cut with its connection costs no attempt,
+//! and the rows that spent a second one (the broker nacked them, see below) stay within the
+//! window in flight; every event id is on the queue (read from a node that survived), and the
+//! copies beyond one per row stay within the window the dispatcher had in flight when a publish
+//! could be lost (`workers × max_in_flight`).
+//!
+//! What they found in RabbitMQ 3.10.8: a channel whose first publish to a quorum queue comes
+//! while the queue's leader's node is down gets every publish nacked, for as long as the channel
+//! lives, though the queue elects a new leader within a second (the channel's queue client asks
+//! the dead node whether it may publish, and starts over on each publish). The sink, which
+//! opens its new channel just then (it reconnects to the next node at once), replaces a channel
+//! that nacks before it has acked anything; before that fix, the dispatcher published nothing
+//! more after the kill, and with `max_attempts(1)` one row went dead per probe. The tests run one at a time (three nodes on a small machine are enough), each with a
 //! cluster of its own, stopped when the test ends.
 
 use std::collections::BTreeSet;
@@ -33,13 +41,17 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Attempts a row may spend: one, and one for each nack around a lost leader (a row whose
+/// publish is cut with its connection is refunded the attempt).
+const MAX_ATTEMPTS: i32 = 4;
+
 /// 2 workers × 100 in flight: a window of 200 publishes.
 fn dispatcher_config() -> DispatcherConfig {
     DispatcherConfig::default()
         .workers(2)
         .batch(50)
         .max_in_flight(100)
-        .max_attempts(1)
+        .max_attempts(MAX_ATTEMPTS)
         .lease(Duration::from_secs(60))
         .publish_timeout(Duration::from_secs(20))
         .poll_interval(Duration::from_millis(50))
@@ -71,6 +83,8 @@ struct Outcome {
     pause: Duration,
     /// Rows handed back, attempt refunded, by the dispatcher (`released`).
     released: u64,
+    /// Rows that spent more than one attempt.
+    spent: usize,
     reconnects: u64,
 }
 
@@ -83,6 +97,7 @@ async fn finish(
     sink: RabbitSink,
     queue: &str,
     read_from: usize,
+    window: usize,
 ) -> Outcome {
     let rows = db.rows().await.len();
     eventually(WITHIN, "every row done", || async { db.count_status("done").await == rows as i64 }).await;
@@ -90,12 +105,15 @@ async fn finish(
     dispatcher.send(Shutdown).await.unwrap();
     let reconnects = sink.reconnects();
     sink.close().await;
-    assert_eq!((metrics.dead, metrics.retried, metrics.reaped), (0, 0, 0), "{metrics:?}");
+    assert_eq!((metrics.dead, metrics.reaped), (0, 0), "{metrics:?}");
 
     let all = db.rows().await;
     assert!(all.iter().all(|r| r.status == Status::Done), "every row done");
-    let spent: Vec<(i64, i32)> = all.iter().filter(|r| r.attempts != 1).map(|r| (r.id, r.attempts)).collect();
-    assert_eq!(spent, vec![], "one attempt each: none spent on the loss");
+    // A publish cut with its connection is refunded; one the broker nacked (a channel whose
+    // first publish found the queue's leader gone, see `RabbitSink`) spent its attempt.
+    assert!(all.iter().all(|r| (1..=MAX_ATTEMPTS).contains(&r.attempts)), "no row ran out of attempts");
+    let spent = all.iter().filter(|r| r.attempts > 1).count();
+    assert!(spent <= window, "{spent} rows spent more than one attempt, more than the {window} in flight");
     let mut done_at: Vec<_> = all.iter().map(|r| r.done_at.expect("done_at")).collect();
     done_at.sort_unstable();
     let pause = done_at.windows(2).map(|w| (w[1] - w[0]).to_std().unwrap_or_default()).max().unwrap_or_default();
@@ -106,7 +124,7 @@ async fn finish(
     let missing: Vec<&i64> = expected.difference(&distinct).take(20).collect();
     assert!(missing.is_empty(), "{} of {} rows not on the queue, e.g. {missing:?}", expected.len() - distinct.len().min(expected.len()), rows);
     assert_eq!(distinct, expected, "every row's id on the queue, and no other");
-    Outcome { duplicates: ids.len() - rows, pause, released: metrics.released, reconnects }
+    Outcome { duplicates: ids.len() - rows, pause, released: metrics.released, spent, reconnects }
 }
 
 /// Every message of `queue`, read on the node at `url` once its depth has settled: their
@@ -161,7 +179,7 @@ async fn the_connected_node_killed_mid_run_loses_no_row() {
     let at_kill = db.count_status("done").await;
     cluster.kill(0).await;
 
-    let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 1).await;
+    let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 1, window).await;
     assert!(at_kill < 10_000, "the kill came mid-run ({at_kill} done)");
     assert!(outcome.reconnects >= 1, "the sink moved to another node");
     assert!(outcome.duplicates <= window, "{} copies, more than the {window} in flight", outcome.duplicates);
@@ -169,8 +187,8 @@ async fn the_connected_node_killed_mid_run_loses_no_row() {
     assert!(matches!(leader, Some(1 | 2)), "a new leader: {leader:?}");
     println!(
         "cluster (a) kill of the connected leader at {at_kill} done: {} duplicates (window {window}), {} released, \
-         longest pause {:?}, {} reconnects",
-        outcome.duplicates, outcome.released, outcome.pause, outcome.reconnects
+         {} with a second attempt, longest pause {:?}, {} reconnects",
+        outcome.duplicates, outcome.released, outcome.spent, outcome.pause, outcome.reconnects
     );
 }
 
@@ -195,15 +213,15 @@ async fn the_leader_stopped_mid_run_loses_no_row() {
     cluster.stop(1).await;
     let leader = cluster.leader_of(&queue).await;
 
-    let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 2).await;
+    let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 2, window).await;
     assert!(at_stop < 10_000, "the stop came mid-run ({at_stop} done)");
     assert!(outcome.duplicates <= window, "{} copies, more than the {window} in flight", outcome.duplicates);
     let after = cluster.leader_of(&queue).await;
     assert!(matches!(after, Some(0 | 2)), "a new leader: {after:?} (right after the stop: {leader:?})");
     println!(
         "cluster (b) stop of the leader's node at {at_stop} done: {} duplicates (window {window}), {} released, \
-         longest pause {:?}, {} reconnects",
-        outcome.duplicates, outcome.released, outcome.pause, outcome.reconnects
+         {} with a second attempt, longest pause {:?}, {} reconnects",
+        outcome.duplicates, outcome.released, outcome.spent, outcome.pause, outcome.reconnects
     );
 }
 
@@ -252,7 +270,7 @@ async fn a_stopped_node_rejoins_mid_run_and_takes_over() {
     producing.set(false);
     producer.await.unwrap();
 
-    let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 2).await;
+    let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 2, window).await;
     let rows = db.rows().await.len();
     assert!(before_kill < rows as i64, "the kill came mid-run ({before_kill} of {rows} done)");
     assert!(outcome.duplicates <= window, "{} copies, more than the {window} in flight", outcome.duplicates);
@@ -260,8 +278,8 @@ async fn a_stopped_node_rejoins_mid_run_and_takes_over() {
     assert!(matches!(after, Some(1 | 2)), "a new leader: {after:?}");
     println!(
         "cluster (c) node 2 back, then the leader killed at {before_kill} of {rows} done: {} duplicates \
-         (window {window}), {} released, longest pause {:?}, {} reconnects",
-        outcome.duplicates, outcome.released, outcome.pause, outcome.reconnects
+         (window {window}), {} released, {} with a second attempt, longest pause {:?}, {} reconnects",
+        outcome.duplicates, outcome.released, outcome.spent, outcome.pause, outcome.reconnects
     );
 
     let folder = cluster.folder().to_owned();
