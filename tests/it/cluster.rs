@@ -302,3 +302,35 @@ fn alive(pid: u32) -> bool {
     // `pid (comm) state ...`: the state follows the last ')'.
     stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
 }
+
+/// What the sink does about the RabbitMQ 3.10 behaviour above, on the shared broker: a channel
+/// whose very first publish is nacked (here by a queue that takes nothing, `x-max-length` 0
+/// with `reject-publish`) is replaced by a new channel, while the nack stays the message's
+/// (retryable). `rabbit::nack_from_a_full_queue_is_retryable` holds the other half: a channel
+/// acked before keeps going through nacks.
+#[actix_rt::test]
+async fn a_channel_nacked_before_any_ack_is_replaced() {
+    use actix_outbox::sink::ExchangeKind;
+    use actix_outbox::{OutboxMessage, PublishError, Publisher};
+    use lapin::types::AMQPValue;
+
+    let mut broker = actix_outbox_test_support::TestBroker::new("nack-first").await;
+    broker.declare(ExchangeKind::Topic).await;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(0));
+    arguments.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
+    broker.queue(&["#"], arguments).await;
+    let config = RabbitConfig::new(actix_outbox_test_support::amqp_url())
+        .exchange(&broker.exchange)
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500));
+    let sink = RabbitSink::connect(config).await.unwrap();
+    let payload = serde_json::value::to_raw_value(&serde_json::json!({})).unwrap();
+    let message = std::sync::Arc::new(OutboxMessage::new(1, "order", "o-1", "order.created", payload));
+    match sink.publish(message).await {
+        Err(PublishError::Retryable(e)) => assert!(e.contains("nack"), "{e}"),
+        other => panic!("expected a retryable nack, got {other:?}"),
+    }
+    eventually(Duration::from_secs(10), "a new channel", || async { sink.reconnects() >= 1 && sink.is_connected() })
+        .await;
+    sink.close().await;
+}
