@@ -13,8 +13,12 @@
 //! lives, though the queue elects a new leader within a second (the channel's queue client asks
 //! the dead node whether it may publish, and starts over on each publish). The sink, which
 //! opens its new channel just then (it reconnects to the next node at once), replaces a channel
-//! that nacks before it has acked anything; before that fix, the dispatcher published nothing
-//! more after the kill, and with `max_attempts(1)` one row went dead per probe. The tests run one at a time (three nodes on a small machine are enough), each with a
+//! that nacks before it has acked anything; before that fix, one run of the rejoin test
+//! published nothing more after the kill, and with `max_attempts(1)` one row went dead per
+//! probe. The race is rare (one run in three then, none since); the nacked row's attempt is
+//! spent all the same, hence `MAX_ATTEMPTS` above 1.
+//!
+//! The tests run one at a time (three nodes on a small machine are enough), each with a
 //! cluster of its own, stopped when the test ends.
 
 use std::collections::BTreeSet;
