@@ -10,8 +10,10 @@
 //! - [`pgbouncer::PgBouncer`]: a PgBouncer of the test's own in transaction pooling mode.
 //! - [`standby::ReplicatedPair`]: a primary and its streaming standby, both the test's own, to
 //!   fail over from one to the other.
+//! - [`cluster::RabbitCluster`]: three RabbitMQ nodes of the test's own, clustered, to kill,
+//!   stop and restart (as the `rabbitmq` user, from Debian's `rabbitmq-server` package).
 //!
-//! The last two start servers of their own as the `postgres` user (`runuser`, so the tests run
+//! PgBouncer and the pair start servers of their own as the `postgres` user (`runuser`, so the tests run
 //! as root): PgBouncer from `/usr/sbin/pgbouncer`, PostgreSQL 15's server programs from
 //! `/usr/lib/postgresql/15/bin` (Debian's packages `pgbouncer` and `postgresql-15`).
 //!
@@ -29,6 +31,7 @@
 #![warn(missing_docs)]
 
 pub mod broker;
+pub mod cluster;
 pub mod db;
 pub mod pgbouncer;
 mod process;
@@ -40,6 +43,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 pub use broker::{TestBroker, amqp_addr, amqp_url};
+pub use cluster::RabbitCluster;
 pub use db::{ScratchDb, TestDb, database_addr, database_url};
 pub use pgbouncer::PgBouncer;
 pub use standby::{ReplicatedPair, Replication};

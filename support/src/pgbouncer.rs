@@ -58,7 +58,7 @@ impl PgBouncer {
             let config = dir.path().join("pgbouncer.ini");
             std::fs::write(&config, Self::config(dir.path(), host, port, listen)).expect("write pgbouncer.ini");
             for file in ["userlist.txt", "pgbouncer.ini"] {
-                dir.give_to_postgres(&dir.path().join(file));
+                dir.give_to_owner(&dir.path().join(file));
             }
             let mut child = as_postgres(dir.path(), PGBOUNCER, &[config.to_str().unwrap()])
                 .stdout(Stdio::null())

@@ -1,6 +1,7 @@
-//! What the server fixtures ([`crate::pgbouncer`], [`crate::standby`]) share: a free port, a
-//! folder the `postgres` user owns, and commands run as that user (PostgreSQL's server tools
-//! and PgBouncer refuse to run as root, and the tests run as root on the CI machines).
+//! What the server fixtures ([`crate::pgbouncer`], [`crate::standby`], [`crate::cluster`])
+//! share: a free port, a folder the server's user owns (`postgres`, or `rabbitmq` for the
+//! RabbitMQ nodes), and commands run as that user (PostgreSQL's server tools and PgBouncer
+//! refuse to run as root, and the tests run as root on the CI machines).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -21,15 +22,21 @@ pub(crate) fn free_port() -> u16 {
 /// everything in it when this is dropped.
 pub(crate) struct OwnedDir {
     path: PathBuf,
+    owner: &'static str,
 }
 
 impl OwnedDir {
     /// Creates `<tmp>/outbox_it.<what>.<pid>.<n>.<random>`.
     pub(crate) fn new(what: &str) -> OwnedDir {
+        OwnedDir::owned_by(what, RUN_AS)
+    }
+
+    /// Like [`OwnedDir::new`], owned by the system user `owner`.
+    pub(crate) fn owned_by(what: &str, owner: &'static str) -> OwnedDir {
         let path = std::env::temp_dir().join(unique(what));
         std::fs::create_dir(&path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
-        let dir = OwnedDir { path };
-        dir.give_to_postgres(&dir.path);
+        let dir = OwnedDir { path, owner };
+        dir.give_to_owner(&dir.path);
         dir
     }
 
@@ -38,9 +45,11 @@ impl OwnedDir {
         &self.path
     }
 
-    /// Hands `path` (created by this process, so owned by root) over to [`RUN_AS`].
-    pub(crate) fn give_to_postgres(&self, path: &Path) {
-        let out = Command::new("chown").arg(format!("{RUN_AS}:{RUN_AS}")).arg(path).output().expect("run chown");
+    /// Hands `path` (created by this process, so owned by root) over to the folder's owner
+    /// ([`RUN_AS`] unless made by [`OwnedDir::owned_by`]).
+    pub(crate) fn give_to_owner(&self, path: &Path) {
+        let owner = self.owner;
+        let out = Command::new("chown").arg(format!("{owner}:{owner}")).arg(path).output().expect("run chown");
         assert!(out.status.success(), "chown {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
     }
 
@@ -61,8 +70,14 @@ impl Drop for OwnedDir {
 /// `program args...` as [`RUN_AS`] (through `runuser`), from the folder `cwd` (the user may not
 /// be allowed into the test's own working folder).
 pub(crate) fn as_postgres(cwd: &Path, program: &str, args: &[&str]) -> Command {
+    as_user(RUN_AS, cwd, program, args)
+}
+
+/// `program args...` as the system user `user` (through `runuser`, which sets `HOME` to the
+/// user's), from the folder `cwd`.
+pub(crate) fn as_user(user: &str, cwd: &Path, program: &str, args: &[&str]) -> Command {
     let mut command = Command::new("runuser");
-    command.args(["-u", RUN_AS, "--", program]).args(args).current_dir(cwd).stdin(Stdio::null());
+    command.args(["-u", user, "--", program]).args(args).current_dir(cwd).stdin(Stdio::null());
     command
 }
 

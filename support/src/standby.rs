@@ -101,7 +101,7 @@ impl ReplicatedPair {
         let dir = OwnedDir::new("pair");
         let sockets = dir.path().join("sockets");
         std::fs::create_dir(&sockets).unwrap();
-        dir.give_to_postgres(&sockets);
+        dir.give_to_owner(&sockets);
         let primary_data = dir.path().join("primary");
         run(as_postgres(
             dir.path(),

@@ -7,6 +7,7 @@ use actix_outbox_test_support::proxy;
 
 mod actors;
 mod alone;
+mod cluster;
 mod connect;
 mod failover;
 mod fifo;

@@ -35,6 +35,8 @@ pub(super) struct LinkState {
     pub(super) broken: AtomicU64,
     /// Wakes the manager when a publish finds the link broken.
     pub(super) broken_notify: Notify,
+    /// Highest link generation on which the broker acked a publish.
+    acked: AtomicU64,
     pub(super) reconnects: AtomicU64,
 }
 
@@ -73,6 +75,7 @@ impl LinkState {
             current: Mutex::new(Current { link: None, down_reason: "not connected yet".into() }),
             broken: AtomicU64::new(0),
             broken_notify: Notify::new(),
+            acked: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
         }
     }
@@ -174,7 +177,9 @@ impl LinkState {
             Err(_) => None,
         };
         waiting.answered();
-        let (result, health) = match confirmed {
+        let acked = matches!(confirmed, Some(Confirmed::Delivered | Confirmed::Unroutable(_)));
+        let nacked = matches!(confirmed, Some(Confirmed::Nacked(_)));
+        let (result, mut health) = match confirmed {
             Some(confirmed) => classify(confirmed, self.exchange.as_str(), &routing_key),
             None => (
                 Err(PublishError::Unavailable(format!(
@@ -184,6 +189,18 @@ impl LinkState {
                 LinkHealth::Broken,
             ),
         };
+        if acked {
+            self.acked.fetch_max(link.generation, Ordering::AcqRel);
+        }
+        // A channel that nacks before it has acked anything is replaced (the message's attempt
+        // is spent all the same). RabbitMQ 3.10 nacks every publish of a channel whose first
+        // publish to a quorum queue found the queue's leader's node down, forever: the channel's
+        // queue client keeps asking that node, though the queue has a new leader a moment later
+        // (tests/it/cluster.rs). A fresh channel asks the new leader. A channel that was acked
+        // before and then nacks (a full queue with overflow=reject-publish) is kept.
+        if nacked && self.acked.load(Ordering::Acquire) < link.generation {
+            health = LinkHealth::Broken;
+        }
         if health == LinkHealth::Broken {
             self.report_broken(link.generation);
         }
