@@ -34,6 +34,12 @@ const NOT_UNRESERVED: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').re
 /// [`ConnectionString::expose`] gives the string as written, for a driver and nothing else. A
 /// string that names no host is refused here rather than at the first connection.
 ///
+/// Either form may list several servers, to follow a failover: with
+/// `target_session_attrs=read-write` the driver tries them in turn and keeps the one that
+/// accepts writes (`postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write`, or
+/// `host=db1,db2 port=5432,5432 ... target_session_attrs=read-write`). The insert listener logs
+/// the server it reached (`server=host:port`).
+///
 /// ```
 /// use actix_outbox::ConnectionString;
 ///
