@@ -118,6 +118,26 @@ impl PgBouncer {
         format!("postgres://root@127.0.0.1:{}/pgbouncer", self.port)
     }
 
+    /// `total_xact_count` of `database` in the bouncer's `SHOW STATS`: the transactions it has
+    /// carried to the server for that database (the admin console speaks only the simple query
+    /// protocol, which `psql` uses).
+    pub async fn transactions(&self, database: &str) -> i64 {
+        let (url, database) = (self.admin_url(), database.to_owned());
+        tokio::task::spawn_blocking(move || {
+            let out =
+                Command::new("psql").args([url.as_str(), "-AtF", "|", "-c", "SHOW STATS"]).output().expect("psql runs");
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .filter_map(|l| match l.split('|').collect::<Vec<_>>().as_slice() {
+                    [name, transactions, ..] if *name == database => transactions.parse::<i64>().ok(),
+                    _ => None,
+                })
+                .sum()
+        })
+        .await
+        .expect("the SHOW STATS thread")
+    }
+
     /// The bouncer's log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("pgbouncer.log")).unwrap_or_default()

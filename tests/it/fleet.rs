@@ -112,21 +112,7 @@ async fn three_dispatchers_cost_about_what_one_costs_per_message() {
 
 /// Holders of the insert listeners' lead (the advisory lock `ARMED + 1`) on `db`.
 async fn leaders(db: &TestDb) -> i64 {
-    #[derive(diesel::QueryableByName)]
-    struct Count {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    let count: Count = diesel::sql_query(
-        "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database \
-         WHERE d.datname = current_database() AND l.locktype = 'advisory' AND l.granted \
-           AND (l.classid::int8 << 32 | l.objid::int8) = $1",
-    )
-    .bind::<BigInt, _>(crate::pooler::ARMED + 1)
-    .get_result(&mut db.conn().await)
-    .await
-    .unwrap();
-    count.n
+    crate::pooler::advisory_locks(db, Some(crate::pooler::ARMED + 1)).await
 }
 
 /// Of three dispatchers one leads the insert wake-ups; when it stops another leads within the

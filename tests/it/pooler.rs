@@ -56,28 +56,6 @@ fn delivered(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>) -> BTreeMap<i64, us
     seen
 }
 
-/// `total_xact_count` of `database` in the bouncer's `SHOW STATS`.
-async fn stats_total_xact(admin_url: &str, database: &str) -> i64 {
-    let url = admin_url.to_owned();
-    let database = database.to_owned();
-    tokio::task::spawn_blocking(move || {
-        let out = std::process::Command::new("psql")
-            .args([url.as_str(), "-AtF", "|", "-c", "SHOW STATS"])
-            .output()
-            .expect("psql runs");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        // database|total_xact_count|...
-        text.lines()
-            .filter_map(|l| match l.split('|').collect::<Vec<_>>().as_slice() {
-                [name, transactions, ..] if *name == database => transactions.parse::<i64>().ok(),
-                _ => None,
-            })
-            .sum()
-    })
-    .await
-    .unwrap()
-}
-
 /// Rows committed through the bouncer before and while the dispatcher runs, the dispatcher's
 /// pool through the bouncer too: every row is published once and ends done, none dead, one
 /// attempt each; the bouncer carried the dispatcher's transactions. With a direct URL for its
@@ -100,7 +78,7 @@ async fn a_dispatcher_behind_a_transaction_pooler_delivers_every_row_once() {
     }
     let all = before.len() + during.len();
     eventually(WITHIN, "every row done", || async { db.count_status("done").await == all as i64 }).await;
-    let through_bouncer = stats_total_xact(&bouncer.admin_url(), &db.name).await;
+    let through_bouncer = bouncer.transactions(&db.name).await;
 
     // Drained, with a 60 s poll: only the listener, on its direct session, can wake a worker.
     assert!(dispatcher.send(GetHealth).await.unwrap().is_ready());
@@ -156,7 +134,7 @@ async fn without_a_direct_url_the_dispatcher_polls_through_the_pooler() {
 
 /// Advisory locks held on the test database, of `key` or of any: the insert listener's session
 /// locks (the lead, and the armed lock) are the only ones that outlive a transaction.
-async fn advisory_locks(db: &TestDb, key: Option<i64>) -> i64 {
+pub(crate) async fn advisory_locks(db: &TestDb, key: Option<i64>) -> i64 {
     #[derive(diesel::QueryableByName)]
     struct Count {
         #[diesel(sql_type = BigInt)]

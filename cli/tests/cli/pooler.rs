@@ -67,26 +67,6 @@ async fn has_fifo_index(url: &str) -> bool {
     count.n == 1
 }
 
-/// `total_xact_count` of `database` in the bouncer's `SHOW STATS`: transactions it carried.
-async fn transactions_through(bouncer: &PgBouncer, database: &str) -> i64 {
-    let (url, database) = (bouncer.admin_url(), database.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let out = std::process::Command::new("psql")
-            .args([url.as_str(), "-AtF", "|", "-c", "SHOW STATS"])
-            .output()
-            .expect("psql runs");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| match l.split('|').collect::<Vec<_>>().as_slice() {
-                [name, transactions, ..] if *name == database => transactions.parse::<i64>().ok(),
-                _ => None,
-            })
-            .sum()
-    })
-    .await
-    .unwrap()
-}
-
 /// `migrate` through the bouncer applies every migration, then finds none pending;
 /// `migrate --fifo` cannot build the gate's index through it and says to give `--direct-url`
 /// (the migrations applied, exit 2), and with one builds it on the server itself, once.
@@ -175,7 +155,7 @@ async fn enqueue_and_stats_through_a_transaction_pooler() {
     for expected in [vec!["pending", "3"], vec!["processing", "1"], vec!["done", "2"], vec!["dead", "1"]] {
         assert!(lines.contains(&expected), "no line {expected:?} in\n{table}");
     }
-    assert!(transactions_through(&b.bouncer, &b.db.name).await >= 9, "the commands went through the bouncer");
+    assert!(b.bouncer.transactions(&b.db.name).await >= 9, "the commands went through the bouncer");
 }
 
 /// `dead list`, `dead retry` and `dead skip` through the bouncer: the dead rows, oldest first;
@@ -334,7 +314,7 @@ async fn stop_and_check(mut run: Dispatcher, b: &Behind, broker: &TestBroker, qu
         .collect();
     assert_eq!(got, ids.iter().copied().collect::<BTreeSet<_>>());
     assert!(!log.join("\n").contains("prepared statement"), "log:\n{}", log.join("\n"));
-    assert!(transactions_through(&b.bouncer, &b.db.name).await >= 2 * (ids.len() as i64 / 20), "through the bouncer");
+    assert!(b.bouncer.transactions(&b.db.name).await >= 2 * (ids.len() as i64 / 20), "through the bouncer");
     log
 }
 
