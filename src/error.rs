@@ -175,7 +175,9 @@ pub enum EraseError {
     /// deleted. Wait until they are done and erase again; under the FIFO gate a dead head
     /// holds the aggregate's later rows back, so retry or skip it first.
     #[error(
-        "the aggregate still has {pending} pending and {processing} processing rows, so nothing was erased: wait          until they are done and erase again (under the FIFO gate a dead head holds later rows back: retry or skip          it first)"
+        "the aggregate still has {pending} pending and {processing} processing rows, so nothing was erased: wait \
+         until they are done and erase again (under the FIFO gate a dead head holds later rows back: retry or skip \
+         it first)"
     )]
     InFlight {
         /// Rows waiting to be claimed.
