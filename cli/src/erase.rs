@@ -31,17 +31,15 @@ pub(super) const LONG_ABOUT: &str = "Erase one aggregate's data (a request to er
     later rows back: retry or skip it first), or pass --wait to try again every 500ms for that long.\n\n\
     It cannot reach messages already in queues or dead-letter queues, consumers' own tables, \
     backups, WAL archives, replicas, or logs.\n\n\
-    --json prints one object: {\"aggregate_type\", \"aggregate_id\", \"done\": n, \"dead\": n, \
+    --json prints one object: {\"aggregate_type\": text, \"aggregate_id\": text, \"done\": n, \"dead\": n, \
     \"inbox\": {\"anonymised\": n, \"marks_deleted\": n} or null when there is no inbox, \
     \"reason\": text or null}";
 
 /// Arguments of `actix-outbox erase`.
 #[derive(Debug, Clone, Args)]
-#[command(
-    after_help = "Example:\n  actix-outbox erase --aggregate order/42 --reason 'erasure request 2026-118'\n  \
+#[command(after_help = "Example:\n  actix-outbox erase --aggregate order/42 --reason 'erasure request 2026-118'\n  \
                   erased order/42: 3 done rows, 1 dead row deleted; inbox: 2 rows anonymised, 1 order mark deleted\n  \
-                  reason: erasure request 2026-118"
-)]
+                  reason: erasure request 2026-118")]
 pub struct EraseArgs {
     /// Where the outbox lives.
     #[command(flatten)]
@@ -101,7 +99,9 @@ pub(super) async fn erase(args: EraseArgs) -> Result<(), CliError> {
                 Some(deadline) if Instant::now() + RETRY_EVERY <= deadline => tokio::time::sleep(RETRY_EVERY).await,
                 Some(_) => {
                     let waited = args.wait.expect("a deadline comes from --wait");
-                    return Err(CliError::Failed(format!("{aggregate_type}/{aggregate_id}: after waiting {waited}: {e}")));
+                    return Err(CliError::Failed(format!(
+                        "{aggregate_type}/{aggregate_id}: after waiting {waited}: {e}"
+                    )));
                 }
                 None => return Err(CliError::Failed(format!("{aggregate_type}/{aggregate_id}: {e}"))),
             },

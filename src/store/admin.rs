@@ -290,7 +290,9 @@ pub async fn erase(
 ) -> Result<Erasure, EraseError> {
     let erasure = in_transaction(conn, async |conn| {
         let of_aggregate = || {
-            outbox::table.filter(outbox::aggregate_type.eq(aggregate_type)).filter(outbox::aggregate_id.eq(aggregate_id))
+            outbox::table
+                .filter(outbox::aggregate_type.eq(aggregate_type))
+                .filter(outbox::aggregate_id.eq(aggregate_id))
         };
         // Row locks cannot be taken on an aggregate (`count(*) ... FOR UPDATE`): lock the
         // aggregate's rows and count their statuses here.
@@ -300,10 +302,11 @@ pub async fn erase(
         if pending + processing > 0 {
             return Err(EraseError::InFlight { pending, processing });
         }
-        let deleted: Vec<Status> = diesel::delete(of_aggregate().filter(outbox::status.eq_any([Status::Done, Status::Dead])))
-            .returning(outbox::status)
-            .get_results(conn)
-            .await?;
+        let deleted: Vec<Status> =
+            diesel::delete(of_aggregate().filter(outbox::status.eq_any([Status::Done, Status::Dead])))
+                .returning(outbox::status)
+                .get_results(conn)
+                .await?;
         let count = |status: Status| deleted.iter().filter(|s| **s == status).count() as u64;
         Ok(Erasure { done: count(Status::Done), dead: count(Status::Dead) })
     })

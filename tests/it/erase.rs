@@ -37,7 +37,10 @@ async fn erase_deletes_the_done_and_dead_rows_of_one_aggregate_only() {
     let erasure = admin::erase(&mut conn, "test", "42").await.unwrap();
     assert_eq!((erasure.done, erasure.dead), (3, 1));
     assert_eq!(ids(&db).await, other, "the other aggregate's rows remain, and only they");
-    assert_eq!((db.count_status("done").await, db.count_status("dead").await, db.count_status("pending").await), (1, 1, 1));
+    assert_eq!(
+        (db.count_status("done").await, db.count_status("dead").await, db.count_status("pending").await),
+        (1, 1, 1)
+    );
 
     // Erasing again finds nothing; an unknown aggregate neither.
     assert_eq!(admin::erase(&mut conn, "test", "42").await.unwrap(), Erasure::default());
@@ -112,7 +115,8 @@ async fn inbox_erase_blanks_the_aggregate_and_keeps_duplicates_recognised() {
     let message = |id: i64, agg: &str| {
         InboxMessage::new(id, "order.created", serde_json::json!({})).with_source("src").with_aggregate("order", agg)
     };
-    for (consumer, id, agg) in [("billing", 1, "42"), ("billing", 2, "42"), ("shipping", 1, "42"), ("billing", 3, "43")] {
+    for (consumer, id, agg) in [("billing", 1, "42"), ("billing", 2, "42"), ("shipping", 1, "42"), ("billing", 3, "43")]
+    {
         assert!(record(&mut conn, consumer, &message(id, agg)).await.unwrap());
     }
     execute(
@@ -129,8 +133,15 @@ async fn inbox_erase_blanks_the_aggregate_and_keeps_duplicates_recognised() {
     assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '42'").await, 0);
     assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox WHERE aggregate_type = '' AND aggregate_id = ''").await, 3);
     // The other aggregate keeps its strings and its mark.
-    assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox WHERE aggregate_type = 'order' AND aggregate_id = '43'").await, 1);
-    assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '43' AND last_message_id = 3").await, 1);
+    assert_eq!(
+        count(&db, "SELECT count(*) AS n FROM inbox WHERE aggregate_type = 'order' AND aggregate_id = '43'").await,
+        1
+    );
+    assert_eq!(
+        count(&db, "SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '43' AND last_message_id = 3")
+            .await,
+        1
+    );
 
     // The keys stay: the erased messages are still recorded, and a copy is still a duplicate.
     for (consumer, id) in [("billing", 1), ("billing", 2), ("shipping", 1)] {

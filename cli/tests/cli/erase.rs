@@ -80,7 +80,12 @@ async fn erase_refuses_rows_in_flight_with_exit_1_and_the_counts() {
     let ran = cli(&db.url, &["erase", "--aggregate", "test/42"]).await;
     assert_eq!(ran.code, 1, "{ran:?}");
     let line = ran.error_line();
-    assert!(line.starts_with("error: test/42: the aggregate still has 1 pending and 1 processing rows, so nothing was erased"), "{line}");
+    assert!(
+        line.starts_with(
+            "error: test/42: the aggregate still has 1 pending and 1 processing rows, so nothing was erased"
+        ),
+        "{line}"
+    );
     assert_eq!(ran.stdout, "");
     assert_eq!(db.rows().await.len(), 3, "nothing deleted");
 }
@@ -108,6 +113,9 @@ async fn erase_wait_gives_up_after_the_duration() {
     db.seed(1, "42").await;
     let ran = cli(&db.url, &["erase", "--aggregate", "test/42", "--wait", "1s"]).await;
     assert_eq!(ran.code, 1, "{ran:?}");
-    assert!(ran.error_line().contains("after waiting 1s: the aggregate still has 1 pending and 0 processing rows"), "{ran:?}");
+    assert!(
+        ran.error_line().contains("after waiting 1s: the aggregate still has 1 pending and 0 processing rows"),
+        "{ran:?}"
+    );
     assert_eq!(db.rows().await.len(), 1);
 }
