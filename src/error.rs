@@ -166,6 +166,37 @@ impl StoreError {
     }
 }
 
+/// Why [`erase`](crate::admin::erase) erased nothing.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EraseError {
+    /// Rows of the aggregate are still `pending` or `processing`: deleting the published ones
+    /// now would leave the unpublished ones to carry the data out later, so nothing was
+    /// deleted. Wait until they are done and erase again; under the FIFO gate a dead head
+    /// holds the aggregate's later rows back, so retry or skip it first.
+    #[error(
+        "the aggregate still has {pending} pending and {processing} processing rows, so nothing was erased: wait \
+         until they are done and erase again (under the FIFO gate a dead head holds later rows back: retry or skip \
+         it first)"
+    )]
+    InFlight {
+        /// Rows waiting to be claimed.
+        pending: u64,
+        /// Rows a worker holds.
+        processing: u64,
+    },
+    /// The store failed; the transaction was rolled back, nothing was deleted.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A failed statement, as [`StoreError`] classifies it.
+impl From<diesel::result::Error> for EraseError {
+    fn from(e: diesel::result::Error) -> Self {
+        EraseError::Store(e.into())
+    }
+}
+
 /// A failed statement: [`StoreError::BehindTransactionPooler`] when the server says a prepared
 /// statement of the driver's (`s1`, `s2`, ...) is missing or already exists, which the crate's
 /// own SQL never causes on a session of its own; [`StoreError::Query`] otherwise.

@@ -128,11 +128,12 @@ pub use publisher::{PublishResult, Publisher};
 /// so each can run inside the caller's transaction. None of them touches a row that is
 /// `processing`.
 pub mod admin {
+    pub use crate::error::EraseError;
     pub use crate::model::{OutboxRow, Status, UnknownStatus};
     pub use crate::store::{
-        BlockedAggregate, MIGRATIONS, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count,
+        BlockedAggregate, Erasure, MIGRATIONS, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count,
         check_connection, connect, dead_list, dead_retry, dead_retry_all, dead_skip, ensure_database,
-        ensure_fifo_index, migrate_blocking, outbox_source, pending_migrations, purge_done, stats,
+        ensure_fifo_index, erase, migrate_blocking, outbox_source, pending_migrations, purge_done, stats,
     };
 }
 

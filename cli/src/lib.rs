@@ -15,6 +15,7 @@
 //! | `dead blocked` | the aggregates a dead head holds back under the FIFO gate |
 //! | `purge --older-than` | delete old `done` rows in short batches |
 //! | `enqueue` | insert one event (demos, scripts) |
+//! | `erase --aggregate TYPE/ID` | delete one aggregate's done and dead rows, blank it in the inbox (erasure requests) |
 //!
 //! Exit codes are part of the interface: [`EXIT_OK`], [`EXIT_FAILURE`] (a service failed or
 //! could not be reached), [`EXIT_USAGE`] (usage error or bad input; nothing was changed) and
@@ -23,6 +24,7 @@
 
 mod dead;
 mod enqueue;
+mod erase;
 mod migrate;
 mod purge;
 mod run;
@@ -37,6 +39,7 @@ use diesel_async::AsyncPgConnection;
 
 pub use dead::{DeadBlockedArgs, DeadCommand, DeadListArgs, DeadRetryArgs, DeadSkipArgs};
 pub use enqueue::EnqueueArgs;
+pub use erase::{Aggregate, EraseArgs};
 pub use migrate::MigrateArgs;
 pub use purge::PurgeArgs;
 pub use run::{DEFAULT_AMQP_URL, LogFormat, RunArgs};
@@ -97,6 +100,9 @@ pub enum Command {
     /// Insert one event into the outbox and print its id.
     #[command(long_about = enqueue::LONG_ABOUT)]
     Enqueue(EnqueueArgs),
+    /// Erase one aggregate's data: its done and dead rows, its strings in the inbox.
+    #[command(long_about = erase::LONG_ABOUT)]
+    Erase(EraseArgs),
 }
 
 impl Cli {
@@ -120,6 +126,7 @@ impl Command {
             Command::Dead(DeadCommand::Blocked(args)) => dead::blocked(args).await,
             Command::Purge(args) => purge::purge(args).await,
             Command::Enqueue(args) => enqueue::enqueue(args).await,
+            Command::Erase(args) => erase::erase(args).await,
         }
     }
 

@@ -26,7 +26,8 @@
 //!
 //! Its limits: effects outside the transaction (HTTP calls, e-mails, other databases) happen at
 //! least once per attempt; an inbox row removed by [`purge_inbox`] no longer recognises later
-//! copies; two consumer names are two inboxes.
+//! copies; two consumer names are two inboxes. [`erase_aggregate`] blanks an aggregate's
+//! strings but keeps the rows' keys, so it does not weaken this.
 //!
 //! # Failures
 //!
@@ -124,5 +125,8 @@ pub use message::{
     ROUTING_KEY_HEADER,
 };
 pub use metrics::InboxMetrics;
-pub use store::{INBOX_MIGRATIONS, migrate_inbox, migrate_inbox_blocking, pending_inbox_migrations, purge_inbox};
+pub use store::{
+    INBOX_MIGRATIONS, InboxErasure, erase_aggregate, migrate_inbox, migrate_inbox_blocking, pending_inbox_migrations,
+    purge_inbox,
+};
 pub use supervisor::{GetMetrics, InboxSupervisor, Shutdown};

@@ -187,6 +187,58 @@ pub async fn purge_inbox(
     crate::store::in_transaction(conn, async |c| delete.execute(c).await).await
 }
 
+/// What [`erase_aggregate`] did to the inbox.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct InboxErasure {
+    /// `inbox` rows whose `aggregate_type` and `aggregate_id` were blanked (`''`).
+    pub anonymised: u64,
+    /// `inbox_aggregates` rows (ordered consumers' high-water marks) deleted.
+    pub marks_deleted: u64,
+}
+
+/// Erases one aggregate from the inbox, for every consumer and source, in one transaction (or
+/// the caller's): blanks `aggregate_type` and `aggregate_id` (to `''`, as for a message that
+/// carried none) in its `inbox` rows, and deletes its `inbox_aggregates` rows.
+///
+/// The inbox keeps no payload, only the message's key and, for operators, its aggregate and
+/// event type. The key `(consumer, source, message_id)` stays, so a copy of an erased message
+/// delivered later is still recognised as a duplicate and not applied again. Nothing in the
+/// consumer reads the blanked columns back: it records them and keys every decision on the
+/// message's own headers.
+///
+/// For an ordered consumer ([`InboxConfig::ordered`](crate::inbox::InboxConfig::ordered)) the
+/// deleted row was the aggregate's high-water mark: a later message of the aggregate starts a
+/// new mark, and one older than the erased mark that was never applied (still in a queue, a
+/// retry on its way) is taken as in order instead of late. Copies of messages already applied
+/// stay duplicates, but an ordered consumer raises the mark before it finds the duplicate, so
+/// such a copy writes the aggregate's type and id into `inbox_aggregates` again (as any new
+/// message of the aggregate does into both tables): erase once the aggregate's messages have
+/// stopped arriving, and again if one arrives later.
+pub async fn erase_aggregate(
+    conn: &mut AsyncPgConnection,
+    aggregate_type: &str,
+    aggregate_id: &str,
+) -> Result<InboxErasure, StoreError> {
+    crate::store::in_transaction(conn, async |conn| {
+        let anonymised = diesel::update(
+            inbox::table.filter(inbox::aggregate_type.eq(aggregate_type)).filter(inbox::aggregate_id.eq(aggregate_id)),
+        )
+        .set((inbox::aggregate_type.eq(""), inbox::aggregate_id.eq("")))
+        .execute(conn)
+        .await?;
+        let marks_deleted = diesel::delete(
+            inbox_aggregates::table
+                .filter(inbox_aggregates::aggregate_type.eq(aggregate_type))
+                .filter(inbox_aggregates::aggregate_id.eq(aggregate_id)),
+        )
+        .execute(conn)
+        .await?;
+        Ok(InboxErasure { anonymised: anonymised as u64, marks_deleted: marks_deleted as u64 })
+    })
+    .await
+}
+
 #[cfg(test)]
 mod tests {
     use diesel::migration::MigrationSource;

@@ -1,4 +1,5 @@
-//! What operators need: statistics, the dead-letter list and its two ways out, and purging.
+//! What operators need: statistics, the dead-letter list and its two ways out, purging, and
+//! erasing one aggregate's rows.
 //!
 //! Each function runs in a transaction of its own (or in the caller's), so that it works on
 //! any connection, through a transaction pooler too (see `pool`).
@@ -12,11 +13,12 @@ use diesel::prelude::*;
 use diesel::sql_types::{Double, Int8, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
+use tracing::info;
 
 use super::claim::interval;
 use super::pool::in_transaction;
 use super::sql::{SAMPLE_SQL, SAMPLE_UNFINISHED_SQL, SOURCE_SQL};
-use crate::error::StoreError;
+use crate::error::{EraseError, StoreError};
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
 
@@ -252,4 +254,64 @@ pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batc
             return Ok(total);
         }
     }
+}
+
+/// What [`erase`] deleted: the aggregate's `done` and `dead` rows.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Erasure {
+    /// `done` rows deleted.
+    pub done: u64,
+    /// `dead` rows deleted.
+    pub dead: u64,
+}
+
+/// Erases the outbox's data of one aggregate (a request to erase a person's data): deletes its
+/// `done` and `dead` rows, in one transaction, and says how many of each.
+///
+/// The aggregate's rows are locked first (`SELECT ... FOR UPDATE`), so no worker finishes or
+/// claims one meanwhile. If any is still `pending` or `processing`, nothing is deleted and the
+/// answer is [`EraseError::InFlight`] with both counts: those rows have not been published
+/// yet, and would carry the data out after the erasure. Wait until they are done (under the
+/// FIFO gate, a dead head holds the aggregate's later rows back: retry or skip it first), then
+/// erase again.
+///
+/// The rows are deleted, not redacted: a redacted row would still carry the aggregate id, its
+/// headers and its `last_error`, any of which can identify the person; and the only use of a
+/// dead row, repairing it, would publish the data again.
+///
+/// What it cannot reach: copies already published (in queues and dead-letter queues), the
+/// consumers' own tables, backups, WAL archives and replicas that still hold the old rows, and
+/// logs. An inbox on the same database is erased by `inbox::erase_aggregate` (feature `inbox`).
+pub async fn erase(
+    conn: &mut AsyncPgConnection,
+    aggregate_type: &str,
+    aggregate_id: &str,
+) -> Result<Erasure, EraseError> {
+    let erasure = in_transaction(conn, async |conn| {
+        let of_aggregate = || {
+            outbox::table
+                .filter(outbox::aggregate_type.eq(aggregate_type))
+                .filter(outbox::aggregate_id.eq(aggregate_id))
+        };
+        // Row locks cannot be taken on an aggregate (`count(*) ... FOR UPDATE`): lock the
+        // aggregate's rows and count their statuses here.
+        let statuses: Vec<Status> = of_aggregate().select(outbox::status).for_update().load(conn).await?;
+        let count = |status: Status| statuses.iter().filter(|s| **s == status).count() as u64;
+        let (pending, processing) = (count(Status::Pending), count(Status::Processing));
+        if pending + processing > 0 {
+            return Err(EraseError::InFlight { pending, processing });
+        }
+        let deleted: Vec<Status> =
+            diesel::delete(of_aggregate().filter(outbox::status.eq_any([Status::Done, Status::Dead])))
+                .returning(outbox::status)
+                .get_results(conn)
+                .await?;
+        let count = |status: Status| deleted.iter().filter(|s| **s == status).count() as u64;
+        Ok(Erasure { done: count(Status::Done), dead: count(Status::Dead) })
+    })
+    .await?;
+    // Not the aggregate id: it identifies the person, and a log is one more copy nobody erases.
+    info!(aggregate_type, done = erasure.done, dead = erasure.dead, "erased aggregate");
+    Ok(erasure)
 }

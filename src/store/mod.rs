@@ -31,7 +31,8 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{
-    SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, outbox_source, purge_done, stats,
+    Erasure, SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, erase, outbox_source, purge_done,
+    stats,
 };
 pub(crate) use admin::{Sample, sample_unfinished};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]

@@ -9,6 +9,7 @@ mod actors;
 mod alone;
 mod cluster;
 mod connect;
+mod erase;
 mod failover;
 mod fifo;
 mod fleet;

@@ -13,6 +13,7 @@ mod common;
 mod dead;
 mod docs;
 mod enqueue;
+mod erase;
 mod fifo;
 mod migrate;
 mod pooler;
