@@ -266,6 +266,36 @@ pub struct Erasure {
     pub dead: u64,
 }
 
+/// How far the table is from idle: rows being published, pending rows due within a horizon,
+/// and pending rows that wait longer (deferred, or backing off for longer).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Unsettled {
+    pub(crate) processing: i64,
+    pub(crate) due: i64,
+    pub(crate) waiting: i64,
+}
+
+/// Reads [`Unsettled`] in one statement (database clock), so that a row moving from
+/// `pending` to `processing` and back between two counts cannot make a busy table look idle.
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+pub(crate) async fn unsettled(conn: &mut AsyncPgConnection, horizon: Duration) -> Result<Unsettled, StoreError> {
+    use diesel::dsl::count;
+    in_transaction(conn, async |conn| {
+        let pending = outbox::status.eq(Status::Pending);
+        let due = pending.and(outbox::available_at.le(now.into_sql::<Timestamptz>() + interval(horizon)));
+        let (processing, due, pending): (i64, i64, i64) = outbox::table
+            .select((
+                count(outbox::id).aggregate_filter(outbox::status.eq(Status::Processing)),
+                count(outbox::id).aggregate_filter(due),
+                count(outbox::id).aggregate_filter(pending),
+            ))
+            .get_result(conn)
+            .await?;
+        Ok(Unsettled { processing, due, waiting: pending - due })
+    })
+    .await
+}
+
 /// Erases the outbox's data of one aggregate (a request to erase a person's data): deletes its
 /// `done` and `dead` rows, in one transaction, and says how many of each.
 ///
