@@ -38,6 +38,8 @@
 //!   migrations and checks, the table's counts, dead rows and their repair.
 //! - [`schema`] (the table, for Diesel queries of one's own) and [`wire`] (the message format).
 //! - `inbox`, with the `inbox` feature: the consumer side, one effect per message.
+//! - `testkit`, with the `testkit` feature: for an application's own tests, a throwaway
+//!   database, a recording sink, a drain until idle, and inbox delivery without a broker.
 //! - `testing`, with the `test-util` feature: the claim protocol and crash hooks, for tests and
 //!   drills; not covered by semver.
 //!
@@ -100,6 +102,8 @@ pub mod sink;
 mod step;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
 mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 #[cfg(feature = "opentelemetry")]
 mod trace;
 mod url;

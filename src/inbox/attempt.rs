@@ -14,9 +14,9 @@ use lapin::{Acker, BasicProperties, Channel};
 use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
-use super::config::LateEvents;
+use super::config::{InboxConfig, LateEvents};
 use super::consumer::Shared;
-use super::handler::{FailureClass, HandlerError};
+use super::handler::{FailureClass, HandlerError, InboxHandler};
 use super::message::InboxMessage;
 use super::metrics::Counters;
 use super::settle::{Forward, ack, forward, requeue};
@@ -56,7 +56,7 @@ pub(super) struct Job {
 
 /// How a delivery left our hands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Settled {
+pub(crate) enum Settled {
     Handled,
     LateFlagged,
     Duplicate,
@@ -81,13 +81,13 @@ pub(super) enum Processed {
 }
 
 /// How one attempt ended.
-enum Attempt {
+pub(crate) enum Attempt {
     /// Committed (or nothing to commit): acknowledge.
     Done(Settled),
     /// The database did not answer (or the inbox's own statements failed): hold and try again.
     Outage(String),
-    /// The handler failed (rolled back).
-    Failed { reason: String, retryable: bool },
+    /// The handler failed (rolled back); `panicked`: by a panic.
+    Failed { reason: String, retryable: bool, panicked: bool },
 }
 
 /// Why the handler did not finish, noted inside the transaction.
@@ -138,7 +138,7 @@ pub(super) async fn process(shared: Arc<Shared>, job: Job, mut drain: watch::Rec
                     _ = drain.changed() => {}
                 }
             }
-            Attempt::Failed { reason, retryable } => {
+            Attempt::Failed { reason, retryable, .. } => {
                 let attempt = job.message.attempt;
                 if retryable && attempt < config.max_attempts {
                     let delay = crate::backoff::full_jitter(
@@ -178,6 +178,21 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
         Ok(conn) => conn,
         Err(e) => return Attempt::Outage(StoreError::from(e).to_string()),
     };
+    let attempt = transact(&mut conn, config, &shared.handler, message).await;
+    if let Attempt::Failed { panicked: true, .. } = attempt {
+        Counters::add(&shared.counters.panics, 1);
+    }
+    attempt
+}
+
+/// The transaction of one attempt on `conn`, classified. The consumer's lanes and the test
+/// kit's `deliver` both run a message through here.
+pub(crate) async fn transact(
+    conn: &mut diesel_async::AsyncPgConnection,
+    config: &InboxConfig,
+    handler: &Arc<dyn InboxHandler>,
+    message: &InboxMessage,
+) -> Attempt {
     let consumer = config.consumer.as_str();
     let mut failure: Option<HandlerFailure> = None;
     let failure_slot = &mut failure;
@@ -207,7 +222,7 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
         }
         // The handler is called inside the guarded future, so that a panic while building
         // its future is caught as well as one while polling it.
-        let handler = shared.handler.clone();
+        let handler = handler.clone();
         let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
         match tokio::time::timeout(config.handler_timeout, call).await {
             Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),
@@ -236,17 +251,17 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
         (Ok(settled), _) => Attempt::Done(settled),
         (Err(_), Some(HandlerFailure::Error(e))) => match e.class() {
             FailureClass::Outage => Attempt::Outage(format!("the handler lost its connection: {e}")),
-            FailureClass::Retryable => Attempt::Failed { reason: e.to_string(), retryable: true },
-            FailureClass::Permanent => Attempt::Failed { reason: e.to_string(), retryable: false },
+            FailureClass::Retryable => Attempt::Failed { reason: e.to_string(), retryable: true, panicked: false },
+            FailureClass::Permanent => Attempt::Failed { reason: e.to_string(), retryable: false, panicked: false },
         },
         (Err(_), Some(HandlerFailure::Panic(why))) => {
-            Counters::add(&shared.counters.panics, 1);
             error!(panic = %why, "inbox handler panicked; rolled back, retried like a retryable failure");
-            Attempt::Failed { reason: format!("handler panicked: {why}"), retryable: true }
+            Attempt::Failed { reason: format!("handler panicked: {why}"), retryable: true, panicked: true }
         }
         (Err(_), Some(HandlerFailure::TimedOut)) => Attempt::Failed {
             reason: format!("handler timed out after {}", humantime::format_duration(config.handler_timeout)),
             retryable: true,
+            panicked: false,
         },
         // Our own statements (or the commit) failed: the database, not the message, is at fault.
         (Err(e), None) => Attempt::Outage(format!("inbox transaction failed: {e}")),

@@ -103,7 +103,7 @@
 //!
 //! `examples/inbox_consumer.rs` is a complete consumer.
 
-mod attempt;
+pub(crate) mod attempt;
 mod config;
 mod consumer;
 mod handler;

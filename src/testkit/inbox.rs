@@ -1,0 +1,108 @@
+//! The consumer side without a broker: one message through an inbox handler's transaction.
+
+use std::sync::Arc;
+
+use crate::error::StoreError;
+use crate::inbox::attempt::{Attempt, Settled, transact};
+use crate::inbox::{InboxConfig, InboxHandler, InboxMessage};
+use crate::model::OutboxMessage;
+use crate::store::PgPool;
+use crate::sink::RabbitConfig;
+
+/// What the consumer would do with a delivery of the message, after its transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Delivered {
+    /// The handler ran and its writes committed with the message's inbox row.
+    Applied,
+    /// The message was already recorded for this consumer: the handler was not called.
+    Duplicate,
+    /// An ordered consumer found a newer message of the aggregate applied: recorded, and under
+    /// `LateEvents::Skip` not handled.
+    SkippedLate,
+    /// An ordered consumer under `LateEvents::Flag` handed the late message to the handler,
+    /// which applied it.
+    AppliedLate,
+    /// The handler failed with attempts left: rolled back, and the consumer would try again
+    /// after a backoff.
+    Retried {
+        /// The failure.
+        reason: String,
+    },
+    /// The handler failed for good (permanently, or on its last attempt): rolled back, and the
+    /// consumer would dead-letter the message.
+    DeadLettered {
+        /// The failure.
+        reason: String,
+    },
+    /// The database did not answer (or a statement of the inbox failed): the consumer would hold
+    /// the delivery and try again, no attempt spent.
+    DatabaseUnavailable {
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// Runs `message` through `handler` as the inbox consumer of `config` does with a delivery: one
+/// transaction on a connection of `pool` that records the message under `config`'s consumer
+/// name (and, for an ordered consumer, checks and advances its aggregate's order), calls the
+/// handler for a new message, and commits only if all of it succeeded; a handler's panic or
+/// timeout rolls back like a retryable failure. Only the broker is missing: nothing is
+/// acknowledged, republished or dead-lettered, and `config`'s URL and queue are not used.
+///
+/// ```no_run
+/// # async fn example(db: actix_outbox::testkit::TestDatabase) {
+/// use actix_outbox::inbox::{InboxConfig, InboxMessage, handler_fn};
+/// use actix_outbox::testkit::{Delivered, deliver};
+///
+/// let config = InboxConfig::new("billing", "amqp://unused", "orders");
+/// let handler = handler_fn(|_conn, _message| Box::pin(async { Ok(()) }));
+/// let message = InboxMessage::new(41, "order.placed", serde_json::json!({"total": 12}));
+/// assert_eq!(deliver(db.pool(), &config, &handler, &message).await.unwrap(), Delivered::Applied);
+/// assert_eq!(deliver(db.pool(), &config, &handler, &message).await.unwrap(), Delivered::Duplicate);
+/// # }
+/// ```
+///
+/// `Err` only when no connection could be checked out of `pool`.
+pub async fn deliver<H>(
+    pool: &PgPool,
+    config: &InboxConfig,
+    handler: &H,
+    message: &InboxMessage,
+) -> Result<Delivered, StoreError>
+where
+    H: InboxHandler + Clone,
+{
+    let handler: Arc<dyn InboxHandler> = Arc::new(handler.clone());
+    let mut conn = pool.get().await?;
+    Ok(match transact(&mut conn, config, &handler, message).await {
+        Attempt::Done(Settled::Duplicate) => Delivered::Duplicate,
+        Attempt::Done(Settled::LateSkipped) => Delivered::SkippedLate,
+        Attempt::Done(Settled::LateFlagged) => Delivered::AppliedLate,
+        Attempt::Done(_) => Delivered::Applied,
+        Attempt::Outage(reason) => Delivered::DatabaseUnavailable { reason },
+        Attempt::Failed { reason, retryable, .. } if retryable && message.attempt < config.max_attempts => {
+            Delivered::Retried { reason }
+        }
+        Attempt::Failed { reason, .. } => Delivered::DeadLettered { reason },
+    })
+}
+
+/// The message an inbox consumer receives for `message` as the RabbitMQ sink publishes it:
+/// the outbox id as message id, the event type, the source, the aggregate, the publish attempt,
+/// the payload, and the headers of the wire format (none when the sink would refuse them, for a
+/// header name longer than AMQP allows, say). With a [`MemorySink`](super::MemorySink),
+/// this carries a drained outbox's messages to an inbox handler without a broker.
+pub fn inbox_message(message: &OutboxMessage) -> InboxMessage {
+    let payload: serde_json::Value = serde_json::from_str(message.payload.get()).unwrap_or(serde_json::Value::Null);
+    let mut inbox = InboxMessage::new(message.id, message.event_type.clone(), payload)
+        .with_source(message.source.to_string())
+        .with_aggregate(message.aggregate_type.clone(), message.aggregate_id.clone());
+    inbox.publish_attempt = Some(i64::from(message.attempts));
+    inbox.body = message.payload.get().as_bytes().to_vec();
+    // What a sink of the default configuration sends (its URL is not used).
+    if let Ok(properties) = RabbitConfig::new("amqp://localhost").properties(message) {
+        inbox.headers = properties.headers().clone().unwrap_or_default();
+    }
+    inbox
+}
