@@ -178,7 +178,7 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
         Ok(conn) => conn,
         Err(e) => return Attempt::Outage(StoreError::from(e).to_string()),
     };
-    let attempt = transact(&mut conn, config, &shared.handler, message).await;
+    let attempt = transact(&mut conn, config, &*shared.handler, message).await;
     if let Attempt::Failed { panicked: true, .. } = attempt {
         Counters::add(&shared.counters.panics, 1);
     }
@@ -190,7 +190,7 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
 pub(crate) async fn transact(
     conn: &mut diesel_async::AsyncPgConnection,
     config: &InboxConfig,
-    handler: &Arc<dyn InboxHandler>,
+    handler: &dyn InboxHandler,
     message: &InboxMessage,
 ) -> Attempt {
     let consumer = config.consumer.as_str();
@@ -222,7 +222,6 @@ pub(crate) async fn transact(
         }
         // The handler is called inside the guarded future, so that a panic while building
         // its future is caught as well as one while polling it.
-        let handler = handler.clone();
         let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
         match tokio::time::timeout(config.handler_timeout, call).await {
             Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),

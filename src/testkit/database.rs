@@ -99,7 +99,8 @@ impl Drop for TestDatabase {
         // Drop may run inside the test's runtime (maybe while it unwinds), where blocking on a
         // future is not allowed: a thread with a runtime of its own does it.
         let dropped = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+            let runtime =
+                tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
             runtime.block_on(async {
                 let mut admin = AsyncPgConnection::establish(&server).await.map_err(|e| e.to_string())?;
                 admin.batch_execute(&sql).await.map_err(|e| e.to_string())

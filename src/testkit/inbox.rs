@@ -1,13 +1,11 @@
 //! The consumer side without a broker: one message through an inbox handler's transaction.
 
-use std::sync::Arc;
-
 use crate::error::StoreError;
 use crate::inbox::attempt::{Attempt, Settled, transact};
 use crate::inbox::{InboxConfig, InboxHandler, InboxMessage};
 use crate::model::OutboxMessage;
-use crate::store::PgPool;
 use crate::sink::RabbitConfig;
+use crate::store::PgPool;
 
 /// What the consumer would do with a delivery of the message, after its transaction.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,18 +62,14 @@ pub enum Delivered {
 /// ```
 ///
 /// `Err` only when no connection could be checked out of `pool`.
-pub async fn deliver<H>(
+pub async fn deliver(
     pool: &PgPool,
     config: &InboxConfig,
-    handler: &H,
+    handler: &impl InboxHandler,
     message: &InboxMessage,
-) -> Result<Delivered, StoreError>
-where
-    H: InboxHandler + Clone,
-{
-    let handler: Arc<dyn InboxHandler> = Arc::new(handler.clone());
+) -> Result<Delivered, StoreError> {
     let mut conn = pool.get().await?;
-    Ok(match transact(&mut conn, config, &handler, message).await {
+    Ok(match transact(&mut conn, config, handler, message).await {
         Attempt::Done(Settled::Duplicate) => Delivered::Duplicate,
         Attempt::Done(Settled::LateSkipped) => Delivered::SkippedLate,
         Attempt::Done(Settled::LateFlagged) => Delivered::AppliedLate,

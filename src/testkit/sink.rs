@@ -119,7 +119,9 @@ impl MemorySink {
             for m in &published {
                 *by_type.entry(&m.event_type).or_default() += 1;
             }
-            panic!("expected {count} `{event_type}` message(s) published, found {found}; published by type: {by_type:?}");
+            panic!(
+                "expected {count} `{event_type}` message(s) published, found {found}; published by type: {by_type:?}"
+            );
         }
     }
 

@@ -24,5 +24,6 @@ mod rabbit;
 mod startup;
 mod store;
 #[cfg(feature = "opentelemetry")]
+mod testkit;
 mod trace;
 mod web;
