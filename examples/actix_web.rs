@@ -145,17 +145,7 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     actix_outbox::migrate(&settings.database_url).await?;
     let outbox_pool = actix_outbox::connect_pool(&settings.database_url, 4).await?;
     let pool = actix_outbox::connect_pool(&settings.database_url, 8).await?;
-    pool.get()
-        .await?
-        .batch_execute(
-            "CREATE TABLE IF NOT EXISTS orders (
-                 id          bigserial   PRIMARY KEY,
-                 customer    text        NOT NULL,
-                 total_cents bigint      NOT NULL,
-                 created_at  timestamptz NOT NULL DEFAULT now()
-             )",
-        )
-        .await?;
+    create_orders_table(&pool).await?;
 
     // [outbox-registration] begin: the sink and the dispatcher, inside the application.
     let mut rabbit = RabbitConfig::new(&settings.amqp_url).exchange(&settings.exchange);
@@ -178,12 +168,14 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     let console = actix_outbox_console::Console::new(pool.clone())
         .supervisor(dispatcher.clone())
         .token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").unwrap_or_default());
+    let orders = web::Data::new(Orders { pool: pool.clone() });
     let state = web::Data::new(AppState { pool, sink: sink.clone(), metrics: prometheus() });
     let server = HttpServer::new(move || {
         App::new()
             .app_data(outbox.clone()) // [outbox-registration]
             .app_data(state.clone())
-            .route("/orders", web::post().to(create_order))
+            .app_data(orders.clone())
+            .configure(order_routes)
             .route("/metrics", web::get().to(render_metrics))
             .route("/health/ready", web::get().to(ready))
             .service(console.scope("/outbox"))
@@ -204,6 +196,34 @@ pub async fn start(settings: &Settings, signals: bool) -> Result<Running, BoxErr
     Ok(Running { addrs, handle: server.handle(), server, dispatcher, sink })
 }
 
+/// The business table the example writes beside its events.
+pub async fn create_orders_table(pool: &PgPool) -> Result<(), BoxError> {
+    pool.get()
+        .await?
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS orders (
+                 id          bigserial   PRIMARY KEY,
+                 customer    text        NOT NULL,
+                 total_cents bigint      NOT NULL,
+                 created_at  timestamptz NOT NULL DEFAULT now()
+             )",
+        )
+        .await?;
+    Ok(())
+}
+
+/// What the order routes need: the handlers' pool.
+pub struct Orders {
+    /// Where orders and their events are written.
+    pub pool: PgPool,
+}
+
+/// `POST /orders`, on `web::Data<Orders>`: what a test mounts without the rest of the app
+/// (docs/testing.md).
+pub fn order_routes(cfg: &mut web::ServiceConfig) {
+    cfg.route("/orders", web::post().to(create_order));
+}
+
 #[derive(Debug, Deserialize)]
 struct CreateOrder {
     customer: String,
@@ -219,7 +239,7 @@ fn unavailable(why: impl std::fmt::Display) -> HttpResponse {
 }
 
 /// `POST /orders`: the order and its event, one transaction.
-async fn create_order(state: web::Data<AppState>, body: web::Bytes) -> HttpResponse {
+async fn create_order(orders: web::Data<Orders>, body: web::Bytes) -> HttpResponse {
     let order: CreateOrder = match serde_json::from_slice(&body) {
         Ok(order) => order,
         Err(e) => return bad_request(format!("expected {{\"customer\": string, \"total_cents\": integer}}: {e}")),
@@ -227,7 +247,7 @@ async fn create_order(state: web::Data<AppState>, body: web::Bytes) -> HttpRespo
     if order.total_cents < 0 {
         return bad_request("total_cents must not be negative");
     }
-    let mut conn = match state.pool.get().await {
+    let mut conn = match orders.pool.get().await {
         Ok(conn) => conn,
         Err(e) => return unavailable(format!("database unavailable: {e}")),
     };

@@ -15,6 +15,15 @@ use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
 #[path = "../../examples/actix_web.rs"]
 mod app;
 
+/// The example counts orders in the process-wide Prometheus recorder: the tests that post
+/// orders take turns, so that each reads its own increments.
+static ORDERS_COUNTER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// `orders_created_total` in a Prometheus text page (0 before the first order).
+fn orders_created(metrics: &str) -> u64 {
+    metrics.lines().find_map(|l| l.strip_prefix("orders_created_total ")).map_or(0, |n| n.parse().expect("a count"))
+}
+
 /// One HTTP/1.1 request on a fresh connection: the status and the body.
 async fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).await.expect("connect to the app");
@@ -42,6 +51,7 @@ async fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) ->
 /// server drains the dispatcher and closes the sink. Then, as the README runs it, the demo queue.
 #[actix_rt::test]
 async fn orders_over_http_reach_a_real_queue() {
+    let _counter = ORDERS_COUNTER.lock().await;
     let db = TestDb::new().await;
     let (broker, queue) = TestBroker::with_queue("web").await;
     let settings = app::Settings {
@@ -59,6 +69,8 @@ async fn orders_over_http_reach_a_real_queue() {
 
     let (status, body) = http(addr, "GET", "/health/ready", None).await;
     assert_eq!((status, body.as_str()), (200, "ready"));
+    let (_, metrics) = http(addr, "GET", "/metrics", None).await;
+    let before = orders_created(&metrics);
 
     let mut created = Vec::new();
     for i in 0..20_i64 {
@@ -119,7 +131,7 @@ async fn orders_over_http_reach_a_real_queue() {
     assert_eq!((status, body.as_str()), (200, "ready"));
     let (status, metrics) = http(addr, "GET", "/metrics", None).await;
     assert_eq!(status, 200);
-    assert!(metrics.lines().any(|l| l == "orders_created_total 20"), "{metrics}");
+    assert_eq!(orders_created(&metrics), before + 20, "{metrics}");
 
     handle.stop(true).await;
     tokio::time::timeout(Duration::from_secs(30), served)
@@ -162,3 +174,35 @@ async fn the_first_order_reaches_the_demo_queue_instead_of_going_dead() {
     handle.stop(true).await;
     tokio::time::timeout(Duration::from_secs(30), served).await.expect("stops").unwrap().expect("cleanly");
 }
+
+// [testing-md] begin: the test docs/testing.md shows, as a service would write it.
+use actix_outbox::testkit::{MemorySink, TestDatabase, drain_until_idle};
+use actix_web::{App, test, web};
+
+/// The example's `POST /orders` handler, mounted alone, tested end to end with the test kit: the
+/// order's row and its event commit together, and a dispatcher publishes `order.created` once.
+#[actix_web::test]
+async fn posting_an_order_publishes_order_created() {
+    let _counter = ORDERS_COUNTER.lock().await; // not in docs/testing.md: see ORDERS_COUNTER
+    let server = std::env::var("TEST_DATABASE_URL").unwrap_or("postgres://root@127.0.0.1/postgres".into());
+    let db = TestDatabase::create(&server).await.unwrap();
+    app::create_orders_table(db.pool()).await.unwrap();
+    let orders = web::Data::new(app::Orders { pool: db.pool().clone() });
+    let service = test::init_service(App::new().app_data(orders).configure(app::order_routes)).await;
+
+    let order = serde_json::json!({"customer": "ada", "total_cents": 1200});
+    let response =
+        test::call_service(&service, test::TestRequest::post().uri("/orders").set_json(&order).to_request()).await;
+    assert_eq!(response.status(), 201);
+    let created: serde_json::Value = test::read_body_json(response).await;
+
+    let sink = MemorySink::new();
+    drain_until_idle(db.pool(), sink.clone()).await.unwrap().assert_no_dead();
+    sink.assert_published("order.created", 1);
+    let event = &sink.published_of("order.created")[0];
+    assert_eq!(serde_json::json!(event.id), created["event_id"]);
+    assert_eq!(event.aggregate_id, created["order_id"].to_string());
+    let payload: serde_json::Value = serde_json::from_str(event.payload.get()).unwrap();
+    assert_eq!(payload, serde_json::json!({"order_id": created["order_id"], "customer": "ada", "total_cents": 1200}));
+}
+// [testing-md] end
