@@ -191,8 +191,8 @@ async fn posting_an_order_publishes_order_created() {
     let service = test::init_service(App::new().app_data(orders).configure(app::order_routes)).await;
 
     let order = serde_json::json!({"customer": "ada", "total_cents": 1200});
-    let response =
-        test::call_service(&service, test::TestRequest::post().uri("/orders").set_json(&order).to_request()).await;
+    let request = test::TestRequest::post().uri("/orders").set_json(&order).to_request();
+    let response = test::call_service(&service, request).await;
     assert_eq!(response.status(), 201);
     let created: serde_json::Value = test::read_body_json(response).await;
 
