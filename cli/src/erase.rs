@@ -8,8 +8,7 @@
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use diesel::sql_types::Bool;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection};
 use serde::Serialize;
 
 use crate::{CliError, DatabaseArgs, connect};
@@ -136,7 +135,7 @@ async fn erase_once(
 ) -> Result<(Erasure, Option<InboxErasure>), EraseError> {
     conn.transaction(async |c| {
         let outbox = actix_outbox::admin::erase(c, aggregate_type, aggregate_id).await?;
-        let inbox = if has_inbox(c).await? {
+        let inbox = if actix_outbox::inbox::has_inbox_tables(c).await? {
             Some(actix_outbox::inbox::erase_aggregate(c, aggregate_type, aggregate_id).await?)
         } else {
             None
@@ -144,21 +143,6 @@ async fn erase_once(
         Ok((outbox, inbox))
     })
     .await
-}
-
-/// Whether the connection's `search_path` reaches both inbox tables.
-async fn has_inbox(conn: &mut AsyncPgConnection) -> Result<bool, diesel::result::Error> {
-    #[derive(diesel::QueryableByName)]
-    struct Row {
-        #[diesel(sql_type = Bool)]
-        present: bool,
-    }
-    let row: Row = diesel::sql_query(
-        "SELECT to_regclass('inbox') IS NOT NULL AND to_regclass('inbox_aggregates') IS NOT NULL AS present",
-    )
-    .get_result(conn)
-    .await?;
-    Ok(row.present)
 }
 
 /// `erased order/42: 3 done rows, 1 dead row deleted; inbox: 2 rows anonymised, 1 order mark deleted`.

@@ -126,7 +126,7 @@ pub use message::{
 };
 pub use metrics::InboxMetrics;
 pub use store::{
-    INBOX_MIGRATIONS, InboxErasure, erase_aggregate, migrate_inbox, migrate_inbox_blocking, pending_inbox_migrations,
-    purge_inbox,
+    INBOX_MIGRATIONS, InboxErasure, erase_aggregate, has_inbox_tables, migrate_inbox, migrate_inbox_blocking,
+    pending_inbox_migrations, purge_inbox,
 };
 pub use supervisor::{GetMetrics, InboxSupervisor, Shutdown};

@@ -197,6 +197,23 @@ pub struct InboxErasure {
     pub marks_deleted: u64,
 }
 
+/// Whether the connection's `search_path` reaches both inbox tables (`inbox`,
+/// `inbox_aggregates`): for tools that act on a database that may or may not hold an inbox.
+pub async fn has_inbox_tables(conn: &mut AsyncPgConnection) -> Result<bool, StoreError> {
+    #[derive(QueryableByName)]
+    struct Present {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        present: bool,
+    }
+    // Catalog functions: no table of the schema to build the query from.
+    let row: Present = diesel::sql_query(
+        "SELECT to_regclass('inbox') IS NOT NULL AND to_regclass('inbox_aggregates') IS NOT NULL AS present",
+    )
+    .get_result(conn)
+    .await?;
+    Ok(row.present)
+}
+
 /// Erases one aggregate from the inbox, for every consumer and source, in one transaction (or
 /// the caller's): blanks `aggregate_type` and `aggregate_id` (to `''`, as for a message that
 /// carried none) in its `inbox` rows, and deletes its `inbox_aggregates` rows.
