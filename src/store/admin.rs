@@ -268,6 +268,7 @@ pub struct Erasure {
 
 /// How far the table is from idle: rows being published, pending rows due within a horizon,
 /// and pending rows that wait longer (deferred, or backing off for longer).
+#[cfg(feature = "testkit")]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Unsettled {
     pub(crate) processing: i64,
@@ -277,7 +278,7 @@ pub(crate) struct Unsettled {
 
 /// Reads [`Unsettled`] in one statement (database clock), so that a row moving from
 /// `pending` to `processing` and back between two counts cannot make a busy table look idle.
-#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+#[cfg(feature = "testkit")]
 pub(crate) async fn unsettled(conn: &mut AsyncPgConnection, horizon: Duration) -> Result<Unsettled, StoreError> {
     use diesel::dsl::count;
     in_transaction(conn, async |conn| {

@@ -34,7 +34,9 @@ pub use admin::{
     Erasure, SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, erase, outbox_source, purge_done,
     stats,
 };
-pub(crate) use admin::{Sample, Unsettled, sample_unfinished, unsettled};
+pub(crate) use admin::{Sample, sample_unfinished};
+#[cfg(feature = "testkit")]
+pub(crate) use admin::{Unsettled, unsettled};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
 pub(crate) use fifo::fifo_index_valid;
