@@ -138,3 +138,19 @@ impl TestDb {
         conn.batch_execute("UPDATE outbox SET available_at = now() WHERE status = 'pending'").await.unwrap();
     }
 }
+
+/// Whether database `name` exists on the test server.
+pub async fn database_exists(name: &str) -> bool {
+    #[derive(diesel::QueryableByName)]
+    struct Found {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        found: bool,
+    }
+    let mut admin = AsyncPgConnection::establish(&database_url("postgres")).await.unwrap();
+    let found: Found = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS found")
+        .bind::<diesel::sql_types::Text, _>(name)
+        .get_result(&mut admin)
+        .await
+        .unwrap();
+    found.found
+}

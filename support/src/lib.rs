@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 pub use broker::{TestBroker, amqp_addr, amqp_url};
 pub use cluster::RabbitCluster;
-pub use db::{ScratchDb, TestDb, database_addr, database_url};
+pub use db::{ScratchDb, TestDb, database_addr, database_exists, database_url};
 pub use pgbouncer::PgBouncer;
 pub use standby::{ReplicatedPair, Replication};
 

@@ -10,7 +10,7 @@ use diesel::QueryableByName;
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
-use actix_outbox_test_support::{ScratchDb, TestDb, database_url};
+use actix_outbox_test_support::{ScratchDb, TestDb, database_exists};
 
 /// The server of the default `TEST_DATABASE_URL`, spelled out in each form (root, trust auth).
 const HOST: &str = "127.0.0.1";
@@ -33,21 +33,6 @@ async fn session(conn: &mut AsyncPgConnection) -> (String, String) {
     .await
     .unwrap();
     (s.database, s.application_name)
-}
-
-async fn database_exists(name: &str) -> bool {
-    #[derive(QueryableByName)]
-    struct Found {
-        #[diesel(sql_type = diesel::sql_types::Bool)]
-        found: bool,
-    }
-    let mut admin = AsyncPgConnection::establish(&database_url("postgres")).await.unwrap();
-    let found: Found = diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1) AS found")
-        .bind::<Text, _>(name)
-        .get_result(&mut admin)
-        .await
-        .unwrap();
-    found.found
 }
 
 /// diesel-async's own `establish` hands the string to tokio-postgres, so a `key=value` string

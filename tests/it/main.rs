@@ -23,7 +23,7 @@ mod queues;
 mod rabbit;
 mod startup;
 mod store;
-#[cfg(feature = "opentelemetry")]
 mod testkit;
+#[cfg(feature = "opentelemetry")]
 mod trace;
 mod web;
