@@ -138,6 +138,15 @@ pub struct DispatcherConfig {
     /// across a move of the database to another cluster; every dispatcher of one table must use
     /// the same.
     pub source: Option<String>,
+    /// Messages a second this dispatcher publishes at most, all workers together: a token
+    /// bucket each claim takes its rows from, so that a drain after an outage does not flood
+    /// the consumers. Paced, the dispatcher also slows by itself when the broker pushes back
+    /// (nacks, as from a queue over its `x-max-length` with `reject-publish`; timeouts; confirms
+    /// held by a blocked connection), halving its pace per second of pushback and giving back a
+    /// tenth of the cap per calm second. Changed while it runs with
+    /// [`SetMaxRate`](crate::dispatcher::SetMaxRate); a fleet shares a cap by dividing it
+    /// between its processes. `None` (the default): not paced.
+    pub max_rate: Option<f64>,
 }
 
 impl Default for DispatcherConfig {
@@ -165,6 +174,7 @@ impl Default for DispatcherConfig {
     /// | [`summary_interval`](DispatcherConfig::summary_interval) | `Some(60 s)` |
     /// | [`retention`](DispatcherConfig::retention) | [`Retention::Keep`] |
     /// | [`source`](DispatcherConfig::source) | `None`: derived from the database |
+    /// | [`max_rate`](DispatcherConfig::max_rate) | `None`: not paced |
     ///
     /// ```
     /// use std::time::Duration;
@@ -196,6 +206,7 @@ impl Default for DispatcherConfig {
             summary_interval: Some(DEFAULT_SUMMARY_INTERVAL),
             retention: Retention::Keep,
             source: None,
+            max_rate: None,
         }
     }
 }
@@ -301,6 +312,13 @@ impl DispatcherConfig {
         self
     }
 
+    /// Sets [`DispatcherConfig::max_rate`]: messages a second at most.
+    #[must_use]
+    pub fn max_rate(mut self, per_second: f64) -> Self {
+        self.max_rate = Some(per_second);
+        self
+    }
+
     /// Sets [`DispatcherConfig::max_in_flight`].
     #[must_use]
     pub fn max_in_flight(mut self, value: usize) -> Self {
@@ -377,14 +395,25 @@ impl DispatcherConfig {
         {
             return Err(EmptyFifoEventTypes);
         }
+        if let Some(rate) = self.max_rate {
+            check_max_rate(rate)?;
+        }
         Ok(())
     }
+}
+
+/// A cap on messages a second must be a number above zero.
+pub(crate) fn check_max_rate(rate: f64) -> Result<(), ConfigError> {
+    if rate.is_finite() && rate > 0.0 { Ok(()) } else { Err(ConfigError::BadMaxRate(rate.to_string())) }
 }
 
 /// A configuration that cannot work; the message names the setting and the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// `max_rate` is not a number of messages a second above zero (given as written).
+    #[error("max rate must be a number of messages a second above zero, not {0}")]
+    BadMaxRate(String),
     /// `workers` is 0: nothing would ever claim.
     #[error("workers must be at least 1")]
     ZeroWorkers,

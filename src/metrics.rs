@@ -198,6 +198,8 @@ const HELP: &[(&str, MetricKind, &str)] = &[
     ("outbox_in_flight_bytes", MetricKind::Gauge, "Payload bytes of the rows claimed and not yet finalized."),
     ("outbox_sink_up", MetricKind::Gauge, "1 while the sink says it is up and the sink gate is open, else 0."),
     ("outbox_claiming_paused", MetricKind::Gauge, "1 while the sink gate holds claiming back, else 0."),
+    ("outbox_max_rate", MetricKind::Gauge, "The cap on messages a second, 0 when not paced."),
+    ("outbox_pace_rate", MetricKind::Gauge, "The pace now: the cap, or less while the broker pushes back; 0 when not paced."),
     ("outbox_publish_seconds", MetricKind::Histogram, "From the sink call to its answer."),
     (
         "outbox_delivery_lag_seconds",
@@ -271,6 +273,12 @@ pub(crate) fn publish_seconds(seconds: f64) {
 pub(crate) fn delivery_lag(created_at: chrono::DateTime<chrono::Utc>) {
     let lag = (chrono::Utc::now() - created_at).to_std().unwrap_or_default();
     metrics::histogram!("outbox_delivery_lag_seconds").record(lag.as_secs_f64());
+}
+
+/// `outbox_max_rate` and `outbox_pace_rate`.
+pub(crate) fn pace_gauges(pace: &crate::dispatcher::PaceReport) {
+    metrics::gauge!("outbox_max_rate").set(pace.max_rate.unwrap_or(0.0));
+    metrics::gauge!("outbox_pace_rate").set(pace.rate.unwrap_or(0.0));
 }
 
 /// `outbox_sink_up` and `outbox_claiming_paused`.

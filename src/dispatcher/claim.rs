@@ -199,10 +199,23 @@ impl ClaimActor {
             self.backlog = true;
             return;
         }
+        // Under a rate cap, the rows this claim may take (a probe's row is not paced).
+        let batch = if probe {
+            1
+        } else {
+            match self.shared.pace.take(room.min(config.batch)) {
+                Ok(rows) => rows,
+                Err(wait) => {
+                    // The timer (or a finished publish, or a wake-up) asks again.
+                    self.backlog = true;
+                    self.schedule_claim(ctx, wait);
+                    return;
+                }
+            }
+        };
         if let Some(timer) = self.timer.take() {
             ctx.cancel_future(timer);
         }
-        let batch = if probe { 1 } else { room.min(config.batch) };
         let resume = match config.fifo {
             Fifo::Off if Instant::now() < self.full_walk_due => self.resume,
             _ => None,
@@ -292,6 +305,9 @@ impl ClaimActor {
                     }
                     let n = claim.messages.len();
                     if !probe {
+                        act.shared.pace.refund(batch - n);
+                    }
+                    if !probe {
                         act.shared.wakeups.claimed(n, n == batch);
                     }
                     Metrics::add(&metrics.claimed, n);
@@ -339,6 +355,9 @@ impl ClaimActor {
                     }
                 }
                 Err(e) => {
+                    if !probe {
+                        act.shared.pace.refund(batch);
+                    }
                     Metrics::add(&act.shared.metrics.claim_errors, 1);
                     if probe {
                         act.shared.gate.probe_aborted();

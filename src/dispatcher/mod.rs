@@ -24,6 +24,8 @@
 //! - `finalize`: the finalize actor, which applies the fenced writes in batches;
 //! - `gate`: the sink gate, which pauses claiming while the sink is unavailable and probes it;
 //! - `listener`: the insert listener, which wakes a worker when rows are inserted;
+//! - `pace`: the cap on messages a second, a token bucket the claims take from, slowed by the
+//!   broker's pushback;
 //! - `sampler`: the table sampler, which the supervisor runs for the table's gauges;
 //! - `shared`: the state they all read (configuration, pool, sink, counters).
 //!
@@ -34,6 +36,7 @@ mod claim;
 mod finalize;
 mod gate;
 mod listener;
+mod pace;
 mod publish;
 mod sampler;
 mod shared;
@@ -42,4 +45,5 @@ mod summary;
 pub(crate) mod supervisor;
 
 pub use crate::model::Fence;
-pub use supervisor::{GetHealth, GetMetrics, Health, Shutdown, WakeWorkers};
+pub use pace::PaceReport;
+pub use supervisor::{GetHealth, GetMetrics, GetPace, Health, SetMaxRate, Shutdown, WakeWorkers};

@@ -22,6 +22,7 @@ use futures_util::FutureExt;
 use tracing::{Instrument, Level, debug, error, span};
 
 use super::finalize::{Fenced, FinalizerSlot, Heartbeat};
+use super::pace::Answer;
 use super::shared::Shared;
 use crate::error::PublishError;
 use crate::metrics::{self, Metrics};
@@ -216,7 +217,13 @@ async fn call_sink(
     loop {
         match tokio::time::timeout_at(deadline, call.as_mut()).await {
             Ok(Ok(result)) => {
-                metrics::publish_seconds(started.elapsed().as_secs_f64());
+                let took = started.elapsed();
+                metrics::publish_seconds(took.as_secs_f64());
+                let answer = match &result {
+                    Err(PublishError::Retryable(_) | PublishError::Unavailable(_)) => Answer::PushedBack,
+                    _ => Answer::Taken,
+                };
+                shared.pace.answered(answer, took);
                 return Attempt::Finished(result);
             }
             Err(_elapsed) => match shared.publisher.state() {
@@ -230,6 +237,7 @@ async fn call_sink(
                     deadline += timeout;
                 }
                 SinkState::Down(why) => {
+                    shared.pace.answered(Answer::PushedBack, started.elapsed());
                     return Attempt::Finished(Err(PublishError::Unavailable(format!(
                         "no answer within {} and the sink is down: {why}",
                         humantime::format_duration(timeout)
@@ -241,6 +249,7 @@ async fn call_sink(
                     deadline += timeout;
                 }
                 SinkState::Up => {
+                    shared.pace.answered(Answer::PushedBack, started.elapsed());
                     return Attempt::Finished(Err(PublishError::Retryable(format!(
                         "publish timed out after {}",
                         humantime::format_duration(timeout)

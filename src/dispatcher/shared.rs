@@ -45,12 +45,15 @@ pub(crate) struct Shared {
     fifo_index: AtomicBool,
     /// What the minute's summary reports.
     pub(crate) summary: super::summary::Summary,
+    /// The cap on messages a second, shared by the workers (see `pace`).
+    pub(crate) pace: super::pace::Pace,
 }
 
 impl Shared {
     pub(crate) fn new(config: DispatcherConfig, pool: PgPool, publisher: Arc<dyn Publisher>) -> Self {
         let gate = SinkGate::new(config.sink_probe_interval, config.publish_timeout);
         let publishing = (0..config.workers).map(|_| Mutex::default()).collect();
+        let pace = super::pace::Pace::new(config.max_rate, config.batch);
         let source = OnceLock::new();
         if let Some(name) = &config.source {
             let _ = source.set(Arc::from(name.as_str()));
@@ -67,6 +70,7 @@ impl Shared {
             summary: Default::default(),
             source,
             fifo_index: AtomicBool::new(false),
+            pace,
         }
     }
 

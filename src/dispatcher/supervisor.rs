@@ -12,7 +12,8 @@ use super::claim::{ClaimActor, Drain, Probe, Wake};
 use super::finalize::{FinalizeActor, FinalizerSlot, Flushed};
 use super::gate::{Check, Claimable};
 use super::shared::Shared;
-use crate::config::DispatcherConfig;
+use super::pace::PaceReport;
+use crate::config::{ConfigError, DispatcherConfig};
 use crate::error::Error;
 use crate::metrics::{self, Metrics, MetricsSnapshot};
 use crate::publisher::{Publisher, SinkState};
@@ -171,6 +172,7 @@ impl OutboxSupervisor {
         let check = self.shared.gate.check(&state);
         let paused = self.shared.gate.claimable() == Claimable::No;
         metrics::sink_gauges(state.is_up() && !paused, paused);
+        metrics::pace_gauges(&self.shared.pace.report());
         match check {
             Check::Nothing => {}
             Check::Paused => Metrics::add(&self.shared.metrics.sink_outages, 1),
@@ -358,6 +360,61 @@ impl Handler<WakeAll> for OutboxSupervisor {
                 worker.do_send(Wake);
             }
         }
+    }
+}
+
+/// Changes the dispatcher's cap on messages a second while it runs
+/// ([`DispatcherConfig::max_rate`]): `Some(n)` paces at `n` from now on (starting at the new
+/// cap, whatever pushback had slowed the old one to), `None` stops pacing. A cap that is not a
+/// number above zero is refused with [`ConfigError::BadMaxRate`](crate::ConfigError::BadMaxRate),
+/// and the old one stays.
+///
+/// ```no_run
+/// use actix_outbox::dispatcher::{GetPace, SetMaxRate};
+/// # async fn f(dispatcher: actix::Addr<actix_outbox::OutboxSupervisor>) -> Result<(), Box<dyn std::error::Error>> {
+/// dispatcher.send(SetMaxRate(Some(500.0))).await??;
+/// assert_eq!(dispatcher.send(GetPace).await?.max_rate, Some(500.0));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "Result<(), ConfigError>")]
+pub struct SetMaxRate(pub Option<f64>);
+
+impl Handler<SetMaxRate> for OutboxSupervisor {
+    type Result = Result<(), ConfigError>;
+
+    fn handle(&mut self, SetMaxRate(cap): SetMaxRate, _: &mut Context<Self>) -> Self::Result {
+        if let Some(rate) = cap {
+            crate::config::check_max_rate(rate)?;
+        }
+        let was = self.shared.pace.report().max_rate;
+        self.shared.pace.set_cap(cap);
+        metrics::pace_gauges(&self.shared.pace.report());
+        match cap {
+            Some(rate) => info!(max_rate = rate, was = ?was, "max rate set"),
+            None => info!(was = ?was, "max rate removed: not paced"),
+        }
+        // Workers waiting for tokens at the old rate ask again at the new one.
+        if self.state == State::Running {
+            for worker in &self.workers {
+                worker.do_send(Wake);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Ask for the dispatcher's pace: its cap on messages a second and the pace pushback holds it
+/// at now.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "PaceReport")]
+pub struct GetPace;
+
+impl Handler<GetPace> for OutboxSupervisor {
+    type Result = MessageResult<GetPace>;
+
+    fn handle(&mut self, _: GetPace, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.shared.pace.report())
     }
 }
 
