@@ -17,6 +17,7 @@ mod inbox;
 mod metrics;
 mod model;
 mod outage;
+mod pace;
 mod pooler;
 mod producers;
 mod queues;
