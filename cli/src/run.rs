@@ -117,6 +117,12 @@ pub struct RunArgs {
     /// Rows one worker holds claimed at once, publishing or finalizing (default: 2 × batch)
     #[arg(long, value_name = "N")]
     pub max_in_flight: Option<usize>,
+    /// Messages a second this process publishes at most (a token bucket the claims take from),
+    /// so that a drain after an outage does not flood the consumers; paced, it also slows by
+    /// itself while the broker pushes back (nacks, timeouts, a blocked connection). The console
+    /// changes it while running. Default: not paced
+    #[arg(long, value_name = "N")]
+    pub max_rate: Option<f64>,
     /// How long a claim owns its rows; a dead worker's rows are reclaimed after it
     #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.lease.into())]
     pub lease: humantime::Duration,
@@ -245,6 +251,9 @@ impl RunArgs {
         }
         if let Some(source) = &self.source {
             config = config.source(source.clone());
+        }
+        if let Some(rate) = self.max_rate {
+            config = config.max_rate(rate);
         }
         config = config.fifo(self.fifo.fifo()?);
         if let Some(addr) = &self.metrics_addr {

@@ -201,7 +201,8 @@ impl Actor for OutboxSupervisor {
         let config = &shared.config;
         info!(owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
-            fifo = %config.fifo, "outbox dispatcher starting");
+            fifo = %config.fifo, max_rate = %config.max_rate.map_or("none".to_owned(), |r| format!("{r}/s")),
+            "outbox dispatcher starting");
         crate::metrics::describe(&self.shared.metrics, config.table_metrics_interval.is_some());
         let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
         self.workers =

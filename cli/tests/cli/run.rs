@@ -400,3 +400,29 @@ async fn run_with_bind_queue_declares_the_queue_and_every_message_lands_in_it() 
     assert_eq!(got, ids);
     assert_eq!(db.count_status("dead").await, 0);
 }
+
+/// `run --max-rate 100` against the real broker: 300 rows are done at 100 a second, within
+/// 10 % (first row done to last, database clock), and the start line names the cap.
+#[tokio::test]
+async fn run_with_max_rate_paces_the_drain() {
+    const ROWS: usize = 300;
+    let db = TestDb::new().await;
+    db.seed(ROWS, "agg").await;
+    let (broker, queue) = TestBroker::with_queue("cli-pace").await;
+    let amqp = amqp_url();
+    let mut run = Dispatcher::start(
+        &db.url,
+        &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare", "--max-rate", "100"],
+    );
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    assert_eq!(run.logged("max_rate=100/s"), 1, "log:\n{}", run.log().join("\n"));
+
+    let mut done: Vec<_> = db.rows().await.into_iter().map(|r| r.done_at.expect("done")).collect();
+    done.sort();
+    let span = (done[ROWS - 1] - done[0]).to_std().unwrap().as_secs_f64();
+    let rate = (ROWS - 1) as f64 / span;
+    assert!((90.0..=110.0).contains(&rate), "drained at {rate:.1}/s over {span:.2} s with --max-rate 100");
+    assert_eq!(broker.message_ids(&queue, ROWS).await.into_iter().collect::<BTreeSet<_>>().len(), ROWS);
+}
