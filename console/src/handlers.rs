@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use actix_outbox::dispatcher::GetHealth;
+use actix_outbox::dispatcher::{GetHealth, GetPace, SetMaxRate};
 use actix_web::cookie::{Cookie, SameSite};
 use actix_web::http::{StatusCode, header};
 use actix_web::{HttpRequest, HttpResponse, web};
@@ -91,8 +91,16 @@ pub(crate) async fn overview(req: HttpRequest, console: Data) -> HttpResponse {
             Err(_) => Err(format!("no answer within {HEALTH_TIMEOUT:?}")),
         }),
     };
+    let pace = match &console.config.supervisor {
+        None => None,
+        Some(supervisor) => Some(match tokio::time::timeout(HEALTH_TIMEOUT, supervisor.send(GetPace)).await {
+            Ok(Ok(pace)) => Ok(pace),
+            Ok(Err(_)) => Err("the dispatcher has stopped".to_owned()),
+            Err(_) => Err(format!("no answer within {HEALTH_TIMEOUT:?}")),
+        }),
+    };
     let points = console.shared.chart.lock().unwrap_or_else(|e| e.into_inner()).points();
-    let data = pages::OverviewData { table, blocked, fifo, health, chart: chart::svg(&points, Utc::now()) };
+    let data = pages::OverviewData { table, blocked, fifo, health, pace, chart: chart::svg(&points, Utc::now()) };
     html(StatusCode::OK, pages::overview(&view(&console, &base, csrf.as_deref()), &data, REFRESH.as_secs()))
 }
 
@@ -307,6 +315,50 @@ pub(crate) async fn retry_selected(req: HttpRequest, console: Data, body: web::B
 
 pub(crate) async fn skip_selected(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {
     repair(req, console, body, None, Kind::Skip, 2).await
+}
+
+/// `POST /pace`: sets the dispatcher's cap on messages a second (`max_rate`, a number above
+/// zero; empty: not paced). A script gets `{"max_rate": n}` (`null`: not paced).
+pub(crate) async fn set_pace(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {
+    let base = base(&req, 1);
+    let form = Form::parse(&body);
+    let via = match auth::authorize(&req, console.config.token.as_ref(), &console.shared.sessions, form.field("csrf")) {
+        Ok(via) => via,
+        Err(denied) => return refuse(&req, &console, &base, denied),
+    };
+    let csrf = session(&req, &console);
+    let v = view(&console, &base, csrf.as_deref());
+    let answer = |status: StatusCode, result: Result<Option<f64>, String>| match (via, result) {
+        (Via::Bearer, Ok(rate)) => json(status, &serde_json::json!({ "max_rate": rate })),
+        (Via::Bearer, Err(e)) => json(status, &serde_json::json!({ "error": e })),
+        (Via::Session, Ok(rate)) => {
+            let message = match rate {
+                Some(rate) => format!("the dispatcher publishes at most {rate} messages a second"),
+                None => "the dispatcher is not paced".to_owned(),
+            };
+            html(status, pages::outcome(&v, "Done", &message, true))
+        }
+        (Via::Session, Err(e)) => html(status, pages::outcome(&v, "Not changed", &e, false)),
+    };
+    let Some(supervisor) = &console.config.supervisor else {
+        return answer(StatusCode::CONFLICT, Err("no dispatcher is attached to this console".into()));
+    };
+    let rate = match form.field("max_rate").map(str::trim).unwrap_or("") {
+        "" => None,
+        text => match text.parse::<f64>() {
+            Ok(rate) => Some(rate),
+            Err(_) => return answer(StatusCode::BAD_REQUEST, Err(format!("max_rate {text:?} is not a number"))),
+        },
+    };
+    match tokio::time::timeout(HEALTH_TIMEOUT, supervisor.send(SetMaxRate(rate))).await {
+        Ok(Ok(Ok(()))) => {
+            tracing::info!(max_rate = ?rate, via = ?via, "console: max rate set");
+            answer(StatusCode::OK, Ok(rate))
+        }
+        Ok(Ok(Err(e))) => answer(StatusCode::BAD_REQUEST, Err(e.to_string())),
+        Ok(Err(_)) => answer(StatusCode::SERVICE_UNAVAILABLE, Err("the dispatcher has stopped".into())),
+        Err(_) => answer(StatusCode::SERVICE_UNAVAILABLE, Err(format!("no answer within {HEALTH_TIMEOUT:?}"))),
+    }
 }
 
 pub(crate) async fn login_form(req: HttpRequest, console: Data) -> HttpResponse {

@@ -214,6 +214,7 @@ impl Console {
             .route("/dead/{id}/skip", web::post().to(handlers::skip_one))
             .route("/rows/{id}", web::get().to(handlers::row))
             .route("/blocked", web::get().to(handlers::blocked))
+            .route("/pace", web::post().to(handlers::set_pace))
             .route("/login", web::get().to(handlers::login_form))
             .route("/login", web::post().to(handlers::login))
             .route("/logout", web::post().to(handlers::logout))

@@ -4,7 +4,7 @@
 
 use actix_outbox::Fifo;
 use actix_outbox::admin::{BlockedAggregate, OutboxRow, Status};
-use actix_outbox::dispatcher::Health;
+use actix_outbox::dispatcher::{Health, PaceReport};
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 
@@ -109,7 +109,14 @@ pub(crate) struct OverviewData {
     pub(crate) fifo: Fifo,
     /// `None` without the dispatcher's address.
     pub(crate) health: Option<Result<Health, String>>,
+    /// `None` without the dispatcher's address.
+    pub(crate) pace: Option<Result<PaceReport, String>>,
     pub(crate) chart: Markup,
+}
+
+/// `300/s`, `0.5/s`.
+fn per_second(rate: f64) -> String {
+    if rate >= 10.0 { format!("{rate:.0}/s") } else { format!("{rate:.2}/s") }
 }
 
 pub(crate) fn overview(v: &View<'_>, d: &OverviewData, refresh: u64) -> Markup {
@@ -157,6 +164,35 @@ pub(crate) fn overview(v: &View<'_>, d: &OverviewData, refresh: u64) -> Markup {
                                 @if h.sink.is_up() { span.ok { (h.sink) } } @else { span.bad { (h.sink) } }
                                 @if h.claiming_paused { " · " span.bad { "claiming paused" } }
                                 @if h.stopping { " · " span.bad { "shutting down" } }
+                            }
+                        }
+                    }
+                }
+                tr {
+                    th { "max rate" }
+                    td #pace {
+                        @match &d.pace {
+                            None => span.unknown { "unknown: no dispatcher attached to this console" },
+                            Some(Err(e)) => span.bad { "the dispatcher does not answer: " (e) },
+                            Some(Ok(p)) => {
+                                @match (p.max_rate, p.rate) {
+                                    (Some(cap), Some(rate)) if p.is_pushed_back() => {
+                                        (per_second(cap)) " · " span.bad { "pacing at " (per_second(rate)) ": the broker pushes back" }
+                                    }
+                                    (Some(cap), _) => { (per_second(cap)) }
+                                    _ => { "not paced" }
+                                }
+                                @if v.can_repair() {
+                                    form.inline #pace-form method="post" action=(v.link("/pace")) {
+                                        (v.csrf_field())
+                                        input type="text" name="max_rate" inputmode="decimal" size="8"
+                                            value=(p.max_rate.map(|r| r.to_string()).unwrap_or_default())
+                                            placeholder="none" aria-label="messages a second";
+                                        " /s "
+                                        button type="submit" { "set" }
+                                        span.note { " empty: not paced" }
+                                    }
+                                }
                             }
                         }
                     }

@@ -510,3 +510,62 @@ async fn the_console_works_on_a_pool_through_a_transaction_pooler() {
     let row = get(&format!("/outbox/rows/{dead}")).await;
     assert!(row.contains("<td id=\"col-status\"><span class=\"status pending\">pending</span></td>"), "{row}");
 }
+
+/// The pace of the dispatcher the console is attached to: shown on the overview, set with the
+/// bearer token (answered in JSON) or a session's form, refused without credentials or with a
+/// cap that is not a number above zero, the dispatcher's cap unchanged by every refusal.
+#[actix_web::test]
+async fn the_max_rate_is_shown_and_set_behind_the_token() {
+    use actix_outbox::dispatcher::{GetPace, Shutdown};
+    use actix_outbox::testkit::MemorySink;
+    use actix_outbox::{DispatcherConfig, OutboxSupervisor};
+
+    let db = TestDb::new().await;
+    let config = DispatcherConfig::default().max_rate(40.0);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), MemorySink::new()).unwrap();
+    let app = service(Console::new(db.pool.clone()).token(TOKEN).supervisor(dispatcher.clone())).await;
+    let cap = async || dispatcher.send(GetPace).await.unwrap().max_rate;
+
+    let page = body(test::call_service(&app, test::TestRequest::get().uri("/outbox/").to_request()).await).await;
+    assert!(page.contains(r#"<td id="pace">40/s"#), "{page}");
+    assert!(!page.contains("pace-form"), "no form before logging in: {page}");
+
+    let resp = test::call_service(&app, form_post("/outbox/pace", "max_rate=5").to_request()).await;
+    assert_eq!(resp.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(cap().await, Some(40.0));
+
+    let bearer = (header::AUTHORIZATION, format!("Bearer {TOKEN}"));
+    for (form, status, answer) in [
+        ("max_rate=250", StatusCode::OK, r#"{"max_rate":250.0}"#),
+        ("max_rate=0", StatusCode::BAD_REQUEST, r#"{"error":"max rate must be a number of messages a second above zero, not 0"}"#),
+        ("max_rate=fast", StatusCode::BAD_REQUEST, r#"{"error":"max_rate \"fast\" is not a number"}"#),
+    ] {
+        let resp = test::call_service(&app, form_post("/outbox/pace", form).insert_header(bearer.clone()).to_request()).await;
+        assert_eq!(resp.status(), status, "{form}");
+        assert_eq!(body(resp).await, answer, "{form}");
+        assert_eq!(cap().await, Some(250.0), "{form}");
+    }
+
+    let (cookie, csrf) = login(&app).await;
+    let req = test::TestRequest::get().uri("/outbox/").insert_header((header::COOKIE, cookie.clone())).to_request();
+    let page = body(test::call_service(&app, req).await).await;
+    assert!(page.contains(r#"<td id="pace">250/s"#), "{page}");
+    assert!(page.contains(r#"<form class="inline" id="pace-form" method="post" action="/outbox/pace">"#), "{page}");
+    assert!(page.contains(r#"name="max_rate" inputmode="decimal" size="8" value="250""#), "{page}");
+
+    let req = form_post("/outbox/pace", "max_rate=1").insert_header((header::COOKIE, cookie.clone()));
+    assert_eq!(test::call_service(&app, req.to_request()).await.status(), StatusCode::FORBIDDEN, "no CSRF token");
+    assert_eq!(cap().await, Some(250.0));
+    let req = form_post("/outbox/pace", &format!("csrf={csrf}&max_rate=")).insert_header((header::COOKIE, cookie));
+    let resp = test::call_service(&app, req.to_request()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(body(resp).await.contains("the dispatcher is not paced"));
+    assert_eq!(cap().await, None);
+    dispatcher.send(Shutdown).await.unwrap();
+
+    // A console without a dispatcher has no pace to set.
+    let app = service(Console::new(db.pool.clone()).token(TOKEN)).await;
+    let resp = test::call_service(&app, form_post("/outbox/pace", "max_rate=5").insert_header(bearer).to_request()).await;
+    assert_eq!(resp.status(), StatusCode::CONFLICT);
+    assert_eq!(body(resp).await, r#"{"error":"no dispatcher is attached to this console"}"#);
+}
