@@ -199,7 +199,11 @@ const HELP: &[(&str, MetricKind, &str)] = &[
     ("outbox_sink_up", MetricKind::Gauge, "1 while the sink says it is up and the sink gate is open, else 0."),
     ("outbox_claiming_paused", MetricKind::Gauge, "1 while the sink gate holds claiming back, else 0."),
     ("outbox_max_rate", MetricKind::Gauge, "The cap on messages a second, 0 when not paced."),
-    ("outbox_pace_rate", MetricKind::Gauge, "The pace now: the cap, or less while the broker pushes back; 0 when not paced."),
+    (
+        "outbox_pace_rate",
+        MetricKind::Gauge,
+        "The pace now: the cap, or less while the broker pushes back; 0 when not paced.",
+    ),
     ("outbox_publish_seconds", MetricKind::Histogram, "From the sink call to its answer."),
     (
         "outbox_delivery_lag_seconds",

@@ -68,6 +68,11 @@
 //! everything shares a few cores, end to end costs about the sum of the two ceilings' CPU per
 //! message, and these columns show it.
 //!
+//! 10. **drain** (`--phases drain`, once, after the runs): `--messages` rows end to end, first
+//!     unpaced, then paced at `--drain-rate` (`run --max-rate`, default 2,000 a second): the
+//!     rows done in each second of each drain, printed side by side, and with `--drain-svg
+//!     PATH` drawn as a plot of both curves.
+//!
 //! `--phases` picks phases (default `broker,database,e2e,latency`); `--json` prints one JSON document
 //! (the pooler comparison under each run's `pooler`).
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
@@ -129,6 +134,17 @@ struct Opts {
     /// Rows (messages) per throughput phase.
     #[arg(long, default_value_t = 100_000)]
     messages: usize,
+    /// Messages a second each dispatcher process publishes at most, as `actix-outbox run
+    /// --max-rate` (default: not paced).
+    #[arg(long)]
+    max_rate: Option<f64>,
+    /// Drain phase: the cap of its paced drain, beside the unpaced one.
+    #[arg(long, default_value_t = 2000.0)]
+    drain_rate: f64,
+    /// Drain phase: also write the two curves as an SVG plot to this file.
+    #[arg(long)]
+    #[serde(skip)]
+    drain_svg: Option<std::path::PathBuf>,
     /// Claim actors per dispatcher process.
     #[arg(long, default_value_t = DispatcherConfig::default().workers)]
     workers: usize,
@@ -241,6 +257,9 @@ enum Phase {
     /// End to end again, the new rows beside `--kept-done` rows of history; the report sets
     /// its rate against the e2e phase's, of the same run.
     History,
+    /// A drain of `--messages` rows end to end, unpaced then paced at `--drain-rate`: rows done
+    /// per second over time, once (not per run).
+    Drain,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -259,6 +278,9 @@ impl Opts {
         }
         if self.retention == RetentionArg::Delete {
             config = config.retention(actix_outbox::Retention::Delete);
+        }
+        if let Some(rate) = self.max_rate {
+            config = config.max_rate(rate);
         }
         config
     }

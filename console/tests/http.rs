@@ -537,10 +537,15 @@ async fn the_max_rate_is_shown_and_set_behind_the_token() {
     let bearer = (header::AUTHORIZATION, format!("Bearer {TOKEN}"));
     for (form, status, answer) in [
         ("max_rate=250", StatusCode::OK, r#"{"max_rate":250.0}"#),
-        ("max_rate=0", StatusCode::BAD_REQUEST, r#"{"error":"max rate must be a number of messages a second above zero, not 0"}"#),
+        (
+            "max_rate=0",
+            StatusCode::BAD_REQUEST,
+            r#"{"error":"max rate must be a number of messages a second above zero, not 0"}"#,
+        ),
         ("max_rate=fast", StatusCode::BAD_REQUEST, r#"{"error":"max_rate \"fast\" is not a number"}"#),
     ] {
-        let resp = test::call_service(&app, form_post("/outbox/pace", form).insert_header(bearer.clone()).to_request()).await;
+        let resp =
+            test::call_service(&app, form_post("/outbox/pace", form).insert_header(bearer.clone()).to_request()).await;
         assert_eq!(resp.status(), status, "{form}");
         assert_eq!(body(resp).await, answer, "{form}");
         assert_eq!(cap().await, Some(250.0), "{form}");
@@ -565,7 +570,8 @@ async fn the_max_rate_is_shown_and_set_behind_the_token() {
 
     // A console without a dispatcher has no pace to set.
     let app = service(Console::new(db.pool.clone()).token(TOKEN)).await;
-    let resp = test::call_service(&app, form_post("/outbox/pace", "max_rate=5").insert_header(bearer).to_request()).await;
+    let resp =
+        test::call_service(&app, form_post("/outbox/pace", "max_rate=5").insert_header(bearer).to_request()).await;
     assert_eq!(resp.status(), StatusCode::CONFLICT);
     assert_eq!(body(resp).await, r#"{"error":"no dispatcher is attached to this console"}"#);
 }

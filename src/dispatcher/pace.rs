@@ -103,7 +103,8 @@ impl Window {
     }
 
     fn is_pushback(&self) -> bool {
-        (self.pushed_back > 0 && self.pushed_back * 100 >= self.answers) || (self.slow > 0 && self.slow * 10 >= self.answers)
+        (self.pushed_back > 0 && self.pushed_back * 100 >= self.answers)
+            || (self.slow > 0 && self.slow * 10 >= self.answers)
     }
 }
 
@@ -267,7 +268,8 @@ mod tests {
         bucket.window.slow = 1;
         bucket.roll(start + 3 * WINDOW);
         assert_eq!(bucket.rate, 300.0);
-        for (n, expected) in [(4, 400.0), (5, 500.0), (6, 600.0), (7, 700.0), (8, 800.0), (9, 900.0), (10, 1000.0), (11, 1000.0)]
+        for (n, expected) in
+            [(4, 400.0), (5, 500.0), (6, 600.0), (7, 700.0), (8, 800.0), (9, 900.0), (10, 1000.0), (11, 1000.0)]
         {
             bucket.roll(start + n * WINDOW);
             assert_eq!(bucket.rate, expected, "window {n}");

@@ -20,7 +20,9 @@ use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually, unique
 const WITHIN: Duration = Duration::from_secs(60);
 
 fn sink_config(exchange: &str) -> RabbitConfig {
-    RabbitConfig::new(amqp_url()).exchange(exchange).reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
+    RabbitConfig::new(amqp_url())
+        .exchange(exchange)
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
 }
 
 /// Every row's `done_at`, oldest first.
@@ -85,10 +87,8 @@ async fn a_queue_that_rejects_publishes_slows_the_pace_until_it_takes_them() {
         .max_rate(CAP);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "the pace below its cap", || async {
-        dispatcher.send(GetPace).await.unwrap().is_pushed_back()
-    })
-    .await;
+    eventually(WITHIN, "the pace below its cap", || async { dispatcher.send(GetPace).await.unwrap().is_pushed_back() })
+        .await;
     let pace = dispatcher.send(GetPace).await.unwrap();
     assert!(pace.rate.unwrap() <= CAP / 2.0, "{pace:?}");
     assert_eq!(db.count_status("dead").await, 0);
@@ -97,7 +97,12 @@ async fn a_queue_that_rejects_publishes_slows_the_pace_until_it_takes_them() {
     // A consumer drains the queue: the publishes are taken again.
     let mut consumer = broker
         .channel
-        .basic_consume(queue.as_str().into(), unique("c").as_str().into(), BasicConsumeOptions::default(), FieldTable::default())
+        .basic_consume(
+            queue.as_str().into(),
+            unique("c").as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
         .await
         .unwrap();
     let mut delivered = Vec::new();

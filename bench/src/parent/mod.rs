@@ -5,6 +5,7 @@
 //! the consumer saw, `report` prints it.
 
 mod bouncer;
+mod drain;
 mod kids;
 mod phases;
 mod report;
@@ -169,6 +170,18 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         }
         runs.push(one_run(opts, names, &source, run, &mut db, &tally, bouncer.as_ref()).await?);
     }
+    let drain = match opts.phases.contains(&Phase::Drain) {
+        true => {
+            if !opts.json {
+                eprintln!("drain, unpaced then at {}/s...", opts.drain_rate);
+            }
+            Some(drain::drain(opts, names, &mut db, &tally).await?)
+        }
+        false => None,
+    };
+    if let (Some(curves), Some(path)) = (&drain, &opts.drain_svg) {
+        std::fs::write(path, drain::svg(curves, opts.messages))?;
+    }
     consumer.abort();
     let _ = amqp.close(200, "bench done".into()).await;
     let median = median_of(&runs);
@@ -184,5 +197,6 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         pooler: bouncer.as_ref().map(|b| b.description().to_owned()),
         runs,
         median,
+        drain,
     })
 }

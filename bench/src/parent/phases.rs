@@ -17,8 +17,8 @@ use super::tally::{Tally, tally_of};
 use crate::procstat::{Server, ServerTicks, machine_busy_seconds};
 use crate::{BoxError, EVENT_TYPE, Opts, Phase, RAW_ID_BASE, REPORT_PERIOD, RetentionArg, SETTLE};
 
-#[derive(Debug, Clone, Copy)]
-struct Spent {
+#[derive(Debug, Clone)]
+pub(super) struct Spent {
     wall: Duration,
     cpu_seconds: Option<f64>,
     /// CPU time of the dispatcher processes alone (dispatcher phases only).
@@ -30,7 +30,12 @@ struct Spent {
     rabbitmq_cpu_seconds: f64,
     /// Per message: PostgreSQL's CPU, and the pooler's (dispatcher phases only).
     cost: Cost,
+    /// Rows done so far, every [`CURVE_STEP`] from `go` (dispatcher phases only).
+    pub(super) curve: Vec<u64>,
 }
+
+/// How often a dispatcher phase notes the rows done so far.
+pub(super) const CURVE_STEP: Duration = Duration::from_millis(100);
 
 impl Spent {
     fn since(started: Instant, busy_before: Option<f64>, servers_before: &ServerTicks) -> Self {
@@ -45,6 +50,7 @@ impl Spent {
             postgres_cpu_seconds: servers_before.spent_since(&servers, Server::Postgres),
             rabbitmq_cpu_seconds: servers_before.spent_since(&servers, Server::Rabbitmq),
             cost: Cost::default(),
+            curve: Vec::new(),
         }
     }
 
@@ -68,7 +74,7 @@ impl Spent {
 
 /// Which way a phase's dispatcher children reach the database.
 #[derive(Clone, Copy)]
-enum Via<'a> {
+pub(super) enum Via<'a> {
     /// Straight to the server.
     Direct,
     /// Through the transaction pooler (`Pooler::Transaction`), the listener straight to the
@@ -131,6 +137,9 @@ fn common_args(opts: &Opts) -> Vec<String> {
     ];
     if let Some(n) = opts.max_in_flight {
         args.extend(["--max-in-flight".to_owned(), n.to_string()]);
+    }
+    if let Some(rate) = opts.max_rate {
+        args.extend(["--max-rate".to_owned(), rate.to_string()]);
     }
     if opts.fifo {
         args.push("--fifo".to_owned());
@@ -340,7 +349,7 @@ async fn broker_ceiling(
 /// Empties the table, inserts `kept` rows of history (`done` over the last day, one attempt
 /// each), then `n` pending rows, each in one statement, and vacuums and analyses it, as
 /// autovacuum would have. Returns the first pending id.
-async fn seed(db: &mut AsyncPgConnection, n: usize, kept: usize, opts: &Opts) -> Result<i64, BoxError> {
+pub(super) async fn seed(db: &mut AsyncPgConnection, n: usize, kept: usize, opts: &Opts) -> Result<i64, BoxError> {
     db.batch_execute("TRUNCATE outbox").await?;
     if kept > 0 {
         diesel::sql_query(
@@ -386,7 +395,12 @@ async fn seed(db: &mut AsyncPgConnection, n: usize, kept: usize, opts: &Opts) ->
 
 /// Fails unless exactly `n` new rows and `kept` rows of history exist and all are `done` (with
 /// `--retention delete`, only the history).
-async fn verify_done(db: &mut AsyncPgConnection, n: usize, kept: usize, deleted: bool) -> Result<(), BoxError> {
+pub(super) async fn verify_done(
+    db: &mut AsyncPgConnection,
+    n: usize,
+    kept: usize,
+    deleted: bool,
+) -> Result<(), BoxError> {
     #[derive(diesel::QueryableByName)]
     struct Count {
         #[diesel(sql_type = BigInt)]
@@ -408,7 +422,7 @@ async fn verify_done(db: &mut AsyncPgConnection, n: usize, kept: usize, deleted:
 /// Runs the dispatcher children with `sink` over the seeded table until `n` rows are done
 /// (and, with RabbitMQ, the consumer has every id); returns the time from `go`.
 #[allow(clippy::too_many_arguments)]
-async fn dispatch(
+pub(super) async fn dispatch(
     opts: &Opts,
     names: &Names,
     via: Via<'_>,
@@ -431,6 +445,7 @@ async fn dispatch(
     let deadline = tokio::time::Instant::now() + opts.phase_timeout;
     let mut confirms = HashMap::new();
     let mut max_lag = 0_u64;
+    let mut curve = Vec::new();
     let mut spent = loop {
         tokio::select! {
             line = kids.lines.recv() => match line {
@@ -441,6 +456,9 @@ async fn dispatch(
             () = tokio::time::sleep_until(deadline) => {
                 return Err(format!("{sink} phase timed out with {} of {n} rows done", kids.done()).into());
             }
+        }
+        while started.elapsed() >= CURVE_STEP * (curve.len() as u32 + 1) {
+            curve.push(kids.done());
         }
         let consumed = tally_of(tally).distinct;
         if rabbit {
@@ -458,6 +476,8 @@ async fn dispatch(
     }
     spent.dispatcher_cpu_seconds = dispatcher_cpu.is_finite().then_some(dispatcher_cpu);
     spent.consumer_lag = rabbit.then_some(max_lag);
+    curve.push(n as u64);
+    spent.curve = curve;
     Ok(spent)
 }
 

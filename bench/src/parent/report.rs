@@ -139,6 +139,8 @@ pub(super) struct Report<'a> {
     pub(super) pooler: Option<String>,
     pub(super) runs: Vec<RunResult>,
     pub(super) median: RunResult,
+    /// The drain phase's two curves, unpaced then paced.
+    pub(super) drain: Option<Vec<super::drain::DrainCurve>>,
 }
 
 #[derive(Serialize)]
@@ -357,6 +359,9 @@ pub(super) fn print_report(report: &Report<'_>) {
     }
     if report.runs.iter().any(|r| r.pooler.is_some()) {
         print_pooler(report);
+    }
+    if let Some(curves) = &report.drain {
+        super::drain::print(curves, report.options.messages);
     }
 }
 
