@@ -21,6 +21,7 @@ mod pooler;
 mod producers;
 mod queues;
 mod rabbit;
+mod routing;
 mod startup;
 mod store;
 mod testkit;
