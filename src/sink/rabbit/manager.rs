@@ -183,6 +183,12 @@ impl Manager {
                     }
                 }
                 event = events.next() => match event {
+                    // lapin reports a channel the broker closed as an error of the connection:
+                    // the prober's short-lived channel, closed by a 404 for an event's missing
+                    // exchange, is one. Only the connection or the publishing channel breaks the link.
+                    Some(Event::Error(e)) if conn.status().connected() && channel.status().connected() => {
+                        debug!(error = %e, "a channel other than the publishing one was closed; the link stands");
+                    }
                     Some(Event::Error(e)) => return Ended::Broken(format!("connection error: {e}")),
                     Some(Event::ConnectionBlocked(reason)) => {
                         warn!(reason = %reason, "RabbitMQ blocked the connection: publishes in flight wait for it, nothing new is claimed");
