@@ -53,6 +53,11 @@ pub enum StoreError {
         /// What was asked, and what else would do.
         what: &'static str,
     },
+    /// An event that could never be published was refused before it was written: its own
+    /// routing key or exchange ([`NewEvent::routing_key`](crate::NewEvent::routing_key),
+    /// [`NewEvent::exchange`](crate::NewEvent::exchange)) is one AMQP or RabbitMQ does not accept.
+    #[error("invalid event: {0}")]
+    InvalidEvent(String),
     /// A migration failed (the harness's error), or its thread did (the join error).
     #[error("migration failed: {}", with_causes(.0.as_ref()))]
     Migration(#[source] Cause),
@@ -135,6 +140,7 @@ impl StoreError {
             | StoreError::NoOutboxTable { .. }
             | StoreError::NoSystemIdentifier { .. }
             | StoreError::BehindTransactionPooler(_)
+            | StoreError::InvalidEvent(_)
             | StoreError::NeedsSession { .. } => false,
         }
     }
@@ -161,6 +167,7 @@ impl StoreError {
             | StoreError::OutsideTransaction(_)
             | StoreError::NoOutboxTable { .. }
             | StoreError::NoSystemIdentifier { .. }
+            | StoreError::InvalidEvent(_)
             | StoreError::NeedsSession { .. } => false,
         }
     }

@@ -258,7 +258,10 @@ impl NewEvent {
     ///
     /// The sink's own headers win: an entry named `x-deduplication-header` or `x-attempt`, or
     /// whose name starts with `x-outbox-` or `x-aggregate-`, is stored but not published (the
-    /// message carries the sink's value of that name instead). A name longer than 255 bytes
+    /// message carries the sink's value of that name instead). Two of them are read by the
+    /// sink: `x-outbox-routing-key` ([`NewEvent::routing_key`]) and `x-outbox-exchange`
+    /// ([`NewEvent::exchange`]). In [`CloudEventsMode::Binary`](crate::sink::CloudEventsMode::Binary)
+    /// an entry whose name starts with `cloudEvents:` is not published either. A name longer than 255 bytes
     /// cannot be sent over AMQP, nor headers that take more than
     /// [`MAX_PRODUCER_HEADER_BYTES`](crate::wire::MAX_PRODUCER_HEADER_BYTES) encoded (about the
     /// sum of names and values): the message then fails permanently (the row goes dead with a
@@ -285,6 +288,60 @@ impl NewEvent {
             }
         }
         self
+    }
+
+    /// Publishes the event with routing key `key` instead of the sink's
+    /// ([`RabbitConfig::routing_key_template`](crate::sink::RabbitConfig::routing_key_template),
+    /// or the event type). Stored as the header [`wire::ROUTING_KEY`](crate::wire::ROUTING_KEY)
+    /// (`x-outbox-routing-key`), which is never published; setting that header with
+    /// [`NewEvent::header`] does the same. A key longer than 255 bytes is refused by
+    /// [`enqueue`](crate::enqueue) with [`StoreError::InvalidEvent`](crate::StoreError::InvalidEvent)
+    /// (a row written otherwise goes dead when published).
+    ///
+    /// ```
+    /// let event = actix_outbox::NewEvent::new("order", "42", "created", serde_json::json!({})).routing_key("eu.order.created");
+    /// assert_eq!(event.headers, Some(serde_json::json!({"x-outbox-routing-key": "eu.order.created"})));
+    /// ```
+    #[must_use]
+    pub fn routing_key(self, key: impl Into<String>) -> Self {
+        self.header(crate::wire::ROUTING_KEY, key)
+    }
+
+    /// Publishes the event to the exchange `name` instead of the sink's
+    /// ([`RabbitConfig::exchange`](crate::sink::RabbitConfig::exchange)). Stored as the header
+    /// [`wire::EXCHANGE`](crate::wire::EXCHANGE) (`x-outbox-exchange`), which is never
+    /// published; setting that header with [`NewEvent::header`] does the same. The sink never
+    /// declares it: until the exchange exists, the message fails retryably (see
+    /// [`RabbitSink`](crate::sink::RabbitSink#exchange-and-routing-key)). A name RabbitMQ does not
+    /// accept (empty, over 255 bytes, other characters than letters, digits, `-`, `_`, `.`, `:`)
+    /// is refused by [`enqueue`](crate::enqueue) with
+    /// [`StoreError::InvalidEvent`](crate::StoreError::InvalidEvent).
+    ///
+    /// ```
+    /// let event = actix_outbox::NewEvent::new("order", "42", "created", serde_json::json!({})).exchange("billing");
+    /// assert_eq!(event.headers, Some(serde_json::json!({"x-outbox-exchange": "billing"})));
+    /// ```
+    #[must_use]
+    pub fn exchange(self, name: impl Into<String>) -> Self {
+        self.header(crate::wire::EXCHANGE, name)
+    }
+
+    /// Whether the event's own routing key and exchange can be published.
+    pub(crate) fn check(&self) -> Result<(), String> {
+        let Some(serde_json::Value::Object(headers)) = &self.headers else { return Ok(()) };
+        if let Some(key) = headers.get(crate::wire::ROUTING_KEY) {
+            match key {
+                serde_json::Value::String(key) => crate::wire::check_routing_key(key)?,
+                other => return Err(format!("the routing key header holds {other}, not a string")),
+            }
+        }
+        if let Some(name) = headers.get(crate::wire::EXCHANGE) {
+            match name {
+                serde_json::Value::String(name) => crate::wire::check_exchange(name)?,
+                other => return Err(format!("the exchange header holds {other}, not a string")),
+            }
+        }
+        Ok(())
     }
 }
 

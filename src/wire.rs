@@ -16,8 +16,35 @@
 //! | [`ATTEMPT`] header | the claim's attempt number, 1 on the first |
 //! | [`DEDUPLICATION`] header | `<source>/<id>`, only when turned on, for brokers that run the message-deduplication plugin |
 //! | the producer's headers | [`NewEvent::header`](crate::NewEvent::header), as long strings |
+//! | `cloudEvents:*` application properties | only in [`CloudEventsMode::Binary`](crate::sink::CloudEventsMode::Binary); see [CloudEvents](self#cloudevents) |
 //!
-//! Delivery is persistent. The body is the payload's JSON text.
+//! Delivery is persistent. The body is the payload's JSON text. The exchange and the routing
+//! key are the sink's ([`RabbitConfig::exchange`](crate::sink::RabbitConfig::exchange),
+//! [`RabbitConfig::routing_key_template`](crate::sink::RabbitConfig::routing_key_template)) unless the event
+//! names its own ([`NewEvent::exchange`](crate::NewEvent::exchange),
+//! [`NewEvent::routing_key`](crate::NewEvent::routing_key), stored as the reserved headers
+//! [`EXCHANGE`] and [`ROUTING_KEY`], which are never published).
+//!
+//! # CloudEvents
+//!
+//! In [`CloudEventsMode::Binary`](crate::sink::CloudEventsMode::Binary) every message is also a
+//! CloudEvent in the binary content mode of the CloudEvents AMQP protocol binding 1.0: the body
+//! is the event's data, `content_type` its `datacontenttype` (`application/json`), and the
+//! attributes are application properties (AMQP headers) named `cloudEvents:<attribute>`, each
+//! a string:
+//!
+//! | header | value |
+//! | --- | --- |
+//! | [`CE_SPECVERSION`] | `1.0` |
+//! | [`CE_ID`] | the outbox id in decimal (the `message_id`) |
+//! | [`CE_SOURCE`] | the outbox's source (see [Message identity](self#message-identity)), a URI reference: characters a URI cannot hold (space, `%`, non-ASCII...) percent-encoded |
+//! | [`CE_TYPE`] | the event type |
+//! | [`CE_TIME`] | the row's `created_at`, RFC 3339 in UTC with microseconds |
+//! | [`CE_SUBJECT`] | `<aggregate_type>/<aggregate_id>` |
+//!
+//! The inbox reads [`CE_SOURCE`], [`CE_ID`] and [`CE_TYPE`] when the message has no
+//! [`SOURCE`] header, `message_id` or `type` property, so it deduplicates CloudEvents of any
+//! producer whose ids are decimal integers.
 //!
 //! # Message identity
 //!
@@ -49,6 +76,26 @@ pub const ATTEMPT: &str = "x-attempt";
 /// ([`RabbitConfig::deduplication_header`](crate::sink::RabbitConfig::deduplication_header)),
 /// as `<source>/<id>`.
 pub const DEDUPLICATION: &str = "x-deduplication-header";
+/// The reserved producer header that names a message's routing key
+/// ([`NewEvent::routing_key`](crate::NewEvent::routing_key)); never published.
+pub const ROUTING_KEY: &str = "x-outbox-routing-key";
+/// The reserved producer header that names a message's exchange
+/// ([`NewEvent::exchange`](crate::NewEvent::exchange)); never published.
+pub const EXCHANGE: &str = "x-outbox-exchange";
+/// CloudEvents `specversion` attribute, as an AMQP application property.
+pub const CE_SPECVERSION: &str = "cloudEvents:specversion";
+/// CloudEvents `id` attribute, as an AMQP application property.
+pub const CE_ID: &str = "cloudEvents:id";
+/// CloudEvents `source` attribute, as an AMQP application property.
+pub const CE_SOURCE: &str = "cloudEvents:source";
+/// CloudEvents `type` attribute, as an AMQP application property.
+pub const CE_TYPE: &str = "cloudEvents:type";
+/// CloudEvents `time` attribute, as an AMQP application property.
+pub const CE_TIME: &str = "cloudEvents:time";
+/// CloudEvents `subject` attribute, as an AMQP application property.
+pub const CE_SUBJECT: &str = "cloudEvents:subject";
+/// The prefix of every CloudEvents attribute in the AMQP binding.
+pub const CE_PREFIX: &str = "cloudEvents:";
 /// The `content_type` of every message.
 pub const CONTENT_TYPE: &str = "application/json";
 
@@ -64,6 +111,32 @@ pub(crate) fn is_reserved(name: &str) -> bool {
     name.starts_with("x-outbox-") || name.starts_with("x-aggregate-") || name == DEDUPLICATION || name == ATTEMPT
 }
 
+/// Whether RabbitMQ accepts `name` as the exchange an event names ([`EXCHANGE`]): at most 255
+/// bytes of letters, digits, `-`, `_`, `.` and `:`, not empty (the default exchange is the
+/// sink's to choose).
+pub(crate) fn check_exchange(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("the event names an empty exchange; leave it out to use the sink's".into());
+    }
+    if let Some(bad) = name.chars().find(|c| !(c.is_ascii_alphanumeric() || "-_.:".contains(*c))) {
+        return Err(format!(
+            "exchange name {name:?} holds {bad:?}; RabbitMQ allows letters, digits, '-', '_', '.' and ':'"
+        ));
+    }
+    if name.len() > 255 {
+        return Err(format!("exchange name is {} bytes long; AMQP allows 255", name.len()));
+    }
+    Ok(())
+}
+
+/// Whether AMQP can carry `key` as a routing key: at most 255 bytes.
+pub(crate) fn check_routing_key(key: &str) -> Result<(), String> {
+    if key.len() > 255 {
+        return Err(format!("routing key is {} bytes long; AMQP allows 255", key.len()));
+    }
+    Ok(())
+}
+
 /// Which of the sink's own headers a message carries.
 #[derive(Debug, Clone)]
 pub(crate) struct Format {
@@ -73,6 +146,42 @@ pub(crate) struct Format {
     pub(crate) outbox_headers: bool,
     /// [`DEDUPLICATION`].
     pub(crate) deduplication_header: bool,
+    /// The `cloudEvents:*` attributes (see [CloudEvents](self#cloudevents)).
+    pub(crate) cloudevents: bool,
+}
+
+/// The characters a URI reference cannot hold as they are (RFC 3986: anything but unreserved,
+/// reserved and `%`-escapes), `%` itself included so that encoding is reversible.
+const NOT_URI: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+    .add(b' ')
+    .add(b'"')
+    .add(b'%')
+    .add(b'<')
+    .add(b'>')
+    .add(b'\\')
+    .add(b'^')
+    .add(b'`')
+    .add(b'{')
+    .add(b'|')
+    .add(b'}');
+
+/// The outbox source as a CloudEvents `source`: a URI reference. A first path segment with a
+/// `:` would read as a scheme, so a source with a `:` before any `/` that is not a valid scheme
+/// gets its colons encoded.
+pub(crate) fn cloudevents_source(source: &str) -> String {
+    let encoded = percent_encoding::utf8_percent_encode(source, NOT_URI).to_string();
+    let first = encoded.split(['/', '?', '#']).next().unwrap_or_default();
+    match first.split_once(':') {
+        Some((scheme, _))
+            if scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+                && scheme.chars().all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c)) =>
+        {
+            encoded
+        }
+        Some(_) => encoded.replacen(':', "%3A", first.matches(':').count()),
+        None if encoded.is_empty() => "urn:actix-outbox:unnamed".to_owned(),
+        None => encoded,
+    }
 }
 
 /// The AMQP properties and headers of `message` (the table above).
@@ -85,7 +194,7 @@ pub(crate) fn properties(message: &OutboxMessage, format: &Format) -> Result<Bas
     // namespaces are left out altogether (see `is_reserved`).
     let mut encoded = 0_usize;
     for (name, value) in &message.headers {
-        if is_reserved(name) {
+        if is_reserved(name) || (format.cloudevents && name.starts_with(CE_PREFIX)) {
             continue;
         }
         // Name length octet, name, type tag, value length, value.
@@ -118,6 +227,17 @@ pub(crate) fn properties(message: &OutboxMessage, format: &Format) -> Result<Bas
         headers.insert(AGGREGATE_TYPE.into(), AMQPValue::LongString(message.aggregate_type.as_str().into()));
         headers.insert(AGGREGATE_ID.into(), AMQPValue::LongString(message.aggregate_id.as_str().into()));
         headers.insert(ATTEMPT.into(), AMQPValue::LongInt(message.attempts));
+    }
+    if format.cloudevents {
+        let text = |s: &str| AMQPValue::LongString(s.into());
+        headers.insert(CE_SPECVERSION.into(), text("1.0"));
+        headers.insert(CE_ID.into(), text(&id));
+        headers.insert(CE_SOURCE.into(), text(&cloudevents_source(&message.source)));
+        headers.insert(CE_TYPE.into(), text(&message.event_type));
+        let time = message.created_at.to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+        headers.insert(CE_TIME.into(), text(&time));
+        let subject = format!("{}/{}", message.aggregate_type, message.aggregate_id);
+        headers.insert(CE_SUBJECT.into(), text(&subject));
     }
     if format.deduplication_header {
         let key = format!("{}/{id}", message.source);
@@ -173,7 +293,7 @@ mod tests {
     use super::*;
 
     fn format(outbox_headers: bool, deduplication_header: bool) -> Format {
-        Format { app_id: "app".into(), outbox_headers, deduplication_header }
+        Format { app_id: "app".into(), outbox_headers, deduplication_header, cloudevents: false }
     }
 
     fn message() -> OutboxMessage {
@@ -203,6 +323,32 @@ mod tests {
         let headers = p.headers().clone().unwrap();
         assert_eq!(headers.inner().get(DEDUPLICATION).and_then(value_str), Some("7/shop/public.outbox/42"));
         assert!(properties(&message(), &format(false, false)).unwrap().headers().is_none(), "lean: no table");
+    }
+
+    #[test]
+    fn sources_become_uri_references() {
+        assert_eq!(cloudevents_source("7/shop/public.outbox"), "7/shop/public.outbox");
+        assert_eq!(cloudevents_source("urn:shop:orders"), "urn:shop:orders");
+        assert_eq!(cloudevents_source("my shop/100%"), "my%20shop/100%25");
+        assert_eq!(cloudevents_source("1:2/x:y"), "1%3A2/x:y");
+        assert_eq!(cloudevents_source(""), "urn:actix-outbox:unnamed");
+    }
+
+    #[test]
+    fn cloudevents_attributes_are_strings_and_win_over_the_producers() {
+        let mut m = message();
+        m.headers.insert(CE_TYPE.into(), "forged".into());
+        m.created_at = "2026-01-02T03:04:05.123456Z".parse().unwrap();
+        let p = properties(&m, &Format { cloudevents: true, ..format(false, false) }).unwrap();
+        let headers = p.headers().clone().unwrap();
+        let get = |name: &str| headers.inner().get(name).and_then(value_str).map(str::to_owned);
+        assert_eq!(header_names(&p), [CE_ID, CE_SOURCE, CE_SPECVERSION, CE_SUBJECT, CE_TIME, CE_TYPE]);
+        assert_eq!(get(CE_ID).as_deref(), Some("42"));
+        assert_eq!(get(CE_SOURCE).as_deref(), Some("7/shop/public.outbox"));
+        assert_eq!(get(CE_TYPE).as_deref(), Some("order.paid"));
+        assert_eq!(get(CE_TIME).as_deref(), Some("2026-01-02T03:04:05.123456Z"));
+        assert_eq!(get(CE_SUBJECT).as_deref(), Some("order/o-1"));
+        assert_eq!(get(CE_SPECVERSION).as_deref(), Some("1.0"));
     }
 
     #[test]

@@ -30,6 +30,13 @@ pub struct EnqueueArgs {
     /// The event body, a JSON document
     #[arg(long, value_name = "JSON", value_parser = parse_json)]
     pub payload: serde_json::Value,
+    /// Publish it with this routing key instead of the dispatcher's (at most 255 bytes)
+    #[arg(long, value_name = "KEY")]
+    pub routing_key: Option<String>,
+    /// Publish it to this exchange instead of the dispatcher's (it must exist; until it does,
+    /// the event is retried)
+    #[arg(long, value_name = "NAME")]
+    pub exchange: Option<String>,
 }
 
 pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
@@ -44,7 +51,13 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
     }
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, args.payload);
+    let mut event = NewEvent::new(args.aggregate_type, args.aggregate_id, args.event_type, args.payload);
+    if let Some(key) = args.routing_key {
+        event = event.routing_key(key);
+    }
+    if let Some(name) = args.exchange {
+        event = event.exchange(name);
+    }
     // In a transaction, as a producer's insert is, so that it works through a transaction pooler.
     let id = conn
         .transaction(async |tx| actix_outbox::enqueue(tx, &event).await)

@@ -277,7 +277,7 @@ impl CliError {
     /// (password masked): a malformed string is bad input, anything else a failure.
     fn store(url: &ConnectionString, e: StoreError) -> Self {
         match &e {
-            StoreError::BadUrl(_) => CliError::BadInput(e.to_string()),
+            StoreError::BadUrl(_) | StoreError::InvalidEvent(_) => CliError::BadInput(e.to_string()),
             StoreError::Connect(cause) => {
                 CliError::Failed(format!("cannot connect to PostgreSQL at {url}: {}", with_causes(cause.as_ref())))
             }

@@ -21,7 +21,7 @@ use tracing::{info, warn};
 
 use crate::{CliError, DatabaseArgs, FifoArgs, connect, serve};
 use actix_outbox::dispatcher::Shutdown;
-use actix_outbox::sink::{QueueKind, RabbitConfig, RabbitError, RabbitSink};
+use actix_outbox::sink::{CloudEventsMode, QueueKind, RabbitConfig, RabbitError, RabbitSink};
 use actix_outbox::{DispatcherConfig, OutboxSupervisor, Retention};
 
 /// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
@@ -77,9 +77,20 @@ pub struct RunArgs {
         hide_env_values = true
     )]
     pub amqp_url: Vec<String>,
-    /// Exchange every message is published to (routing key: the event type)
+    /// Exchange every message is published to, unless its event names its own
     #[arg(long, value_name = "NAME", default_value_t = SINK.exchange.clone())]
     pub exchange: String,
+    /// Routing key of the messages whose event names none of its own (default: the event
+    /// type), with the placeholders {aggregate_type}, {aggregate_id}, {event_type} and {source},
+    /// e.g. '{aggregate_type}.{event_type}'; {{ and }} are literal braces. An unknown
+    /// placeholder or an unbalanced brace exits 2
+    #[arg(long, value_name = "TEMPLATE")]
+    pub routing_key: Option<String>,
+    /// binary: every message is also a CloudEvent of the CloudEvents AMQP binding's binary mode
+    /// (cloudEvents:id, :source, :type, :specversion, :time, :subject headers; the body its
+    /// data), read by any CloudEvents SDK
+    #[arg(long, value_name = "MODE", value_enum, default_value_t = CloudEvents::Off)]
+    pub cloudevents: CloudEvents,
     /// Do not declare the exchange (durable topic) at connect; it must exist already
     #[arg(long)]
     pub no_declare: bool,
@@ -185,6 +196,26 @@ impl From<RetentionArg> for Retention {
         match arg {
             RetentionArg::Keep => Retention::Keep,
             RetentionArg::Delete => Retention::Delete,
+        }
+    }
+}
+
+/// `--cloudevents`: [`CloudEventsMode`] on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[non_exhaustive]
+pub enum CloudEvents {
+    /// Plain outbox messages (the default)
+    #[default]
+    Off,
+    /// CloudEvents in the AMQP binding's binary content mode
+    Binary,
+}
+
+impl From<CloudEvents> for CloudEventsMode {
+    fn from(arg: CloudEvents) -> Self {
+        match arg {
+            CloudEvents::Off => CloudEventsMode::Off,
+            CloudEvents::Binary => CloudEventsMode::Binary,
         }
     }
 }
@@ -303,7 +334,11 @@ impl RunArgs {
             .exchange(self.exchange.clone())
             .declare_exchange(!self.no_declare)
             .outbox_headers(!self.no_outbox_headers)
-            .deduplication_header(self.deduplication_header);
+            .deduplication_header(self.deduplication_header)
+            .cloudevents(self.cloudevents.into());
+        if let Some(template) = &self.routing_key {
+            config = config.routing_key_template(template);
+        }
         for (queue, pattern) in &self.bind_queue {
             config = config.bind_queue_with(queue, pattern, self.queue_type.into());
         }

@@ -48,6 +48,8 @@ pub(crate) enum Confirmed {
     NotConfirmMode,
     /// The channel or the connection failed before the answer came.
     Failed(lapin::Error),
+    /// Not published: the exchange an event named cannot be used (it does not exist, say); why.
+    NoExchange(String),
 }
 
 /// Reads the result of awaiting a publish and its confirm.

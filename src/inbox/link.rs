@@ -197,5 +197,6 @@ pub(crate) async fn publish_confirmed(
         }
         Confirmed::NotConfirmMode => Err(PublishFailure::Link("the channel is not in confirm mode".into())),
         Confirmed::Failed(e) => Err(PublishFailure::Link(e.to_string())),
+        Confirmed::NoExchange(why) => Err(PublishFailure::Refused(why)),
     }
 }

@@ -26,11 +26,17 @@ pub const ROUTING_KEY_HEADER: &str = "x-inbox-routing-key";
 /// The consumer builds it from a delivery in the outbox's [wire format](crate::wire): the AMQP
 /// `message_id` (the producer's outbox id, decimal), the `type` property, the
 /// `x-outbox-source`, `x-aggregate-type`, `x-aggregate-id` and `x-attempt` headers that the
-/// outbox's RabbitMQ sink sets, and the body.
+/// outbox's RabbitMQ sink sets, and the body. A CloudEvent in the AMQP binding's binary mode
+/// (from any producer) is read too: where the message has no `message_id`, `type` or
+/// `x-outbox-source`, its `cloudEvents:id` (a decimal integer), `cloudEvents:type` and
+/// `cloudEvents:source` stand in, and a `cloudEvents:subject` of the form
+/// `<aggregate_type>/<aggregate_id>` stands in for the aggregate headers (see
+/// [`wire`](crate::wire#cloudevents)).
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub struct InboxMessage {
-    /// The producing outbox (the `x-outbox-source` header); empty when the message had none.
+    /// The producing outbox (the `x-outbox-source` header, else `cloudEvents:source`); empty
+    /// when the message had neither.
     /// With [`InboxMessage::message_id`] it is the key of exactly-once: ids are unique only
     /// within one source, so a message without a source must come from a producer whose ids
     /// are unique by themselves.
@@ -142,18 +148,30 @@ impl InboxMessage {
         let header_str = |name: &str| headers.inner().get(name).and_then(value_str).map(str::to_owned);
         let header_int = |name: &str| headers.inner().get(name).and_then(value_int);
 
-        let message_id = match properties.message_id() {
-            None => return Err("the message has no message_id property".into()),
-            Some(id) => id
-                .as_str()
-                .trim()
-                .parse::<i64>()
-                .map_err(|_| format!("message_id {:?} is not a decimal 64-bit integer", id.as_str()))?,
-        };
-        let event_type = properties.kind().as_ref().map(|k| k.as_str().to_owned()).unwrap_or_default();
-        let source = header_str(wire::SOURCE).unwrap_or_default();
-        let aggregate_type = header_str(wire::AGGREGATE_TYPE).unwrap_or_default();
-        let aggregate_id = header_str(wire::AGGREGATE_ID).unwrap_or_default();
+        // A CloudEvent of the AMQP binding (wire#cloudevents) names itself in `cloudEvents:*`
+        // application properties: read where the outbox's own properties are absent.
+        let message_id =
+            match properties.message_id().as_ref().map(|id| id.as_str().to_owned()).or_else(|| header_str(wire::CE_ID))
+            {
+                None => return Err("the message has no message_id property (nor cloudEvents:id)".into()),
+                Some(id) => id
+                    .trim()
+                    .parse::<i64>()
+                    .map_err(|_| format!("message_id {id:?} is not a decimal 64-bit integer"))?,
+            };
+        let event_type = properties
+            .kind()
+            .as_ref()
+            .map(|k| k.as_str().to_owned())
+            .or_else(|| header_str(wire::CE_TYPE))
+            .unwrap_or_default();
+        let source = header_str(wire::SOURCE).or_else(|| header_str(wire::CE_SOURCE)).unwrap_or_default();
+        let subject = header_str(wire::CE_SUBJECT);
+        let subject = subject.as_deref().and_then(|s| s.split_once('/'));
+        let aggregate_type =
+            header_str(wire::AGGREGATE_TYPE).or_else(|| subject.map(|(t, _)| t.to_owned())).unwrap_or_default();
+        let aggregate_id =
+            header_str(wire::AGGREGATE_ID).or_else(|| subject.map(|(_, i)| i.to_owned())).unwrap_or_default();
         for (what, text) in [
             ("type", &event_type),
             (wire::SOURCE, &source),

@@ -14,4 +14,6 @@ mod rabbit;
 
 pub use crate::publisher::{ActorPublisher, FnPublisher, Publish, PublishFuture, SinkState, publisher_fn};
 pub use channel::{ChannelSink, SinkAction};
-pub use rabbit::{ExchangeKind, QueueBinding, QueueKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn};
+pub use rabbit::{
+    CloudEventsMode, ExchangeKind, QueueBinding, QueueKind, RabbitConfig, RabbitError, RabbitSink, RoutingKeyFn,
+};

@@ -28,6 +28,7 @@ use crate::schema::outbox;
 /// # Ok(()) }
 /// ```
 pub async fn enqueue(conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<i64, StoreError> {
+    event.check().map_err(StoreError::InvalidEvent)?;
     Ok(diesel::insert_into(outbox::table).values(event).returning(outbox::id).get_result(conn).await?)
 }
 
@@ -35,6 +36,9 @@ pub async fn enqueue(conn: &mut AsyncPgConnection, event: &NewEvent) -> Result<i
 pub async fn enqueue_many(conn: &mut AsyncPgConnection, events: &[NewEvent]) -> Result<Vec<i64>, StoreError> {
     if events.is_empty() {
         return Ok(Vec::new());
+    }
+    for event in events {
+        event.check().map_err(StoreError::InvalidEvent)?;
     }
     // A multi-row INSERT assigns identity values in VALUES order.
     let mut ids: Vec<i64> =

@@ -22,6 +22,7 @@ mod pooler;
 mod producers;
 mod queues;
 mod rabbit;
+mod routing;
 mod startup;
 mod store;
 mod testkit;

@@ -33,6 +33,122 @@ const DEFAULT_UNRESPONSIVE_AFTER: Duration = Duration::from_secs(5);
 /// Computes a message's routing key; see [`RabbitConfig::routing_key`].
 pub type RoutingKeyFn = dyn Fn(&OutboxMessage) -> String + Send + Sync;
 
+/// Whether messages are also CloudEvents; see [`RabbitConfig::cloudevents`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CloudEventsMode {
+    /// Plain outbox messages (the default).
+    #[default]
+    Off,
+    /// Every message is a CloudEvent in the binary content mode of the CloudEvents AMQP
+    /// protocol binding 1.0: `cloudEvents:*` application properties, the body the event's data
+    /// (see [`wire`](crate::wire#cloudevents)).
+    Binary,
+}
+
+impl std::str::FromStr for CloudEventsMode {
+    type Err = String;
+
+    /// `off` or `binary`.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" => Ok(Self::Off),
+            "binary" => Ok(Self::Binary),
+            other => Err(format!("unknown CloudEvents mode {other:?}; expected `off` or `binary`")),
+        }
+    }
+}
+
+/// One piece of a parsed routing key template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Text(String),
+    AggregateType,
+    AggregateId,
+    EventType,
+    Source,
+}
+
+/// A parsed [`RabbitConfig::routing_key_template`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Template(Vec<Piece>);
+
+impl Template {
+    /// Parses `template`: text with the placeholders `{aggregate_type}`, `{aggregate_id}`,
+    /// `{event_type}` and `{source}`; `{{` and `}}` stand for braces.
+    fn parse(template: &str) -> Result<Self, String> {
+        let mut pieces = Vec::new();
+        let mut text = String::new();
+        let mut chars = template.char_indices().peekable();
+        while let Some((at, c)) = chars.next() {
+            match c {
+                '{' if chars.peek().map(|&(_, n)| n) == Some('{') => {
+                    chars.next();
+                    text.push('{');
+                }
+                '}' if chars.peek().map(|&(_, n)| n) == Some('}') => {
+                    chars.next();
+                    text.push('}');
+                }
+                '{' => {
+                    let rest = &template[at + 1..];
+                    let Some(end) = rest.find(['}', '{']).filter(|&end| rest[end..].starts_with('}')) else {
+                        return Err(format!(
+                            "routing key template {template:?}: the brace at byte {at} is not closed \
+                             (write {{{{ for a literal brace)"
+                        ));
+                    };
+                    let name = &rest[..end];
+                    let piece = match name {
+                        "aggregate_type" => Piece::AggregateType,
+                        "aggregate_id" => Piece::AggregateId,
+                        "event_type" => Piece::EventType,
+                        "source" => Piece::Source,
+                        other => {
+                            return Err(format!(
+                                "routing key template {template:?}: unknown placeholder {{{other}}}; \
+                                 known: {{aggregate_type}}, {{aggregate_id}}, {{event_type}}, {{source}}"
+                            ));
+                        }
+                    };
+                    if !text.is_empty() {
+                        pieces.push(Piece::Text(std::mem::take(&mut text)));
+                    }
+                    pieces.push(piece);
+                    for _ in 0..name.chars().count() + 1 {
+                        chars.next();
+                    }
+                }
+                '}' => {
+                    return Err(format!(
+                        "routing key template {template:?}: the brace at byte {at} closes nothing \
+                         (write }}}} for a literal brace)"
+                    ));
+                }
+                c => text.push(c),
+            }
+        }
+        if !text.is_empty() {
+            pieces.push(Piece::Text(text));
+        }
+        Ok(Self(pieces))
+    }
+
+    fn render(&self, message: &OutboxMessage) -> String {
+        let mut key = String::new();
+        for piece in &self.0 {
+            key.push_str(match piece {
+                Piece::Text(t) => t,
+                Piece::AggregateType => &message.aggregate_type,
+                Piece::AggregateId => &message.aggregate_id,
+                Piece::EventType => &message.event_type,
+                Piece::Source => &message.source,
+            });
+        }
+        key
+    }
+}
+
 /// How a [`RabbitSink`](super::RabbitSink) connects and what it publishes.
 ///
 /// Start from [`RabbitConfig::new`] (every default set there) and chain setters:
@@ -108,7 +224,12 @@ pub struct RabbitConfig {
     /// RabbitMQ's message-deduplication plugin reads (see [`wire::DEDUPLICATION`]). Turn it on
     /// for brokers that run the plugin. Default `false`.
     pub deduplication_header: bool,
+    /// Whether every message is also a CloudEvent; see [`CloudEventsMode`]. Default
+    /// [`CloudEventsMode::Off`].
+    pub cloudevents: CloudEventsMode,
     pub(super) routing_key: Option<Arc<RoutingKeyFn>>,
+    /// What [`RabbitConfig::routing_key_template`] was given, and why it does not parse.
+    template: Option<(String, Option<String>)>,
 }
 
 impl std::fmt::Debug for RabbitConfig {
@@ -127,7 +248,15 @@ impl std::fmt::Debug for RabbitConfig {
             .field("unresponsive_after", &self.unresponsive_after)
             .field("outbox_headers", &self.outbox_headers)
             .field("deduplication_header", &self.deduplication_header)
-            .field("routing_key", &if self.routing_key.is_some() { "custom" } else { "event_type" })
+            .field("cloudevents", &self.cloudevents)
+            .field(
+                "routing_key",
+                &match (&self.template, &self.routing_key) {
+                    (Some((template, _)), _) => template.as_str(),
+                    (None, Some(_)) => "custom",
+                    (None, None) => "event_type",
+                },
+            )
             .finish()
     }
 }
@@ -149,6 +278,7 @@ impl RabbitConfig {
     /// | [`unresponsive_after`](RabbitConfig::unresponsive_after) | 5 s |
     /// | [`outbox_headers`](RabbitConfig::outbox_headers) | `true` |
     /// | [`deduplication_header`](RabbitConfig::deduplication_header) | `false` |
+    /// | [`cloudevents`](RabbitConfig::cloudevents) | [`CloudEventsMode::Off`] |
     /// | [`routing_key`](RabbitConfig::routing_key) | the event type |
     ///
     /// ```
@@ -181,7 +311,9 @@ impl RabbitConfig {
             unresponsive_after: DEFAULT_UNRESPONSIVE_AFTER,
             outbox_headers: true,
             deduplication_header: false,
+            cloudevents: CloudEventsMode::Off,
             routing_key: None,
+            template: None,
         }
     }
 
@@ -206,12 +338,20 @@ impl RabbitConfig {
         wire::properties(message, &self.format())
     }
 
+    /// Sets [`RabbitConfig::cloudevents`].
+    #[must_use]
+    pub fn cloudevents(mut self, mode: CloudEventsMode) -> Self {
+        self.cloudevents = mode;
+        self
+    }
+
     pub(super) fn format(&self) -> wire::Format {
         wire::Format {
             // validate() checked its length.
             app_id: ShortString::try_new(self.app_id.as_str()).unwrap_or_default(),
             outbox_headers: self.outbox_headers,
             deduplication_header: self.deduplication_header,
+            cloudevents: self.cloudevents == CloudEventsMode::Binary,
         }
     }
 
@@ -287,20 +427,59 @@ impl RabbitConfig {
         self
     }
 
-    /// Replaces the routing key (by default the message's `event_type`) with `f(message)`.
-    /// A key longer than 255 bytes makes that message fail permanently.
+    /// Replaces the routing key (by default the message's `event_type`) with `f(message)`,
+    /// for the messages whose event names no key of its own
+    /// ([`NewEvent::routing_key`](crate::NewEvent::routing_key) wins). A key longer than 255
+    /// bytes makes that message fail permanently. Replaces a
+    /// [`RabbitConfig::routing_key_template`].
     #[must_use]
     pub fn routing_key(mut self, f: impl Fn(&OutboxMessage) -> String + Send + Sync + 'static) -> Self {
         self.routing_key = Some(Arc::new(f));
+        self.template = None;
         self
     }
 
-    /// The routing key of `message` under this configuration.
-    pub fn routing_key_of(&self, message: &OutboxMessage) -> String {
-        match &self.routing_key {
-            Some(f) => f(message),
-            None => message.event_type.clone(),
+    /// Replaces the routing key (by default the message's `event_type`) with `template`, for
+    /// the messages whose event names no key of its own
+    /// ([`NewEvent::routing_key`](crate::NewEvent::routing_key) wins). The placeholders
+    /// `{aggregate_type}`, `{aggregate_id}`, `{event_type}` and `{source}` stand for the
+    /// message's; `{{` and `}}` for literal braces. The template is parsed here once: an
+    /// unknown placeholder or an unbalanced brace makes [`RabbitConfig::validate`] (so
+    /// [`RabbitSink::connect`](super::RabbitSink::connect)) fail with [`RabbitError::Config`]
+    /// saying which. Replaces a [`RabbitConfig::routing_key`] function.
+    ///
+    /// ```
+    /// use actix_outbox::OutboxMessage;
+    /// use actix_outbox::sink::RabbitConfig;
+    ///
+    /// let config = RabbitConfig::new("amqp://h").routing_key_template("{aggregate_type}.{event_type}");
+    /// let payload = serde_json::value::to_raw_value(&serde_json::json!({})).unwrap();
+    /// let message = OutboxMessage::new(7, "order", "42", "paid", payload);
+    /// assert_eq!(config.routing_key_of(&message), "order.paid");
+    /// let bad = RabbitConfig::new("amqp://h").routing_key_template("{tenant}.{event_type}").validate().unwrap_err();
+    /// assert!(bad.to_string().contains("unknown placeholder {tenant}"), "{bad}");
+    /// ```
+    #[must_use]
+    pub fn routing_key_template(mut self, template: impl Into<String>) -> Self {
+        let template = template.into();
+        match Template::parse(&template) {
+            Ok(parsed) => {
+                self.routing_key = Some(Arc::new(move |m: &OutboxMessage| parsed.render(m)));
+                self.template = Some((template, None));
+            }
+            Err(why) => {
+                self.routing_key = None;
+                self.template = Some((template, Some(why)));
+            }
         }
+        self
+    }
+
+    /// The routing key of `message` under this configuration: the event's own
+    /// ([`NewEvent::routing_key`](crate::NewEvent::routing_key)), else the configured function or
+    /// template, else the event type.
+    pub fn routing_key_of(&self, message: &OutboxMessage) -> String {
+        routing_key_of(self.routing_key.as_deref(), message)
     }
 
     /// Checks the URL and the rules that span fields. [`RabbitSink::connect`](super::RabbitSink::connect) calls it first.
@@ -316,6 +495,9 @@ impl RabbitConfig {
         }
         if self.unresponsive_after.is_zero() {
             return invalid("unresponsive_after must be above zero".into());
+        }
+        if let Some((_, Some(why))) = &self.template {
+            return invalid(why.clone());
         }
         if ShortString::try_new(self.exchange.as_str()).is_err() {
             return invalid(format!("exchange name is {} bytes long; AMQP allows 255", self.exchange.len()));
@@ -342,9 +524,64 @@ impl RabbitConfig {
     }
 }
 
+/// The routing key of `message`: its event's own, else `configured`'s, else the event type.
+pub(super) fn routing_key_of(configured: Option<&RoutingKeyFn>, message: &OutboxMessage) -> String {
+    if let Some(key) = message.headers.get(wire::ROUTING_KEY) {
+        return key.clone();
+    }
+    match configured {
+        Some(f) => f(message),
+        None => message.event_type.clone(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn message() -> OutboxMessage {
+        let payload = serde_json::value::to_raw_value(&serde_json::json!({})).unwrap();
+        let mut m = OutboxMessage::new(7, "order", "o-1", "paid", payload);
+        m.source = "db/shop".into();
+        m
+    }
+
+    #[test]
+    fn templates_render_every_placeholder_and_escaped_braces() {
+        let t = Template::parse("{source}:{aggregate_type}.{aggregate_id}.{event_type}{{x}}").unwrap();
+        assert_eq!(t.render(&message()), "db/shop:order.o-1.paid{x}");
+        assert_eq!(Template::parse("fixed").unwrap().render(&message()), "fixed");
+        assert_eq!(Template::parse("").unwrap().render(&message()), "");
+        assert_eq!(Template::parse("é{event_type}é").unwrap().render(&message()), "épaidé");
+    }
+
+    #[test]
+    fn templates_refuse_unknown_placeholders_and_unbalanced_braces() {
+        let unknown = Template::parse("{aggregate_type}.{tenant}").unwrap_err();
+        assert!(unknown.contains("unknown placeholder {tenant}"), "{unknown}");
+        let open = Template::parse("a.{event_type").unwrap_err();
+        assert!(open.contains("brace at byte 2 is not closed"), "{open}");
+        let nested = Template::parse("{event_{type}}").unwrap_err();
+        assert!(nested.contains("brace at byte 0 is not closed"), "{nested}");
+        let close = Template::parse("a}b").unwrap_err();
+        assert!(close.contains("brace at byte 1 closes nothing"), "{close}");
+        let empty = Template::parse("{}").unwrap_err();
+        assert!(empty.contains("unknown placeholder {}"), "{empty}");
+    }
+
+    #[test]
+    fn the_events_key_wins_over_the_template_which_wins_over_the_event_type() {
+        let plain = RabbitConfig::new("amqp://h");
+        let templated = plain.clone().routing_key_template("{aggregate_type}.{event_type}");
+        let mut own = message();
+        own.headers.insert(wire::ROUTING_KEY.into(), "mine".into());
+        assert_eq!(plain.routing_key_of(&message()), "paid");
+        assert_eq!(templated.routing_key_of(&message()), "order.paid");
+        assert_eq!(templated.routing_key_of(&own), "mine");
+        let bad = plain.routing_key_template("{nope}");
+        assert!(matches!(bad.validate(), Err(RabbitError::Config(ref m)) if m.contains("{nope}")));
+        assert!(format!("{bad:?}").contains(r#"routing_key: "{nope}""#), "{bad:?}");
+    }
 
     #[test]
     fn validates() {

@@ -15,16 +15,16 @@
 //! end of the next pass, once every confirm resolved with it has been read too. Both passes
 //! run back to back: the wait is one poll of the desk's task, not a timer.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::poll_fn;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::task::Poll;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use lapin::options::BasicPublishOptions;
-use lapin::types::ShortString;
-use lapin::{BasicProperties, Channel};
+use lapin::options::{BasicPublishOptions, ExchangeDeclareOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::amqp::publisher_confirm::{self, Confirmed, Reply};
@@ -34,6 +34,8 @@ use crate::model::OutboxMessage;
 pub(super) struct Outgoing {
     pub(super) message: Arc<OutboxMessage>,
     pub(super) routing_key: ShortString,
+    /// The exchange: the sink's, or the event's own (checked first by the [`Prober`]).
+    pub(super) exchange: ShortString,
     pub(super) properties: BasicProperties,
     pub(super) answer: oneshot::Sender<Confirmed>,
 }
@@ -49,10 +51,61 @@ struct Read {
     answer: oneshot::Sender<Confirmed>,
 }
 
-/// Publishes what arrives on `requests` to `exchange` on `channel` and answers each with its
-/// confirm, returns credited to their own messages. Ends once every sender is gone and every
-/// publish is answered.
-pub(super) async fn run(channel: Channel, exchange: ShortString, mut requests: mpsc::UnboundedReceiver<Outgoing>) {
+/// Checks that an event's own exchange exists before anything is published to it: a publish to
+/// a missing exchange makes the broker close the channel (404), failing every publish in
+/// flight on it. The check is a passive declare on a short-lived channel of its own (which the
+/// broker closes instead); exchanges found are remembered for the link.
+#[derive(Clone)]
+pub(super) struct Prober {
+    connection: Weak<Connection>,
+    known: Arc<Mutex<HashSet<ShortString>>>,
+}
+
+impl Prober {
+    /// A prober on `connection` that knows the sink's own exchange (declared, or managed
+    /// elsewhere: publishing to it is the sink's configuration, not an event's).
+    pub(super) fn new(connection: Weak<Connection>, exchange: ShortString) -> Self {
+        Self { connection, known: Arc::new(Mutex::new(HashSet::from([exchange]))) }
+    }
+
+    fn known(&self) -> std::sync::MutexGuard<'_, HashSet<ShortString>> {
+        self.known.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `None` when `exchange` may be published to, else why not (retryable).
+    async fn check(&self, exchange: &ShortString) -> Option<String> {
+        if self.known().contains(exchange) {
+            return None;
+        }
+        let Some(connection) = self.connection.upgrade() else {
+            return Some(format!("cannot check exchange {:?}: the connection is closed", exchange.as_str()));
+        };
+        let probe = async {
+            let channel = connection.create_channel().await?;
+            let options = ExchangeDeclareOptions { passive: true, ..ExchangeDeclareOptions::default() };
+            // The kind is ignored by a passive declare.
+            channel.exchange_declare(exchange.clone(), ExchangeKind::Direct, options, FieldTable::default()).await?;
+            let _ = channel.close(200, "exchange checked".into()).await;
+            Ok::<(), lapin::Error>(())
+        };
+        match probe.await {
+            Ok(()) => {
+                self.known().insert(exchange.clone());
+                None
+            }
+            Err(e) if e.to_string().contains("NOT_FOUND") => Some(format!(
+                "exchange {:?} (named by the event) does not exist; the message waits until it is declared ({e})",
+                exchange.as_str()
+            )),
+            Err(e) => Some(format!("cannot check exchange {:?} (named by the event): {e}", exchange.as_str())),
+        }
+    }
+}
+
+/// Publishes what arrives on `requests` on `channel` and answers each with its confirm,
+/// returns credited to their own messages; a message to an event's own exchange goes only once
+/// `prober` found the exchange. Ends once every sender is gone and every publish is answered.
+pub(super) async fn run(channel: Channel, prober: Prober, mut requests: mpsc::UnboundedReceiver<Outgoing>) {
     let mut in_flight = FuturesUnordered::new();
     let mut ledger = Returns::default();
     // Read in the previous pass, answered at the end of this one.
@@ -61,7 +114,7 @@ pub(super) async fn run(channel: Channel, exchange: ShortString, mut requests: m
     poll_fn(|cx| {
         while open {
             match requests.poll_recv(cx) {
-                Poll::Ready(Some(outgoing)) => in_flight.push(send(channel.clone(), exchange.clone(), outgoing)),
+                Poll::Ready(Some(outgoing)) => in_flight.push(send(channel.clone(), prober.clone(), outgoing)),
                 Poll::Ready(None) => open = false,
                 Poll::Pending => break,
             }
@@ -94,9 +147,12 @@ pub(super) async fn run(channel: Channel, exchange: ShortString, mut requests: m
     .await;
 }
 
-async fn send(channel: Channel, exchange: ShortString, outgoing: Outgoing) -> Read {
-    let Outgoing { message, routing_key, properties, answer } = outgoing;
+async fn send(channel: Channel, prober: Prober, outgoing: Outgoing) -> Read {
+    let Outgoing { message, routing_key, exchange, properties, answer } = outgoing;
     let id = message.id.to_string();
+    if let Some(why) = prober.check(&exchange).await {
+        return Read { id, confirmed: Confirmed::NoExchange(why), answer };
+    }
     let options = BasicPublishOptions { mandatory: true, immediate: false };
     // The JSON text as PostgreSQL sent it: lapin copies it into its frames, nothing else does.
     let body = message.payload.get().as_bytes();

@@ -144,13 +144,19 @@ impl LinkState {
     }
 
     pub(super) async fn publish(&self, message: Arc<OutboxMessage>) -> PublishResult {
-        let routing_key = match &self.routing_key {
-            Some(f) => f(&message),
-            None => message.event_type.clone(),
-        };
+        let routing_key = super::config::routing_key_of(self.routing_key.as_deref(), &message);
         let key = ShortString::try_new(routing_key.as_str()).map_err(|e| {
-            PublishError::Permanent(format!("routing key {routing_key:?} cannot be sent over AMQP: {e}"))
+            PublishError::Permanent(format!(
+                "row {}: routing key {routing_key:?} cannot be sent over AMQP: {e}",
+                message.id
+            ))
         })?;
+        let exchange = match message.headers.get(wire::EXCHANGE) {
+            None => self.exchange.clone(),
+            Some(name) => wire::check_exchange(name)
+                .map(|()| ShortString::from(name.as_str()))
+                .map_err(|why| PublishError::Permanent(format!("row {}: {why}", message.id)))?,
+        };
         let properties = wire::properties(&message, &self.format)?;
 
         let link = {
@@ -170,7 +176,8 @@ impl LinkState {
         // that stops answering is noticed: see `unresponsive`.
         let waiting = Waiting::start(self, link.generation);
         let (answer, answered) = oneshot::channel();
-        let confirmed = match link.desk.send(Outgoing { message, routing_key: key, properties, answer }) {
+        let outgoing = Outgoing { message, routing_key: key, exchange: exchange.clone(), properties, answer };
+        let confirmed = match link.desk.send(outgoing) {
             // A desk that is gone (its link was replaced, or the sink's thread stopped) drops
             // the answer: the channel it published on is no longer ours.
             Ok(()) => answered.await.ok(),
@@ -180,7 +187,7 @@ impl LinkState {
         let acked = matches!(confirmed, Some(Confirmed::Delivered | Confirmed::Unroutable(_)));
         let nacked = matches!(confirmed, Some(Confirmed::Nacked(_)));
         let (result, mut health) = match confirmed {
-            Some(confirmed) => classify(confirmed, self.exchange.as_str(), &routing_key),
+            Some(confirmed) => classify(confirmed, exchange.as_str(), &routing_key),
             None => (
                 Err(PublishError::Unavailable(format!(
                     "RabbitMQ link to {} closed before the broker answered",
@@ -283,6 +290,8 @@ fn classify(confirmed: Confirmed, exchange: &str, routing_key: &str) -> (Publish
         Confirmed::Failed(e) => {
             (Err(PublishError::Unavailable(format!("RabbitMQ channel or connection failed: {e}"))), LinkHealth::Broken)
         }
+        // Nothing was published: the channel is untouched.
+        Confirmed::NoExchange(why) => (Err(PublishError::Retryable(why)), LinkHealth::Healthy),
     }
 }
 

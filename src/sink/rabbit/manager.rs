@@ -50,7 +50,7 @@ impl Manager {
         let mut first = Some(first);
         let mut generation = 0_u64;
         let mut reconnect = Reconnect::new(self.config.reconnect_min, self.config.reconnect_max);
-        let mut connection: Option<Connection> = None;
+        let mut connection: Option<Arc<Connection>> = None;
         loop {
             let attempt = tokio::time::timeout(self.config.connect_timeout, self.establish(connection.take())).await;
             let attempt = attempt.unwrap_or_else(|_| {
@@ -68,7 +68,8 @@ impl Manager {
                     // The channel's desk lives on this thread until its link is dropped and its
                     // last publish answered.
                     let (desk, requests) = mpsc::unbounded_channel();
-                    tokio::spawn(confirms::run(channel.clone(), self.link.exchange.clone(), requests));
+                    let prober = confirms::Prober::new(Arc::downgrade(&conn), self.link.exchange.clone());
+                    tokio::spawn(confirms::run(channel.clone(), prober, requests));
                     self.link.set_link(Link { desk, generation });
                     if let Some(first) = first.take() {
                         info!(url = %self.link.url(), exchange = %self.link.exchange, "connected to RabbitMQ");
@@ -133,7 +134,7 @@ impl Manager {
     /// A channel in confirm mode with the exchange and the bound queues declared, on `reuse` if
     /// it is still connected, else on a new connection. Declared on every new channel, so that
     /// a queue deleted while the link was down is there again.
-    async fn establish(&mut self, reuse: Option<Connection>) -> Result<(Connection, Channel), RabbitError> {
+    async fn establish(&mut self, reuse: Option<Arc<Connection>>) -> Result<(Arc<Connection>, Channel), RabbitError> {
         let conn = match reuse.filter(|c| c.status().connected()) {
             Some(conn) => conn,
             None => {
@@ -143,7 +144,7 @@ impl Manager {
                 self.link.set_url(node);
                 let name = self.config.connection_name.as_deref().unwrap_or(&self.config.app_id);
                 let properties = ConnectionProperties::default().with_connection_name(name.into());
-                Connection::connect(node, properties).await.map_err(|e| connect_error(&self.link.url(), &e))?
+                Arc::new(Connection::connect(node, properties).await.map_err(|e| connect_error(&self.link.url(), &e))?)
             }
         };
         let url = &self.link.url();
@@ -182,6 +183,12 @@ impl Manager {
                     }
                 }
                 event = events.next() => match event {
+                    // lapin reports a channel the broker closed as an error of the connection:
+                    // the prober's short-lived channel, closed by a 404 for an event's missing
+                    // exchange, is one. Only the connection or the publishing channel breaks the link.
+                    Some(Event::Error(e)) if conn.status().connected() && channel.status().connected() => {
+                        debug!(error = %e, "a channel other than the publishing one was closed; the link stands");
+                    }
                     Some(Event::Error(e)) => return Ended::Broken(format!("connection error: {e}")),
                     Some(Event::ConnectionBlocked(reason)) => {
                         warn!(reason = %reason, "RabbitMQ blocked the connection: publishes in flight wait for it, nothing new is claimed");
@@ -211,7 +218,7 @@ impl Manager {
 
     /// Closes the connection (if any) and tells publishes that the sink is over; the thread
     /// tells `close()` once this returns.
-    async fn shut(&self, connection: Option<Connection>) {
+    async fn shut(&self, connection: Option<Arc<Connection>>) {
         self.link.clear_link("the RabbitMQ sink is closed".into());
         if let Some(conn) = connection {
             connection_closer::close_gracefully(&conn, "RabbitMQ connection").await;

@@ -19,7 +19,7 @@ use tokio::sync::oneshot;
 pub use lapin::ExchangeKind;
 
 pub use binding::{QueueBinding, QueueKind};
-pub use config::{RabbitConfig, RoutingKeyFn};
+pub use config::{CloudEventsMode, RabbitConfig, RoutingKeyFn};
 pub use error::RabbitError;
 use link::LinkState;
 use manager::Manager;
@@ -36,8 +36,24 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 /// producer's header named `x-deduplication-header` or `x-attempt`, or starting with
 /// `x-outbox-` or `x-aggregate-`, is not sent. A producer's header name longer than 255 bytes,
 /// or headers taking more than [`wire::MAX_PRODUCER_HEADER_BYTES`](crate::wire::MAX_PRODUCER_HEADER_BYTES) encoded, fail the message
-/// with [`PublishError::Permanent`](crate::PublishError::Permanent) saying so. The routing key is the event type unless
-/// [`RabbitConfig::routing_key`] says otherwise.
+/// with [`PublishError::Permanent`](crate::PublishError::Permanent) saying so.
+///
+/// # Exchange and routing key
+///
+/// The routing key is the event's own ([`NewEvent::routing_key`](crate::NewEvent::routing_key)),
+/// else that of [`RabbitConfig::routing_key`] or [`RabbitConfig::routing_key_template`], else
+/// the event type. The exchange is the event's own ([`NewEvent::exchange`](crate::NewEvent::exchange)),
+/// else [`RabbitConfig::exchange`]. A routing key or an exchange name that AMQP cannot carry (over
+/// 255 bytes; an exchange name of other characters than letters, digits, `-`, `_`, `.` and `:`)
+/// fails its message permanently, naming the row.
+///
+/// A publish to a missing exchange would make the broker close the shared channel (404), failing
+/// every publish in flight on it. So the first time the sink meets an event's exchange (on each
+/// connection) it checks it with a passive declare on a short-lived channel of its own: an
+/// exchange that does not exist fails the message with
+/// [`PublishError::Retryable`](crate::PublishError::Retryable) naming it (the row retries with backoff
+/// until someone creates the exchange), and the other messages are not disturbed. Exchanges found
+/// to exist are remembered for the connection; the sink never declares an event's exchange.
 ///
 /// Delivery is at-least-once: a message whose confirm was lost (connection cut, publish timeout)
 /// is published again on a later attempt with the same `message_id`, on which consumers
