@@ -940,3 +940,65 @@ async fn behind_a_transaction_pooler_every_message_has_one_effect() {
     assert_eq!((m.received, m.handled, m.duplicates, m.retried, m.dead_lettered), (1200, 1000, 200, 0, 0));
     assert_eq!(broker.depth(&queue).await, 0);
 }
+
+/// A CloudEvent of the AMQP binding, with none of the outbox's own properties (no message_id,
+/// no type, no x-outbox-* header): the inbox takes its id, type, source and aggregate from the
+/// `cloudEvents:*` application properties. Sent twice with one source and once with another
+/// (same id): two effects, and the inbox rows name each source, the type and the aggregate of
+/// the subject.
+#[actix_rt::test]
+async fn a_cloudevent_without_the_outbox_properties_is_identified_by_its_attributes() {
+    let db = database().await;
+    let mut broker = Broker::new().await;
+    let queue = broker.queue().await;
+    let cloudevent = |source: &str| {
+        let mut headers = FieldTable::default();
+        for (name, value) in [
+            (wire::CE_SPECVERSION, "1.0"),
+            (wire::CE_ID, "4711"),
+            (wire::CE_SOURCE, source),
+            (wire::CE_TYPE, "order.created"),
+            (wire::CE_TIME, "2026-12-04T07:00:00Z"),
+            (wire::CE_SUBJECT, "order/o-9"),
+        ] {
+            headers.insert(name.into(), AMQPValue::LongString(value.into()));
+        }
+        BasicProperties::default().with_headers(headers).with_content_type("application/json".into())
+    };
+    for source in ["urn:shop:billing", "urn:shop:billing", "urn:shop:stock"] {
+        broker.publish_raw(&queue, cloudevent(source), br#"{"order":"o-9"}"#).await.await.unwrap();
+    }
+    let consumer = InboxSupervisor::start(config(amqp_url(), &queue), db.pool.clone(), Recorder::ok()).unwrap();
+    eventually(WITHIN, "two handled, one duplicate", || async {
+        let m = metrics(&consumer).await;
+        m.handled == 2 && m.duplicates == 1
+    })
+    .await;
+    consumer.send(Shutdown).await.unwrap();
+    assert_eq!(effects(&db).await.iter().map(|e| e.message_id).collect::<Vec<_>>(), vec![4711, 4711]);
+    #[derive(diesel::QueryableByName, Debug, PartialEq)]
+    struct Row {
+        #[diesel(sql_type = Text)]
+        source: String,
+        #[diesel(sql_type = Text)]
+        event_type: String,
+        #[diesel(sql_type = Text)]
+        aggregate_type: String,
+        #[diesel(sql_type = Text)]
+        aggregate_id: String,
+    }
+    let rows: Vec<Row> = diesel::sql_query(
+        "SELECT source, event_type, aggregate_type, aggregate_id FROM inbox WHERE message_id = 4711 ORDER BY source",
+    )
+    .load(&mut db.conn().await)
+    .await
+    .unwrap();
+    let row = |source: &str| Row {
+        source: source.into(),
+        event_type: "order.created".into(),
+        aggregate_type: "order".into(),
+        aggregate_id: "o-9".into(),
+    };
+    assert_eq!(rows, vec![row("urn:shop:billing"), row("urn:shop:stock")]);
+    assert_eq!(broker.depth(&queue).await, 0);
+}
