@@ -44,7 +44,10 @@
 //!
 //! The inbox reads [`CE_SOURCE`], [`CE_ID`] and [`CE_TYPE`] when the message has no
 //! [`SOURCE`] header, `message_id` or `type` property, so it deduplicates CloudEvents of any
-//! producer whose ids are decimal integers.
+//! producer whose ids are decimal integers. It accepts the `cloudEvents_` prefix as well, which
+//! later revisions of the binding prefer (some brokers and SDKs reject `:` in property names);
+//! the sink writes `cloudEvents:`, the spelling of the binding 1.0 (the tests read it back
+//! with the Rust `cloudevents-sdk`).
 //!
 //! # Message identity
 //!

@@ -149,24 +149,21 @@ impl InboxMessage {
         let header_int = |name: &str| headers.inner().get(name).and_then(value_int);
 
         // A CloudEvent of the AMQP binding (wire#cloudevents) names itself in `cloudEvents:*`
-        // application properties: read where the outbox's own properties are absent.
+        // application properties (`cloudEvents_*` in the binding's later revision): read where
+        // the outbox's own properties are absent.
+        let ce = |name: &str| header_str(name).or_else(|| header_str(&name.replacen(':', "_", 1)));
         let message_id =
-            match properties.message_id().as_ref().map(|id| id.as_str().to_owned()).or_else(|| header_str(wire::CE_ID))
-            {
+            match properties.message_id().as_ref().map(|id| id.as_str().to_owned()).or_else(|| ce(wire::CE_ID)) {
                 None => return Err("the message has no message_id property (nor cloudEvents:id)".into()),
                 Some(id) => id
                     .trim()
                     .parse::<i64>()
                     .map_err(|_| format!("message_id {id:?} is not a decimal 64-bit integer"))?,
             };
-        let event_type = properties
-            .kind()
-            .as_ref()
-            .map(|k| k.as_str().to_owned())
-            .or_else(|| header_str(wire::CE_TYPE))
-            .unwrap_or_default();
-        let source = header_str(wire::SOURCE).or_else(|| header_str(wire::CE_SOURCE)).unwrap_or_default();
-        let subject = header_str(wire::CE_SUBJECT);
+        let event_type =
+            properties.kind().as_ref().map(|k| k.as_str().to_owned()).or_else(|| ce(wire::CE_TYPE)).unwrap_or_default();
+        let source = header_str(wire::SOURCE).or_else(|| ce(wire::CE_SOURCE)).unwrap_or_default();
+        let subject = ce(wire::CE_SUBJECT);
         let subject = subject.as_deref().and_then(|s| s.split_once('/'));
         let aggregate_type =
             header_str(wire::AGGREGATE_TYPE).or_else(|| subject.map(|(t, _)| t.to_owned())).unwrap_or_default();

@@ -943,15 +943,15 @@ async fn behind_a_transaction_pooler_every_message_has_one_effect() {
 
 /// A CloudEvent of the AMQP binding, with none of the outbox's own properties (no message_id,
 /// no type, no x-outbox-* header): the inbox takes its id, type, source and aggregate from the
-/// `cloudEvents:*` application properties. Sent twice with one source and once with another
-/// (same id): two effects, and the inbox rows name each source, the type and the aggregate of
-/// the subject.
+/// `cloudEvents:*` application properties (or `cloudEvents_*`, the binding's later spelling).
+/// Sent twice with one source (once in each spelling) and once with another (same id): two
+/// effects, and the inbox rows name each source, the type and the aggregate of the subject.
 #[actix_rt::test]
 async fn a_cloudevent_without_the_outbox_properties_is_identified_by_its_attributes() {
     let db = database().await;
     let mut broker = Broker::new().await;
     let queue = broker.queue().await;
-    let cloudevent = |source: &str| {
+    let cloudevent = |source: &str, underscore: bool| {
         let mut headers = FieldTable::default();
         for (name, value) in [
             (wire::CE_SPECVERSION, "1.0"),
@@ -961,12 +961,13 @@ async fn a_cloudevent_without_the_outbox_properties_is_identified_by_its_attribu
             (wire::CE_TIME, "2026-12-04T07:00:00Z"),
             (wire::CE_SUBJECT, "order/o-9"),
         ] {
+            let name = if underscore { name.replacen(':', "_", 1) } else { name.to_owned() };
             headers.insert(name.into(), AMQPValue::LongString(value.into()));
         }
         BasicProperties::default().with_headers(headers).with_content_type("application/json".into())
     };
-    for source in ["urn:shop:billing", "urn:shop:billing", "urn:shop:stock"] {
-        broker.publish_raw(&queue, cloudevent(source), br#"{"order":"o-9"}"#).await.await.unwrap();
+    for (source, underscore) in [("urn:shop:billing", false), ("urn:shop:billing", true), ("urn:shop:stock", true)] {
+        broker.publish_raw(&queue, cloudevent(source, underscore), br#"{"order":"o-9"}"#).await.await.unwrap();
     }
     let consumer = InboxSupervisor::start(config(amqp_url(), &queue), db.pool.clone(), Recorder::ok()).unwrap();
     eventually(WITHIN, "two handled, one duplicate", || async {
