@@ -169,7 +169,7 @@ async fn rabbitmq_configs_and_errors_never_show_the_password() {
                 "RabbitConfig {{ urls: [{masked:?}], exchange: \"outbox\", exchange_kind: Topic, declare_exchange: true, bindings: [], \
                  app_id: \"actix-outbox\", connect_timeout: 10s, reconnect_min: 100ms, reconnect_max: 10s, \
                  connection_name: None, unresponsive_after: 5s, outbox_headers: true, deduplication_header: false, \
-                 routing_key: \"event_type\" }}"
+                 cloudevents: Off, routing_key: \"event_type\" }}"
             )
         );
         let e = RabbitSink::connect(config).await.unwrap_err();
