@@ -105,6 +105,47 @@ impl ConnectionString {
         Self { raw, config }
     }
 
+    /// The same string, its connections confined to the schema `schema`: the startup option
+    /// `-c search_path=SCHEMA` added (a `?options=` query parameter of a URL, an `options` pair
+    /// otherwise), so that every statement on them reaches that schema's `outbox` table (or
+    /// `inbox`), created there by the migrations too. One outbox a schema: a multi-tenant
+    /// database keeps one per tenant.
+    ///
+    /// `schema` must be a lowercase unquoted SQL identifier (`[a-z_][a-z0-9_]*`, at most 63
+    /// bytes), the spelling an outbox's qualified name is compared in. A string that sets
+    /// `options` already is refused (add `-c search_path=...` to them yourself). A transaction
+    /// pooler refuses the `options` startup parameter (PgBouncer: `unsupported startup
+    /// parameter: options`): behind one, give each tenant a role whose `search_path` is its
+    /// schema (`ALTER ROLE tenant_a SET search_path = tenant_a`) and a URL of that role.
+    ///
+    /// ```
+    /// # use actix_outbox::ConnectionString;
+    /// let url = ConnectionString::parse("postgres://app@db/app").unwrap();
+    /// assert_eq!(url.in_schema("tenant_a").unwrap().expose(), "postgres://app@db/app?options=-c%20search_path%3Dtenant_a");
+    /// let pairs = ConnectionString::parse("host=db dbname=app").unwrap();
+    /// assert_eq!(pairs.in_schema("tenant_a").unwrap().expose(), "host=db dbname=app options='-c search_path=tenant_a'");
+    /// assert!(url.in_schema("Tenant-A").is_err());
+    /// ```
+    pub fn in_schema(&self, schema: &str) -> Result<Self, InvalidConnectionString> {
+        let refused = |reason| InvalidConnectionString { masked: mask_url(&self.raw), reason };
+        if !is_plain_identifier(schema) {
+            return Err(refused(Reason::Schema(schema.to_owned())));
+        }
+        if self.config.get_options().is_some() {
+            return Err(refused(Reason::Options));
+        }
+        let raw = match ["postgres://", "postgresql://"].into_iter().find(|p| self.raw.starts_with(p)) {
+            Some(_) => {
+                let separator = if self.raw.contains('?') { '&' } else { '?' };
+                format!("{}{separator}options=-c%20search_path%3D{schema}", self.raw)
+            }
+            None => format!("{} options='-c search_path={schema}'", self.raw),
+        };
+        let mut config = self.config.clone();
+        config.options(&format!("-c search_path={schema}"));
+        Ok(Self { raw, config })
+    }
+
     /// The parsed configuration, for connecting.
     pub(crate) fn config(&self) -> &tokio_postgres::Config {
         &self.config
@@ -146,6 +187,19 @@ enum Reason {
     Malformed(String),
     /// A URL whose scheme is not PostgreSQL's.
     Scheme(String),
+    /// A schema name that is not a plain lowercase identifier ([`ConnectionString::in_schema`]).
+    Schema(String),
+    /// A schema asked of a string that sets `options` already.
+    Options,
+}
+
+/// Whether `name` is a lowercase unquoted SQL identifier of at most 63 bytes: what PostgreSQL
+/// keeps as written, so that it reads the same quoted or not.
+pub(crate) fn is_plain_identifier(name: &str) -> bool {
+    let mut chars = name.chars();
+    name.len() <= 63
+        && chars.next().is_some_and(|c| c.is_ascii_lowercase() || c == '_')
+        && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
 }
 
 impl InvalidConnectionString {
@@ -183,6 +237,16 @@ impl fmt::Display for InvalidConnectionString {
                 f,
                 "database URL {masked:?} has scheme {scheme:?}; expected postgres:// or postgresql:// \
                  (or key=value pairs: host=... user=... dbname=...)"
+            ),
+            Reason::Schema(schema) => write!(
+                f,
+                "schema {schema:?} for {masked:?}: expected a lowercase SQL identifier (letters a-z, digits and _, \
+                 not starting with a digit, at most 63 bytes)"
+            ),
+            Reason::Options => write!(
+                f,
+                "database URL {masked:?} sets options already: add -c search_path=SCHEMA to them instead of asking \
+                 for a schema"
             ),
         }
     }

@@ -7,8 +7,8 @@
 //! commit and holds it across its WAL flush, so notifying commits run one at a time: on a disk
 //! that flushes in ~2 ms that caps the producers at a few hundred commits a second, whatever
 //! the dispatcher does. So the trigger notifies only while a dispatcher is *armed*: while this
-//! connection holds the session advisory lock [`ARMED_KEY`]. A producer's trigger tries the
-//! same key in shared mode for its own transaction: when that succeeds nobody is armed, and it
+//! connection holds the session advisory lock of the table's *armed* key (see [`KEYS_SQL`]). A
+//! producer's trigger tries the same key in shared mode for its own transaction: when that succeeds nobody is armed, and it
 //! holds the shared lock until it commits, without notifying.
 //!
 //! The listener arms when the dispatcher has drained the table (two claims in a row came back
@@ -22,8 +22,8 @@
 //! **One leader in a fleet.** Several dispatchers on one outbox would otherwise each listen,
 //! each be woken by every insert and each tick while busy: every row chased by every process,
 //! a claim that finds it and others that find nothing, so the database's work per message grew
-//! with the fleet. So only one listener of the outbox's database *leads*: the one whose session
-//! holds the advisory lock [`LEAD_KEY`]. It listens, arms and ticks as above, waking its own
+//! with the fleet. So only one listener of the outbox *leads*: the one whose session holds the
+//! advisory lock of the table's *lead* key. It listens, arms and ticks as above, waking its own
 //! workers. The others follow: they neither listen nor tick, and their workers find rows by
 //! their poll (`poll_interval`), which also serves rows that come due for a retry; a worker
 //! whose claim comes back full claims again at once, so a backlog beyond the leader's pace is
@@ -43,17 +43,24 @@ use tracing::{debug, info, warn};
 use crate::error::StoreError;
 use crate::store::PgPool;
 
-/// The channel the migration's trigger notifies on every `INSERT` statement into `outbox`.
+/// The channel the migration's trigger notifies on every `INSERT` statement into an outbox
+/// table, with the table's qualified name (`tenant_a.outbox`) as the payload: several outboxes
+/// of one database share the channel, and each listener heeds its own table's notifications.
 pub(crate) const CHANNEL: &str = "outbox_insert";
 
-/// The advisory-lock key (64-bit space) that an armed listener holds and the insert trigger
-/// tries (`pg_try_advisory_xact_lock_shared`): "outbox" in ASCII. The migration
-/// `2026-12-02-000007_notify_only_when_armed` spells the same number.
-pub(crate) const ARMED_KEY: i64 = 0x6f75_7462_6f78;
-
-/// The advisory-lock key (64-bit space) that the leading listener of a database holds for its
-/// session: [`ARMED_KEY`] + 1. Nothing else takes it.
-pub(crate) const LEAD_KEY: i64 = ARMED_KEY + 1;
+/// The outbox table the session's `search_path` reaches, qualified, and the two advisory-lock
+/// keys (64-bit space) of its listeners, each a hash of a prefix and that name: the *armed*
+/// key, which an armed listener holds and the insert trigger tries
+/// (`pg_try_advisory_xact_lock_shared`; the migration `2026-12-04-000009_notify_per_outbox`
+/// spells the same expression), and the *lead* key, which the leading listener of the outbox
+/// holds for its session and nothing else takes. Keys of their own per table: the outboxes of
+/// one database each have their leader, armed or not.
+const KEYS_SQL: &str = "
+SELECT t.outbox,
+       hashtextextended('actix-outbox:armed:' || t.outbox, 0) AS armed,
+       hashtextextended('actix-outbox:lead:' || t.outbox, 0) AS lead
+FROM (SELECT (SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE c.oid = to_regclass('outbox')) AS outbox) t";
 
 /// How often a following listener tries to lead.
 pub(crate) const FOLLOW_CHECK: Duration = Duration::from_secs(1);
@@ -68,7 +75,8 @@ pub(crate) const BUSY_TICK_MAX: Duration = Duration::from_millis(100);
 /// row).
 const ARM_AFTER: Duration = Duration::from_millis(8);
 
-/// The channel a leading listener notifies when its workers find a backlog (claims that come
+/// The channel a leading listener notifies (with its table's qualified name, as [`CHANNEL`])
+/// when its workers find a backlog (claims that come
 /// back with a whole batch), so that the followers' workers help at once rather than at their
 /// next poll. At most one notification every [`HELP_EVERY`].
 pub(crate) const HELP_CHANNEL: &str = "outbox_fleet_help";
@@ -172,6 +180,26 @@ struct Locked {
     ok: bool,
 }
 
+/// The outbox this listener serves and its keys (see [`KEYS_SQL`]).
+#[derive(diesel::QueryableByName)]
+struct Keys {
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Text>)]
+    outbox: Option<String>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<BigInt>)]
+    armed: Option<i64>,
+    #[diesel(sql_type = diesel::sql_types::Nullable<BigInt>)]
+    lead: Option<i64>,
+}
+
+/// The outbox `conn` reaches and its keys: (qualified name, armed key, lead key).
+async fn keys_of(conn: &mut AsyncPgConnection) -> Result<(String, i64, i64), String> {
+    let keys: Keys = diesel::sql_query(KEYS_SQL).get_result(conn).await.map_err(query_failed)?;
+    match keys {
+        Keys { outbox: Some(outbox), armed: Some(armed), lead: Some(lead) } => Ok((outbox, armed, lead)),
+        _ => Err("no outbox table on the listener's search_path (is the database migrated?)".into()),
+    }
+}
+
 #[derive(diesel::QueryableByName)]
 struct Server {
     #[diesel(sql_type = diesel::sql_types::Text)]
@@ -190,30 +218,33 @@ async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, String> {
     Ok(row.addr)
 }
 
-/// Takes the lead if no other listener of the database holds it.
-async fn try_lead(conn: &mut AsyncPgConnection) -> Result<bool, String> {
+/// Takes the session lock `key` if nobody holds it: the lead if no other listener of the
+/// outbox holds it, the armed lock if no producer transaction holds it in shared mode.
+async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> Result<bool, String> {
     let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok")
-        .bind::<BigInt, _>(LEAD_KEY)
+        .bind::<BigInt, _>(key)
         .get_result(conn)
         .await
         .map_err(query_failed)?;
     Ok(row.ok)
 }
 
-/// Takes the armed lock if no producer transaction holds it in shared mode.
-async fn try_arm(conn: &mut AsyncPgConnection) -> Result<bool, String> {
-    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok")
-        .bind::<BigInt, _>(ARMED_KEY)
-        .get_result(conn)
-        .await
-        .map_err(query_failed)?;
-    Ok(row.ok)
-}
-
-async fn disarm(conn: &mut AsyncPgConnection) -> Result<(), String> {
+/// Releases the armed lock `key`.
+async fn disarm(conn: &mut AsyncPgConnection, key: i64) -> Result<(), String> {
     let _: Locked = diesel::sql_query("SELECT pg_advisory_unlock($1) AS ok")
-        .bind::<BigInt, _>(ARMED_KEY)
+        .bind::<BigInt, _>(key)
         .get_result(conn)
+        .await
+        .map_err(query_failed)?;
+    Ok(())
+}
+
+/// Notifies `channel` with `outbox` as the payload.
+async fn notify(conn: &mut AsyncPgConnection, channel: &str, outbox: &str) -> Result<(), String> {
+    diesel::sql_query("SELECT pg_notify($1, $2)")
+        .bind::<diesel::sql_types::Text, _>(channel)
+        .bind::<diesel::sql_types::Text, _>(outbox)
+        .execute(conn)
         .await
         .map_err(query_failed)?;
     Ok(())
@@ -233,15 +264,20 @@ fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, String> {
     }
 }
 
-/// The next notification (`Ok(false)` when `within` passed first).
-async fn notified(conn: &mut AsyncPgConnection, within: Duration) -> Result<bool, String> {
+/// The next notification about `outbox` (`Ok(false)` when `within` passed first); those
+/// about the database's other outboxes are passed over.
+async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) -> Result<bool, String> {
+    let deadline = tokio::time::Instant::now() + within;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
-    match tokio::time::timeout(within, notifications.next()).await {
-        Err(_elapsed) => Ok(false),
-        Ok(Some(Ok(_))) => Ok(true),
-        Ok(Some(Err(e))) => Err(e.to_string()),
-        // The backend went away; polling this stream again would panic.
-        Ok(None) => Err("notification stream ended".into()),
+    loop {
+        match tokio::time::timeout_at(deadline, notifications.next()).await {
+            Err(_elapsed) => return Ok(false),
+            Ok(Some(Ok(n))) if n.payload == outbox => return Ok(true),
+            Ok(Some(Ok(_))) => continue,
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            // The backend went away; polling this stream again would panic.
+            Ok(None) => return Err("notification stream ended".into()),
+        }
     }
 }
 
@@ -258,13 +294,14 @@ async fn listen_once(
     let Some(conn) = pool.session().await else { return Ok(()) };
     let mut conn = conn.map_err(|e| e.to_string())?;
     let server = server_of(&mut conn).await?;
+    let (outbox, armed_key, lead_key) = keys_of(&mut conn).await?;
     if reconnecting {
-        info!(%server, "insert listener reconnected");
+        info!(%server, %outbox, "insert listener reconnected");
     } else {
-        info!(%server, "insert listener connected");
+        info!(%server, %outbox, "insert listener connected");
     }
     let mut followed = false;
-    while !try_lead(&mut conn).await? {
+    while !try_lock(&mut conn, lead_key).await? {
         if !followed {
             debug!("another dispatcher's listener leads on this outbox: following");
             conn.batch_execute(&format!("LISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
@@ -273,7 +310,7 @@ async fn listen_once(
         }
         // The leader found a backlog: every worker claims, and goes on while its claims come
         // back whole.
-        let help = notified(&mut conn, FOLLOW_CHECK).await?;
+        let help = notified(&mut conn, &outbox, FOLLOW_CHECK).await?;
         let _ = swallow(&mut conn)?;
         if !wake(if help { Wake::All } else { Wake::Check }) {
             return Ok(());
@@ -298,7 +335,7 @@ async fn listen_once(
         if wakeups.armed() {
             // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the
             // connection.
-            if !notified(&mut conn, Duration::from_secs(5)).await? {
+            if !notified(&mut conn, &outbox, Duration::from_secs(5)).await? {
                 if wake(Wake::Check) {
                     continue;
                 }
@@ -312,7 +349,7 @@ async fn listen_once(
             }
             // Rows are coming: stop the producers' notifications (each serialises their commits)
             // and tick instead.
-            disarm(&mut conn).await?;
+            disarm(&mut conn, armed_key).await?;
             wakeups.armed.store(false, Relaxed);
             tick = BUSY_TICK;
             seen = wakeups.counts();
@@ -331,7 +368,7 @@ async fn listen_once(
         // Arm after a few empty claims in a row (the pause has doubled twice), not after the
         // first: a producer committing row after row would otherwise find it armed between
         // two rows, and notify.
-        if (try_now || (drained && tick >= ARM_AFTER)) && try_arm(&mut conn).await? {
+        if (try_now || (drained && tick >= ARM_AFTER)) && try_lock(&mut conn, armed_key).await? {
             debug!("table drained: armed, inserts notify");
             wakeups.armed.store(true, Relaxed);
             // Every producer that saw the lock free has committed: one more claim finds its rows.
@@ -344,7 +381,7 @@ async fn listen_once(
         try_now = false;
         // No other listener arms while this one leads; a notification is a producer that saw
         // the lock taken just before the disarm.
-        if notified(&mut conn, tick).await? {
+        if notified(&mut conn, &outbox, tick).await? {
             let _ = swallow(&mut conn)?;
         }
         if !wake(Wake::One) {
@@ -354,7 +391,7 @@ async fn listen_once(
         // a pause of this process as often as a backlog): the followers help.
         let whole = AtomicU64::load(&wakeups.whole_batches, Relaxed);
         if whole >= whole_seen + HELP_AFTER && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
-            conn.batch_execute(&format!("NOTIFY {HELP_CHANNEL}")).await.map_err(query_failed)?;
+            notify(&mut conn, HELP_CHANNEL, &outbox).await?;
             help_sent = Some(std::time::Instant::now());
             whole_seen = whole;
         }

@@ -275,6 +275,60 @@ pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
     Ok(true)
 }
 
+/// Creates the schema `schema` in the database of `database_url` when it does not exist yet,
+/// for an outbox of its own there ([`ConnectionString::in_schema`] then reaches it, and
+/// [`migrate`] on that string creates the tables in it). Returns whether it created it.
+/// `schema` must be a lowercase unquoted identifier, as `in_schema` wants.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), actix_outbox::StoreError> {
+/// use actix_outbox::ConnectionString;
+/// let url = ConnectionString::parse("postgres://app@db/app").unwrap();
+/// actix_outbox::admin::ensure_schema(url.expose(), "tenant_a").await?;
+/// actix_outbox::migrate(url.in_schema("tenant_a")?.expose()).await?;
+/// # Ok(()) }
+/// ```
+pub async fn ensure_schema(database_url: &str, schema: &str) -> Result<bool, StoreError> {
+    let target = ConnectionString::parse(database_url)?;
+    // Validates the name, so that it may stand unquoted below.
+    target.in_schema(schema)?;
+    let mut conn = open_uncached(&target).await.map_err(StoreError::Connect)?;
+    #[derive(diesel::QueryableByName)]
+    struct Exists {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        exists: bool,
+    }
+    pool::in_transaction(&mut conn, async |c| {
+        let found: Exists =
+            diesel::sql_query("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1) AS exists")
+                .bind::<diesel::sql_types::Text, _>(schema)
+                .get_result(c)
+                .await?;
+        if !found.exists {
+            c.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}")).await?;
+        }
+        Ok::<_, StoreError>(!found.exists)
+    })
+    .await
+}
+
+/// The schemas of the database of `database_url` whose name is `LIKE pattern` and that hold
+/// an `outbox` table, by name: the outboxes of a multi-tenant database (`tenant_%`), for a
+/// relay that serves them all. Only names that are plain lowercase identifiers (as
+/// [`ConnectionString::in_schema`] takes) are listed.
+pub async fn outbox_schemas(conn: &mut AsyncPgConnection, pattern: &str) -> Result<Vec<String>, StoreError> {
+    #[derive(diesel::QueryableByName)]
+    struct Schema {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+    }
+    let found: Vec<Schema> = pool::in_transaction(conn, async |c| {
+        diesel::sql_query(sql::OUTBOX_SCHEMAS_SQL).bind::<diesel::sql_types::Text, _>(pattern).load(c).await
+    })
+    .await?;
+    Ok(found.into_iter().map(|s| s.name).filter(|name| crate::url::is_plain_identifier(name)).collect())
+}
+
 /// Whether the server answered that the database does not exist (SQLSTATE 3D000).
 fn is_missing_database(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<tokio_postgres::Error>()

@@ -17,7 +17,8 @@
 //!   statistics function for the estimate of `done` rows, and the age of the oldest unfinished row as
 //!   `extract(epoch FROM ...)` of a difference of timestamps, on the database clock;
 //! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`;
-//! - the outbox's default source name ([`SOURCE_SQL`]): catalog and control functions.
+//! - the outbox's default source name ([`SOURCE_SQL`]) and the schemas that hold an outbox
+//!   ([`OUTBOX_SCHEMAS_SQL`]): catalog and control functions.
 //!
 //! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
 //! [`Status`](crate::admin::Status) values. The fenced writes after a claim are built with the DSL
@@ -371,3 +372,9 @@ SELECT CASE WHEN has_function_privilege('pg_control_system()', 'EXECUTE')
        current_database() AS database,
        (SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE c.oid = to_regclass('outbox')) AS table_name";
+
+/// The schemas whose name is `LIKE $1` and that hold a table `outbox`, by name.
+pub(super) const OUTBOX_SCHEMAS_SQL: &str = "
+SELECT n.nspname AS name FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid
+WHERE c.relname = 'outbox' AND c.relkind IN ('r', 'p') AND n.nspname LIKE $1
+ORDER BY n.nspname";

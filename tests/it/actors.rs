@@ -470,8 +470,8 @@ async fn invalid_configuration_is_an_error_not_a_hang() {
     }
 }
 
-/// Sessions of the test database that hold the armed lock of the insert listener (the
-/// advisory key "outbox" in ASCII, 0x6f75_7462_6f78: high and low 32 bits in pg_locks).
+/// Sessions of the test database that hold the armed lock of the insert listener of
+/// `public.outbox` (its key's high and low 32 bits in pg_locks).
 async fn armed_sessions(db: &TestDb) -> i64 {
     #[derive(diesel::QueryableByName)]
     struct N {
@@ -483,7 +483,8 @@ async fn armed_sessions(db: &TestDb) -> i64 {
         diesel::sql_query(
             "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database
              WHERE d.datname = current_database() AND l.locktype = 'advisory' AND l.granted
-               AND l.mode = 'ExclusiveLock' AND l.classid = 28533 AND l.objid = 1952608120 AND l.objsubid = 1",
+               AND l.mode = 'ExclusiveLock' AND l.objsubid = 1
+               AND (l.classid::int8 << 32 | l.objid::int8) = hashtextextended('actix-outbox:armed:public.outbox', 0)",
         ),
         &mut conn,
     )
@@ -518,12 +519,12 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 0);
     // Armed (as the listener arms): the insert notifies.
     let mut armed = db.conn().await;
-    armed.batch_execute("SELECT pg_advisory_lock(122550254464888)").await.unwrap();
+    armed.batch_execute("SELECT pg_advisory_lock(hashtextextended('actix-outbox:armed:public.outbox', 0))").await.unwrap();
     db.seed(1, "loud").await;
     assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 1);
     // A producer transaction that found the lock free keeps a listener from arming until it
     // commits (so that the claim after arming sees its row).
-    armed.batch_execute("SELECT pg_advisory_unlock(122550254464888)").await.unwrap();
+    armed.batch_execute("SELECT pg_advisory_unlock(hashtextextended('actix-outbox:armed:public.outbox', 0))").await.unwrap();
     let mut producer = db.conn().await;
     producer.batch_execute("BEGIN").await.unwrap();
     producer
@@ -537,11 +538,11 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         #[diesel(sql_type = diesel::sql_types::Bool)]
         ok: bool,
     }
-    let try_arm = || diesel::sql_query("SELECT pg_try_advisory_lock(122550254464888) AS ok");
+    let try_arm = || diesel::sql_query("SELECT pg_try_advisory_lock(hashtextextended('actix-outbox:armed:public.outbox', 0)) AS ok");
     assert!(!try_arm().get_result::<Locked>(&mut armed).await.unwrap().ok, "armed while a producer is open");
     producer.batch_execute("COMMIT").await.unwrap();
     assert!(try_arm().get_result::<Locked>(&mut armed).await.unwrap().ok, "not armed after the producer committed");
-    armed.batch_execute("SELECT pg_advisory_unlock(122550254464888)").await.unwrap();
+    armed.batch_execute("SELECT pg_advisory_unlock(hashtextextended('actix-outbox:armed:public.outbox', 0))").await.unwrap();
     db.pool.get().await.unwrap().batch_execute("DELETE FROM outbox").await.unwrap();
     let _ = notifications_within(&mut listening, Duration::from_millis(100)).await;
 

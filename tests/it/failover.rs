@@ -89,8 +89,8 @@ impl On {
         actix_outbox::admin::outbox_source(&mut self.conn().await).await.expect("source")
     }
 
-    /// Sessions holding the insert listener's armed lock (the advisory key "outbox", as
-    /// `actors::armed_sessions` reads it).
+    /// Sessions holding the insert listener's armed lock (as `actors::armed_sessions` reads
+    /// it).
     async fn armed_sessions(&self) -> i64 {
         #[derive(diesel::QueryableByName)]
         struct N {
@@ -100,7 +100,8 @@ impl On {
         let n: N = diesel::sql_query(
             "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database
              WHERE d.datname = current_database() AND l.locktype = 'advisory' AND l.granted
-               AND l.mode = 'ExclusiveLock' AND l.classid = 28533 AND l.objid = 1952608120 AND l.objsubid = 1",
+               AND l.mode = 'ExclusiveLock' AND l.objsubid = 1
+               AND (l.classid::int8 << 32 | l.objid::int8) = hashtextextended('actix-outbox:armed:public.outbox', 0)",
         )
         .get_result(&mut self.conn().await)
         .await

@@ -110,9 +110,9 @@ async fn three_dispatchers_cost_about_what_one_costs_per_message() {
     assert!(three.buffer_hits <= one.buffer_hits * 1.3, "buffer hits per row: one {one:?}, three {three:?}");
 }
 
-/// Holders of the insert listeners' lead (the advisory lock `ARMED + 1`) on `db`.
+/// Holders of the insert listeners' lead (the advisory lock `LEAD`) on `db`.
 async fn leaders(db: &TestDb) -> i64 {
-    crate::pooler::advisory_locks(db, Some(crate::pooler::ARMED + 1)).await
+    crate::pooler::advisory_locks(db, Some(crate::pooler::LEAD)).await
 }
 
 /// Of three dispatchers one leads the insert wake-ups; when it stops another leads within the

@@ -20,8 +20,12 @@ use actix_outbox_test_support::{PgBouncer, TestDb, database_addr, eventually};
 
 const WITHIN: Duration = Duration::from_secs(30);
 
-/// The advisory-lock key the armed insert listener holds (the migration's trigger spells it).
-pub(crate) const ARMED: i64 = 122_550_254_464_888;
+/// The advisory-lock key the armed insert listener of `public.outbox` holds (the migration's
+/// trigger spells the same expression), as SQL.
+pub(crate) const ARMED: &str = "hashtextextended('actix-outbox:armed:public.outbox', 0)";
+
+/// The advisory-lock key the leading insert listener of `public.outbox` holds, as SQL.
+pub(crate) const LEAD: &str = "hashtextextended('actix-outbox:lead:public.outbox', 0)";
 
 /// A pool through `bouncer` to `db`, as a deployment behind PgBouncer makes it; the listener's
 /// session goes straight to the server when `direct` says so.
@@ -132,21 +136,22 @@ async fn without_a_direct_url_the_dispatcher_polls_through_the_pooler() {
     assert_eq!(advisory_locks(&db, None).await, 0, "no session lock behind the pooler");
 }
 
-/// Advisory locks held on the test database, of `key` or of any: the insert listener's session
-/// locks (the lead, and the armed lock) are the only ones that outlive a transaction.
-pub(crate) async fn advisory_locks(db: &TestDb, key: Option<i64>) -> i64 {
+/// Advisory locks held on the test database, of `key` (an SQL expression) or of any: the
+/// insert listener's session locks (the lead, and the armed lock) are the only ones that
+/// outlive a transaction.
+pub(crate) async fn advisory_locks(db: &TestDb, key: Option<&str>) -> i64 {
     #[derive(diesel::QueryableByName)]
     struct Count {
         #[diesel(sql_type = BigInt)]
         n: i64,
     }
-    let count: Count = diesel::sql_query(
+    let count: Count = diesel::sql_query(format!(
         "SELECT count(*) AS n FROM pg_locks l JOIN pg_database d ON d.oid = l.database \
          WHERE d.datname = $1 AND l.locktype = 'advisory' AND l.granted \
-           AND ($2 IS NULL OR (l.classid::int8 << 32 | l.objid::int8) = $2)",
-    )
+           AND (l.classid::int8 << 32 | l.objid::int8) = coalesce({}, l.classid::int8 << 32 | l.objid::int8)",
+        key.unwrap_or("NULL")
+    ))
     .bind::<Text, _>(&db.name)
-    .bind::<diesel::sql_types::Nullable<BigInt>, _>(key)
     .get_result(&mut db.conn().await)
     .await
     .unwrap();
