@@ -147,6 +147,11 @@ pub struct DispatcherConfig {
     /// [`SetMaxRate`](crate::dispatcher::SetMaxRate); a fleet shares a cap by dividing it
     /// between its processes. `None` (the default): not paced.
     pub max_rate: Option<f64>,
+    /// The outbox's name where one process relays several (`tenant_a.outbox`): the label
+    /// `outbox` on every metric series of this dispatcher, and a field of its log lines, so that
+    /// each outbox has its own series and lines. `None` (the default): no such label, for a
+    /// process with one outbox.
+    pub name: Option<String>,
 }
 
 impl Default for DispatcherConfig {
@@ -175,6 +180,7 @@ impl Default for DispatcherConfig {
     /// | [`retention`](DispatcherConfig::retention) | [`Retention::Keep`] |
     /// | [`source`](DispatcherConfig::source) | `None`: derived from the database |
     /// | [`max_rate`](DispatcherConfig::max_rate) | `None`: not paced |
+    /// | [`name`](DispatcherConfig::name) | `None`: no `outbox` label |
     ///
     /// ```
     /// use std::time::Duration;
@@ -207,6 +213,7 @@ impl Default for DispatcherConfig {
             retention: Retention::Keep,
             source: None,
             max_rate: None,
+            name: None,
         }
     }
 }
@@ -309,6 +316,13 @@ impl DispatcherConfig {
     #[must_use]
     pub fn source(mut self, name: impl Into<String>) -> Self {
         self.source = Some(name.into());
+        self
+    }
+
+    /// Sets [`DispatcherConfig::name`].
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
         self
     }
 

@@ -6,7 +6,10 @@
 //! cost of a branch. The application chooses the exporter (the `actix-outbox run` command
 //! serves them in the Prometheus text format with `--metrics-addr`). No series carries a
 //! process-specific label (host, pid, owner): the scraper adds its own `instance`. Two
-//! dispatchers in one process add up in the counters and in the in-flight gauges.
+//! dispatchers in one process add up in the counters and in the in-flight gauges, unless each
+//! is named ([`DispatcherConfig::name`](crate::DispatcherConfig::name)): then every series of
+//! each carries the label `outbox` with its name (`outbox="tenant_a.outbox"`), as `actix-outbox
+//! run` names the outboxes when it relays several.
 //!
 //! | name | type | labels | meaning |
 //! | --- | --- | --- | --- |
@@ -43,6 +46,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+use metrics::Label;
 use serde::Serialize;
 
 /// What the facade sees of one of the in-process counters.
@@ -50,17 +54,19 @@ use serde::Serialize;
 pub(crate) struct Series {
     value: AtomicU64,
     name: &'static str,
-    labels: &'static [(&'static str, &'static str)],
+    /// Its own labels, then the dispatcher's (`outbox`, when it is named).
+    labels: Vec<Label>,
     gauge: bool,
 }
 
 impl Series {
-    const fn counter(name: &'static str, labels: &'static [(&'static str, &'static str)]) -> Self {
+    fn counter(outbox: &[Label], name: &'static str, labels: &'static [(&'static str, &'static str)]) -> Self {
+        let labels = labels.iter().map(Label::from).chain(outbox.iter().cloned()).collect();
         Self { value: AtomicU64::new(0), name, labels, gauge: false }
     }
 
-    const fn gauge(name: &'static str) -> Self {
-        Self { value: AtomicU64::new(0), name, labels: &[], gauge: true }
+    fn gauge(outbox: &[Label], name: &'static str) -> Self {
+        Self { value: AtomicU64::new(0), name, labels: outbox.to_vec(), gauge: true }
     }
 }
 
@@ -70,11 +76,15 @@ macro_rules! counters {
         #[derive(Debug)]
         pub(crate) struct Metrics {
             $(pub(crate) $name: Series,)*
+            /// The labels every series of the dispatcher carries: `outbox` when it is named.
+            labels: Vec<Label>,
         }
 
-        impl Default for Metrics {
-            fn default() -> Self {
-                Self { $($name: Series::$kind($($key),*),)* }
+        impl Metrics {
+            /// The counters of a dispatcher, its series labelled `outbox = name` when it has one.
+            pub(crate) fn new(name: Option<&str>) -> Self {
+                let labels: Vec<Label> = name.map(|name| Label::new("outbox", name.to_owned())).into_iter().collect();
+                Self { $($name: Series::$kind(&labels, $($key),*),)* labels }
             }
         }
 
@@ -141,9 +151,9 @@ impl Metrics {
     pub(crate) fn add(series: &Series, n: usize) {
         series.value.fetch_add(n as u64, Relaxed);
         if series.gauge {
-            metrics::gauge!(series.name, series.labels).increment(n as f64);
+            metrics::gauge!(series.name, series.labels.iter()).increment(n as f64);
         } else {
-            metrics::counter!(series.name, series.labels).increment(n as u64);
+            metrics::counter!(series.name, series.labels.iter()).increment(n as u64);
         }
     }
 
@@ -151,7 +161,86 @@ impl Metrics {
     pub(crate) fn sub(gauge: &Series, n: usize) {
         debug_assert!(gauge.gauge, "{} is a counter", gauge.name);
         gauge.value.fetch_sub(n as u64, Relaxed);
-        metrics::gauge!(gauge.name, gauge.labels).decrement(n as f64);
+        metrics::gauge!(gauge.name, gauge.labels.iter()).decrement(n as f64);
+    }
+
+    /// The dispatcher's labels with `extra` before them.
+    fn labelled(&self, extra: &[(&'static str, &'static str)]) -> Vec<Label> {
+        extra.iter().map(Label::from).chain(self.labels.iter().cloned()).collect()
+    }
+
+    /// Describes every series to the recorder installed now (nothing without one), and
+    /// registers every counter and gauge with every label set it can have (the sampled ones
+    /// when `sampled`), at its current value, so that an exporter shows them from the start: an
+    /// `increase()` or `rate()` over a series that appears only at its first increment misses
+    /// that increment.
+    pub(crate) fn describe(&self, sampled: bool) {
+        for &(name, kind, help) in HELP {
+            match kind {
+                MetricKind::Counter => metrics::describe_counter!(name, help),
+                MetricKind::Gauge => metrics::describe_gauge!(name, help),
+                MetricKind::Histogram => metrics::describe_histogram!(name, help),
+            }
+        }
+        for series in self.series() {
+            if series.gauge {
+                metrics::gauge!(series.name, series.labels.iter()).increment(0.0);
+            } else {
+                metrics::counter!(series.name, series.labels.iter()).increment(0);
+            }
+        }
+        metrics::counter!(SAMPLE_ERRORS, self.labels.iter()).increment(0);
+        self.sink_gauges(false, false);
+        if !sampled {
+            return;
+        }
+        // The sampled gauges read 0 until the first sample, a few seconds after start.
+        for status in crate::admin::Status::ALL {
+            metrics::gauge!("outbox_rows", self.labelled(&[("status", status.as_str())])).increment(0.0);
+        }
+        metrics::gauge!("outbox_oldest_unfinished_age_seconds", self.labels.iter()).increment(0.0);
+        metrics::gauge!("outbox_expired_leases", self.labels.iter()).increment(0.0);
+    }
+
+    /// `outbox_publish_seconds`.
+    pub(crate) fn publish_seconds(&self, seconds: f64) {
+        metrics::histogram!("outbox_publish_seconds", self.labels.iter()).record(seconds);
+    }
+
+    /// `outbox_delivery_lag_seconds`, from the row's creation (database clock) to now.
+    pub(crate) fn delivery_lag(&self, created_at: chrono::DateTime<chrono::Utc>) {
+        let lag = (chrono::Utc::now() - created_at).to_std().unwrap_or_default();
+        metrics::histogram!("outbox_delivery_lag_seconds", self.labels.iter()).record(lag.as_secs_f64());
+    }
+
+    /// `outbox_max_rate` and `outbox_pace_rate`.
+    pub(crate) fn pace_gauges(&self, pace: &crate::dispatcher::PaceReport) {
+        metrics::gauge!("outbox_max_rate", self.labels.iter()).set(pace.max_rate.unwrap_or(0.0));
+        metrics::gauge!("outbox_pace_rate", self.labels.iter()).set(pace.rate.unwrap_or(0.0));
+    }
+
+    /// `outbox_sink_up` and `outbox_claiming_paused`.
+    pub(crate) fn sink_gauges(&self, sink_up: bool, claiming_paused: bool) {
+        metrics::gauge!("outbox_sink_up", self.labels.iter()).set(f64::from(u8::from(sink_up)));
+        metrics::gauge!("outbox_claiming_paused", self.labels.iter()).set(f64::from(u8::from(claiming_paused)));
+    }
+
+    /// The sampled gauges, from a table sample (and the blocked aggregates under FIFO).
+    pub(crate) fn sampled(&self, sample: &crate::store::Sample, blocked: Option<i64>) {
+        for (status, n) in sample.by_status() {
+            metrics::gauge!("outbox_rows", self.labelled(&[("status", status.as_str())])).set(n as f64);
+        }
+        metrics::gauge!("outbox_oldest_unfinished_age_seconds", self.labels.iter())
+            .set(sample.oldest.unwrap_or(0.0).max(0.0));
+        metrics::gauge!("outbox_expired_leases", self.labels.iter()).set(sample.expired as f64);
+        if let Some(blocked) = blocked {
+            metrics::gauge!("outbox_blocked_aggregates", self.labels.iter()).set(blocked as f64);
+        }
+    }
+
+    /// `outbox_table_sample_errors_total`.
+    pub(crate) fn sample_failed(&self) {
+        metrics::counter!(SAMPLE_ERRORS, self.labels.iter()).increment(1);
     }
 }
 
@@ -233,60 +322,5 @@ enum MetricKind {
     Histogram,
 }
 
-/// Describes every series to the recorder installed now (nothing without one), and registers
-/// every counter and gauge with every label set it can have (the sampled ones when `sampled`),
-/// at its current value, so that an exporter shows them from the start: an `increase()` or `rate()` over a series that appears
-/// only at its first increment misses that increment.
-pub(crate) fn describe(metrics: &Metrics, sampled: bool) {
-    for &(name, kind, help) in HELP {
-        match kind {
-            MetricKind::Counter => metrics::describe_counter!(name, help),
-            MetricKind::Gauge => metrics::describe_gauge!(name, help),
-            MetricKind::Histogram => metrics::describe_histogram!(name, help),
-        }
-    }
-    for series in metrics.series() {
-        if series.gauge {
-            metrics::gauge!(series.name, series.labels).increment(0.0);
-        } else {
-            metrics::counter!(series.name, series.labels).increment(0);
-        }
-    }
-    metrics::counter!(SAMPLE_ERRORS).increment(0);
-    sink_gauges(false, false);
-    if !sampled {
-        return;
-    }
-    // The sampled gauges read 0 until the first sample, a few seconds after start.
-    for status in crate::admin::Status::ALL {
-        metrics::gauge!("outbox_rows", "status" => status.as_str()).increment(0.0);
-    }
-    metrics::gauge!("outbox_oldest_unfinished_age_seconds").increment(0.0);
-    metrics::gauge!("outbox_expired_leases").increment(0.0);
-}
-
 /// `outbox_table_sample_errors_total`.
-pub(crate) const SAMPLE_ERRORS: &str = "outbox_table_sample_errors_total";
-
-/// `outbox_publish_seconds`.
-pub(crate) fn publish_seconds(seconds: f64) {
-    metrics::histogram!("outbox_publish_seconds").record(seconds);
-}
-
-/// `outbox_delivery_lag_seconds`, from the row's creation (database clock) to now.
-pub(crate) fn delivery_lag(created_at: chrono::DateTime<chrono::Utc>) {
-    let lag = (chrono::Utc::now() - created_at).to_std().unwrap_or_default();
-    metrics::histogram!("outbox_delivery_lag_seconds").record(lag.as_secs_f64());
-}
-
-/// `outbox_max_rate` and `outbox_pace_rate`.
-pub(crate) fn pace_gauges(pace: &crate::dispatcher::PaceReport) {
-    metrics::gauge!("outbox_max_rate").set(pace.max_rate.unwrap_or(0.0));
-    metrics::gauge!("outbox_pace_rate").set(pace.rate.unwrap_or(0.0));
-}
-
-/// `outbox_sink_up` and `outbox_claiming_paused`.
-pub(crate) fn sink_gauges(sink_up: bool, claiming_paused: bool) {
-    metrics::gauge!("outbox_sink_up").set(f64::from(u8::from(sink_up)));
-    metrics::gauge!("outbox_claiming_paused").set(f64::from(u8::from(claiming_paused)));
-}
+const SAMPLE_ERRORS: &str = "outbox_table_sample_errors_total";

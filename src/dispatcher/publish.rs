@@ -25,7 +25,7 @@ use super::finalize::{Fenced, FinalizerSlot, Heartbeat};
 use super::pace::Answer;
 use super::shared::Shared;
 use crate::error::PublishError;
-use crate::metrics::{self, Metrics};
+use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
 use crate::publisher::{PublishResult, SinkState};
 use crate::step::{decide, release};
@@ -154,7 +154,7 @@ impl Actor for PublishActor {
                         match &result {
                             Ok(()) => {
                                 Metrics::add(&shared.metrics.published, 1);
-                                metrics::delivery_lag(message.created_at);
+                                shared.metrics.delivery_lag(message.created_at);
                                 shared.gate.delivered();
                             }
                             Err(e) if e.is_unavailable() => {
@@ -218,7 +218,7 @@ async fn call_sink(
         match tokio::time::timeout_at(deadline, call.as_mut()).await {
             Ok(Ok(result)) => {
                 let took = started.elapsed();
-                metrics::publish_seconds(took.as_secs_f64());
+                shared.metrics.publish_seconds(took.as_secs_f64());
                 let answer = match &result {
                     Err(PublishError::Retryable(_) | PublishError::Unavailable(_)) => Answer::PushedBack,
                     _ => Answer::Taken,

@@ -41,17 +41,10 @@ pub(crate) fn report(shared: &Shared, result: Sampled) {
         Ok((sample, blocked)) => {
             shared.db.answered();
             shared.summary.sampled(sample);
-            for (status, n) in sample.by_status() {
-                metrics::gauge!("outbox_rows", "status" => status.as_str()).set(n as f64);
-            }
-            metrics::gauge!("outbox_oldest_unfinished_age_seconds").set(sample.oldest.unwrap_or(0.0).max(0.0));
-            metrics::gauge!("outbox_expired_leases").set(sample.expired as f64);
-            if let Some(blocked) = blocked {
-                metrics::gauge!("outbox_blocked_aggregates").set(blocked as f64);
-            }
+            shared.metrics.sampled(&sample, blocked);
         }
         Err(e) => {
-            metrics::counter!(crate::metrics::SAMPLE_ERRORS).increment(1);
+            shared.metrics.sample_failed();
             if e.is_transient() {
                 shared.db.failed("sample the table metrics", &e);
             } else {

@@ -58,11 +58,12 @@ impl Shared {
         if let Some(name) = &config.source {
             let _ = source.set(Arc::from(name.as_str()));
         }
+        let metrics = Metrics::new(config.name.as_deref());
         Self {
             config,
             pool,
             publisher,
-            metrics: Metrics::default(),
+            metrics,
             gate,
             db: DbHealth::default(),
             wakeups: Arc::default(),

@@ -54,7 +54,7 @@ impl Summary {
     }
 
     /// Logs the summary of the period that ends now.
-    pub(crate) fn log(&self, now: MetricsSnapshot) {
+    pub(crate) fn log(&self, outbox: Option<&str>, now: MetricsSnapshot) {
         let m = self.since_last(now);
         let sample = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
         let backlog = sample.map(|s| s.pending + s.processing);
@@ -62,6 +62,7 @@ impl Summary {
             .and_then(|s| s.oldest)
             .map(|age| humantime::format_duration(Duration::from_secs(age.max(0.0) as u64)).to_string());
         info!(
+            outbox,
             published = m.published,
             retried = m.retried,
             deferred = m.deferred,

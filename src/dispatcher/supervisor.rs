@@ -15,7 +15,7 @@ use super::pace::PaceReport;
 use super::shared::Shared;
 use crate::config::{ConfigError, DispatcherConfig};
 use crate::error::Error;
-use crate::metrics::{self, Metrics, MetricsSnapshot};
+use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::publisher::{Publisher, SinkState};
 use crate::store::PgPool;
 
@@ -162,17 +162,18 @@ impl OutboxSupervisor {
         if state != self.sink.0 {
             let lasted = Duration::from_millis(self.sink.1.elapsed().as_millis() as u64);
             let lasted = humantime::format_duration(lasted);
+            let outbox = self.shared.config.name.as_deref();
             match &state {
-                SinkState::Up => info!(was = %self.sink.0, lasted = %lasted, "sink is up"),
-                SinkState::Blocked(why) => warn!(reason = %why, after = %lasted, "sink is blocked"),
-                SinkState::Down(why) => warn!(reason = %why, after = %lasted, "sink is down"),
+                SinkState::Up => info!(outbox, was = %self.sink.0, lasted = %lasted, "sink is up"),
+                SinkState::Blocked(why) => warn!(outbox, reason = %why, after = %lasted, "sink is blocked"),
+                SinkState::Down(why) => warn!(outbox, reason = %why, after = %lasted, "sink is down"),
             }
             self.sink = (state.clone(), Instant::now());
         }
         let check = self.shared.gate.check(&state);
         let paused = self.shared.gate.claimable() == Claimable::No;
-        metrics::sink_gauges(state.is_up() && !paused, paused);
-        metrics::pace_gauges(&self.shared.pace.report());
+        self.shared.metrics.sink_gauges(state.is_up() && !paused, paused);
+        self.shared.metrics.pace_gauges(&self.shared.pace.report());
         match check {
             Check::Nothing => {}
             Check::Paused => Metrics::add(&self.shared.metrics.sink_outages, 1),
@@ -199,11 +200,11 @@ impl Actor for OutboxSupervisor {
         }
         let shared = self.shared.clone();
         let config = &shared.config;
-        info!(owner = %config.owner, workers = config.workers, batch = config.batch,
+        info!(outbox = config.name.as_deref(), owner = %config.owner, workers = config.workers, batch = config.batch,
             lease = %humantime::format_duration(config.lease), max_attempts = config.max_attempts,
             fifo = %config.fifo, max_rate = %config.max_rate.map_or("none".to_owned(), |r| format!("{r}/s")),
             "outbox dispatcher starting");
-        crate::metrics::describe(&self.shared.metrics, config.table_metrics_interval.is_some());
+        self.shared.metrics.describe(config.table_metrics_interval.is_some());
         let finalizer = Arc::new(FinalizerSlot::new(FinalizeActor::new(self.shared.clone()).start()));
         self.workers =
             (0..config.workers).map(|n| ClaimActor::new(n, self.shared.clone(), finalizer.clone()).start()).collect();
@@ -214,7 +215,9 @@ impl Actor for OutboxSupervisor {
         ctx.run_interval(WATCHDOG_PERIOD, |act, _| act.watchdog());
         ctx.run_interval(SINK_CHECK_PERIOD, |act, _| act.check_sink());
         if let Some(every) = config.summary_interval {
-            ctx.run_interval(every, |act, _| act.shared.summary.log(act.shared.metrics.snapshot()));
+            ctx.run_interval(every, |act, _| {
+                act.shared.summary.log(act.shared.config.name.as_deref(), act.shared.metrics.snapshot())
+            });
         }
         if let Some(every) = config.table_metrics_interval {
             self.sample_table(ctx);
@@ -390,7 +393,7 @@ impl Handler<SetMaxRate> for OutboxSupervisor {
         }
         let was = self.shared.pace.report().max_rate;
         self.shared.pace.set_cap(cap);
-        metrics::pace_gauges(&self.shared.pace.report());
+        self.shared.metrics.pace_gauges(&self.shared.pace.report());
         match cap {
             Some(rate) => info!(max_rate = rate, was = ?was, "max rate set"),
             None => info!(was = ?was, "max rate removed: not paced"),
@@ -447,7 +450,10 @@ impl Handler<Shutdown> for OutboxSupervisor {
                 if let Some(listener) = self.listener.take() {
                     ctx.cancel_future(listener);
                 }
-                info!("outbox dispatcher shutting down: claiming stopped, draining in-flight publishes");
+                info!(
+                    outbox = self.shared.config.name.as_deref(),
+                    "outbox dispatcher shutting down: claiming stopped, draining in-flight publishes"
+                );
                 let drains: Vec<_> = self.workers.iter().map(|w| w.send(Drain)).collect();
                 let finalizer = self.finalizer.clone();
                 let drained = async move {
@@ -462,7 +468,8 @@ impl Handler<Shutdown> for OutboxSupervisor {
                 };
                 ctx.spawn(drained.into_actor(self).map(|(), act, _| {
                     act.state = State::Stopped;
-                    info!(metrics = ?act.shared.metrics.snapshot(), "outbox dispatcher stopped");
+                    info!(outbox = act.shared.config.name.as_deref(), metrics = ?act.shared.metrics.snapshot(),
+                        "outbox dispatcher stopped");
                     for waiter in act.shutdown_waiters.drain(..) {
                         let _ = waiter.send(());
                     }

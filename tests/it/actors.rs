@@ -519,12 +519,18 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 0);
     // Armed (as the listener arms): the insert notifies.
     let mut armed = db.conn().await;
-    armed.batch_execute("SELECT pg_advisory_lock(hashtextextended('actix-outbox:armed:public.outbox', 0))").await.unwrap();
+    armed
+        .batch_execute("SELECT pg_advisory_lock(hashtextextended('actix-outbox:armed:public.outbox', 0))")
+        .await
+        .unwrap();
     db.seed(1, "loud").await;
     assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 1);
     // A producer transaction that found the lock free keeps a listener from arming until it
     // commits (so that the claim after arming sees its row).
-    armed.batch_execute("SELECT pg_advisory_unlock(hashtextextended('actix-outbox:armed:public.outbox', 0))").await.unwrap();
+    armed
+        .batch_execute("SELECT pg_advisory_unlock(hashtextextended('actix-outbox:armed:public.outbox', 0))")
+        .await
+        .unwrap();
     let mut producer = db.conn().await;
     producer.batch_execute("BEGIN").await.unwrap();
     producer
@@ -538,11 +544,16 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         #[diesel(sql_type = diesel::sql_types::Bool)]
         ok: bool,
     }
-    let try_arm = || diesel::sql_query("SELECT pg_try_advisory_lock(hashtextextended('actix-outbox:armed:public.outbox', 0)) AS ok");
+    let try_arm = || {
+        diesel::sql_query("SELECT pg_try_advisory_lock(hashtextextended('actix-outbox:armed:public.outbox', 0)) AS ok")
+    };
     assert!(!try_arm().get_result::<Locked>(&mut armed).await.unwrap().ok, "armed while a producer is open");
     producer.batch_execute("COMMIT").await.unwrap();
     assert!(try_arm().get_result::<Locked>(&mut armed).await.unwrap().ok, "not armed after the producer committed");
-    armed.batch_execute("SELECT pg_advisory_unlock(hashtextextended('actix-outbox:armed:public.outbox', 0))").await.unwrap();
+    armed
+        .batch_execute("SELECT pg_advisory_unlock(hashtextextended('actix-outbox:armed:public.outbox', 0))")
+        .await
+        .unwrap();
     db.pool.get().await.unwrap().batch_execute("DELETE FROM outbox").await.unwrap();
     let _ = notifications_within(&mut listening, Duration::from_millis(100)).await;
 
