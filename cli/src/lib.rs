@@ -301,20 +301,44 @@ pub struct DatabaseArgs {
     /// A connection string to the server itself, past a transaction pooler, for what needs a session of its own: `run`'s insert listener (without it, `run` polls) and the FIFO gate's index build (`run --fifo`, `migrate --fifo`)
     #[arg(long = "direct-url", env = "DATABASE_DIRECT_URL", value_name = "URL", hide_env_values = true)]
     pub direct_url: Option<String>,
+    /// The schema whose outbox (or inbox) to act on, for a database that keeps one a schema (one a tenant, one a module): every connection's search_path is set to it (the `options` startup parameter). Default: the URL's own search_path (`public`). Not through a transaction pooler, which refuses that parameter: there, give each tenant a role whose search_path is its schema
+    #[arg(long, env = "DATABASE_SCHEMA", value_name = "NAME")]
+    pub schema: Option<String>,
 }
 
 impl DatabaseArgs {
-    /// The connection string, parsed by the driver's parser (malformed: bad input).
+    /// The connection string, parsed by the driver's parser (malformed: bad input), in
+    /// `--schema` when it is given.
     fn url(&self) -> Result<ConnectionString, CliError> {
-        ConnectionString::parse(&self.database_url).map_err(|e| CliError::BadInput(e.to_string()))
+        let url = ConnectionString::parse(&self.database_url).map_err(|e| CliError::BadInput(e.to_string()))?;
+        self.in_schema(url, self.schema.as_deref())
     }
 
-    /// The direct connection string, parsed (malformed: bad input).
+    /// `url` confined to `schema` (none: as it is). Refused behind a transaction pooler, which
+    /// refuses the startup parameter that does it.
+    fn in_schema(&self, url: ConnectionString, schema: Option<&str>) -> Result<ConnectionString, CliError> {
+        let Some(schema) = schema else { return Ok(url) };
+        if self.pooler == Pooler::Transaction {
+            return Err(CliError::BadInput(format!(
+                "schema {schema:?} behind a transaction pooler: the pooler refuses the startup parameter that sets the \
+                 search_path; give the tenant a role whose search_path is its schema (ALTER ROLE ... SET search_path = \
+                 {schema}) and a --database-url of that role, without --schema"
+            )));
+        }
+        url.in_schema(schema).map_err(|e| CliError::BadInput(e.to_string()))
+    }
+
+    /// The direct connection string, parsed (malformed: bad input), in `--schema` when it is
+    /// given.
     fn direct_url(&self) -> Result<Option<ConnectionString>, CliError> {
-        self.direct_url
-            .as_deref()
-            .map(|url| ConnectionString::parse(url).map_err(|e| CliError::BadInput(format!("--direct-url: {e}"))))
-            .transpose()
+        let Some(url) = self.direct_url.as_deref() else { return Ok(None) };
+        let url = ConnectionString::parse(url).map_err(|e| CliError::BadInput(format!("--direct-url: {e}")))?;
+        match self.schema.as_deref() {
+            Some(schema) => {
+                url.in_schema(schema).map(Some).map_err(|e| CliError::BadInput(format!("--direct-url: {e}")))
+            }
+            None => Ok(Some(url)),
+        }
     }
 
     /// A pool of `size` connections as these flags say.

@@ -12,7 +12,10 @@ pub(super) const LONG_ABOUT: &str = "Create the database named in the URL if it 
     By default it installs the outbox (the producer's tables). With --inbox it installs only the \
     inbox instead: the tables of the consumer side (`inbox` and `inbox_aggregates`), for the \
     database of a service that consumes the messages. The two sets have distinct versions in the \
-    one migrations table, so either can be applied first, and a database can hold both.";
+    one migrations table, so either can be applied first, and a database can hold both.\n\n\
+    With --schema NAME it creates the schema if it is missing and installs the tables (and the \
+    migrations table) in it: one outbox a schema, e.g. one a tenant, for a relay that serves \
+    several (`run --outbox`).";
 
 /// Arguments of `actix-outbox migrate`.
 #[derive(Debug, Clone, Args)]
@@ -22,7 +25,9 @@ pub(super) const LONG_ABOUT: &str = "Create the database named in the URL if it 
                   applied migration 20261201900001\n  \
                   actix-outbox migrate --fifo --database-url postgres://app:secret@db:5432/app\n  \
                   database app is up to date: no pending migrations\n  \
-                  built the FIFO gate's index outbox_fifo_gate")]
+                  built the FIFO gate's index outbox_fifo_gate\n  \
+                  actix-outbox migrate --schema tenant_a --database-url postgres://app:secret@db:5432/app\n  \
+                  created schema tenant_a\n  applied migration 20261130000001\n  ...")]
 pub struct MigrateArgs {
     /// Where the outbox (or, with --inbox, the inbox) lives.
     #[command(flatten)]
@@ -40,6 +45,12 @@ pub(super) async fn migrate(args: MigrateArgs) -> Result<(), CliError> {
     let database = url.database().unwrap_or_default().to_owned();
     if actix_outbox::admin::ensure_database(url.expose()).await.map_err(|e| CliError::store(&url, e))? {
         println!("created database {database}");
+    }
+    if let Some(schema) = &args.database.schema {
+        let created = actix_outbox::admin::ensure_schema(url.expose(), schema).await;
+        if created.map_err(|e| CliError::store(&url, e))? {
+            println!("created schema {schema}");
+        }
     }
     let applied = if args.inbox {
         actix_outbox::inbox::migrate_inbox(url.expose()).await

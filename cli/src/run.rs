@@ -65,6 +65,21 @@ pub struct RunArgs {
     /// Where the outbox lives.
     #[command(flatten)]
     pub database: DatabaseArgs,
+    /// Relay the outbox of this schema of the database (SCHEMA or SCHEMA.outbox); repeatable:
+    /// one dispatcher an outbox in this process (workers, pool, listener and pace of its own,
+    /// the broker connection shared), each with its own source, metrics label
+    /// outbox="SCHEMA.outbox" and summary line, so that one outbox's backlog never delays
+    /// another's rows. Default: the URL's own outbox (or --schema's)
+    #[arg(long, value_name = "SCHEMA", value_parser = outbox_schema, conflicts_with = "schema")]
+    pub outbox: Vec<String>,
+    /// Relay the outbox of every schema whose name is LIKE this pattern (e.g. 'tenant_%'), as
+    /// --outbox each, and of those created later, looked for every --discover-interval (a schema
+    /// that disappears stops its dispatcher)
+    #[arg(long, value_name = "PATTERN", conflicts_with_all = ["outbox", "schema"])]
+    pub outbox_schemas: Option<String>,
+    /// How often --outbox-schemas looks for new schemas
+    #[arg(long, value_name = "DURATION", default_value = "10s", requires = "outbox_schemas")]
+    pub discover_interval: humantime::Duration,
     /// RabbitMQ URL; several (comma-separated or repeated) for the nodes of a cluster, tried in turn
     /// when reconnecting (passwords masked in every message)
     #[arg(
@@ -240,6 +255,23 @@ impl From<QueueType> for QueueKind {
     }
 }
 
+/// `--outbox SCHEMA[.outbox]`: the schema, a lowercase identifier. The table of an outbox is
+/// always `outbox`.
+fn outbox_schema(arg: &str) -> Result<String, String> {
+    let schema = arg.strip_suffix(".outbox").unwrap_or(arg);
+    let plain = !schema.is_empty()
+        && schema.len() <= 63
+        && schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && schema.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !plain {
+        return Err(format!(
+            "expected SCHEMA or SCHEMA.outbox, SCHEMA a lowercase identifier (a-z, 0-9, _), got {arg:?}; an \
+             outbox's table is always named outbox, one a schema"
+        ));
+    }
+    Ok(schema.to_owned())
+}
+
 /// `--bind-queue NAME:PATTERN`: the queue's name ends at the first `:`; the pattern may be
 /// empty (a fanout or direct exchange's binding) or hold colons itself.
 fn queue_binding(arg: &str) -> Result<(String, String), String> {
@@ -359,35 +391,129 @@ fn console_addr(addr: &str) -> Result<String, CliError> {
     }
 }
 
-pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
-    let url = args.database.url()?;
-    let mut config = args.dispatcher_config()?;
-    let rabbit = args.rabbit_config()?;
-    let console_token = args.console_token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").ok())?;
-    // Registered before anything slow, so that a signal during start-up is not lost.
-    let mut signals = Signals::register()?;
+/// One outbox ready to relay: checked, its source known, its pool open.
+struct Prepared {
+    /// `SCHEMA.outbox` when the process relays several, else `None`.
+    name: Option<String>,
+    database: DatabaseArgs,
+    config: DispatcherConfig,
+    pool: actix_outbox::PgPool,
+}
 
+/// Checks the outbox `database` reaches (migrated), derives its source unless configured, and
+/// opens its pool.
+async fn prepare(
+    database: DatabaseArgs,
+    config: &DispatcherConfig,
+    name: Option<String>,
+) -> Result<Prepared, CliError> {
+    let url = database.url()?;
     let mut conn = connect(&url).await?;
     let pending = actix_outbox::admin::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
     if !pending.is_empty() {
+        let schema = database.schema.as_deref().map(|s| format!(" --schema {s}")).unwrap_or_default();
         return Err(CliError::Failed(format!(
-            "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate` first",
+            "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate{schema}` first",
             pending.len(),
             pending.join(", ")
         )));
     }
-    let source = match config.source.clone() {
-        Some(source) => source,
-        None => actix_outbox::admin::outbox_source(&mut conn).await.map_err(|e| CliError::store(&url, e))?,
-    };
+    let mut config = config.clone();
+    if config.source.is_none() {
+        config.source =
+            Some(actix_outbox::admin::outbox_source(&mut conn).await.map_err(|e| CliError::store(&url, e))?);
+    }
     drop(conn);
-    config.source = Some(source);
-    let pool = args.database.pool((config.workers + EXTRA_CONNECTIONS) as u32).await?;
+    if let Some(name) = &name {
+        config = config.name(name.clone());
+    }
+    let pool = database.pool((config.workers + EXTRA_CONNECTIONS) as u32).await?;
+    Ok(Prepared { name, database, config, pool })
+}
+
+/// The schemas `pattern` finds in the database of `database` (without `--schema`).
+async fn discover(database: &DatabaseArgs, pattern: &str) -> Result<Vec<String>, CliError> {
+    let url = database.url()?;
+    let mut conn = connect(&url).await?;
+    actix_outbox::admin::outbox_schemas(&mut conn, pattern).await.map_err(|e| CliError::store(&url, e))
+}
+
+impl RunArgs {
+    /// `self.database` for the outbox of `schema`.
+    fn in_schema(&self, schema: &str) -> DatabaseArgs {
+        DatabaseArgs { schema: Some(schema.to_owned()), ..self.database.clone() }
+    }
+
+    /// Whether the process relays several outboxes (or may come to): each then is named.
+    fn several(&self) -> bool {
+        self.outbox.len() > 1 || self.outbox_schemas.is_some()
+    }
+}
+
+/// Starts the dispatcher of `outbox` on `sink`, registered in `relayed`.
+fn start_one(outbox: Prepared, sink: &RabbitSink, relayed: &serve::SupervisorSlot) -> Result<serve::Relayed, CliError> {
+    let Prepared { name, database, config, pool } = outbox;
+    let source = config.source.clone().unwrap_or_default();
+    info!(outbox = name.as_deref(), database = %database.url()?, pooler = %database.pooler, source = %source,
+        fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
+    let supervisor = OutboxSupervisor::start(config, pool.clone(), sink.clone())
+        .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
+    let one = serve::Relayed { name, supervisor, pool, source };
+    relayed.lock().unwrap_or_else(|e| e.into_inner()).push(one.clone());
+    Ok(one)
+}
+
+pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
+    args.database.url()?;
+    let config = args.dispatcher_config()?;
+    let rabbit = args.rabbit_config()?;
+    let console_token = args.console_token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").ok())?;
+    if args.several() && config.source.is_some() {
+        return Err(CliError::BadInput(
+            "--source names one outbox; with several, each derives its own (SYSTEM_IDENTIFIER/DATABASE/SCHEMA.outbox)"
+                .into(),
+        ));
+    }
+    if args.several() && args.console_addr.is_some() {
+        return Err(CliError::BadInput(
+            "--console-addr with several outboxes: the console shows one outbox and has no picker yet; serve it from \
+             a run of that outbox alone (--schema SCHEMA --console-addr ...), which joins this one as one more \
+             dispatcher of that outbox"
+                .into(),
+        ));
+    }
+    if let Some(pattern) = &args.outbox_schemas
+        && args.database.pooler == actix_outbox::Pooler::Transaction
+    {
+        return Err(CliError::BadInput(format!(
+            "--outbox-schemas {pattern:?} behind a transaction pooler: the pooler refuses the startup parameter that \
+             sets each outbox's search_path; run one relay a tenant role instead"
+        )));
+    }
+    // Registered before anything slow, so that a signal during start-up is not lost.
+    let mut signals = Signals::register()?;
+
+    let schemas: Vec<String> = match &args.outbox_schemas {
+        Some(pattern) => {
+            let found = discover(&args.database, pattern).await?;
+            info!(pattern, found = ?found, "outbox schemas found; new ones are looked for every {}", args.discover_interval);
+            found
+        }
+        None => args.outbox.clone(),
+    };
+    let mut ready = Vec::new();
+    if schemas.is_empty() && args.outbox_schemas.is_none() {
+        ready.push(prepare(args.database.clone(), &config, None).await?);
+    }
+    for schema in &schemas {
+        let name = args.several().then(|| format!("{schema}.outbox"));
+        ready.push(prepare(args.in_schema(schema), &config, name).await?);
+    }
 
     // Before the broker: an orchestrator sees the process live, and not ready until it runs.
-    let supervisor_slot = serve::SupervisorSlot::default();
+    let relayed = serve::SupervisorSlot::default();
     let serving = match &args.metrics_addr {
-        Some(addr) => Some(serve::start(addr, serve::install_recorder()?, pool.clone(), supervisor_slot.clone())?),
+        Some(addr) => Some(serve::start(addr, serve::install_recorder()?, relayed.clone())?),
         None => None,
     };
 
@@ -401,38 +527,60 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    let source = config.source.clone().unwrap_or_default();
-    info!(database = %url, pooler = %args.database.pooler, source = %source, fifo = %config.fifo,
-        "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
-    let supervisor = OutboxSupervisor::start(config, pool, sink.clone())
-        .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
-    *supervisor_slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(supervisor.clone());
+    let mut running: Vec<(String, serve::Relayed)> = Vec::new();
+    for (outbox, schema) in ready.into_iter().zip(schemas.iter().cloned().chain(std::iter::repeat(String::new()))) {
+        running.push((schema, start_one(outbox, &sink, &relayed)?));
+    }
     // After the dispatcher, whose health and counters the overview shows. A pool of its own:
     // pages never wait for the dispatcher's connections, nor it for theirs.
-    let console = match &args.console_addr {
-        Some(addr) => {
+    let console = match (&args.console_addr, running.first()) {
+        (Some(addr), Some((_, first))) => {
             let pool = args.database.pool(CONSOLE_CONNECTIONS).await?;
             let mut console = actix_outbox_console::Console::new(pool)
-                .supervisor(supervisor.clone())
+                .supervisor(first.supervisor.clone())
                 .fifo(args.fifo.fifo()?)
-                .source(source);
+                .source(first.source.clone());
             if let Some(token) = &console_token {
                 console = console.token(token);
             }
             Some(serve::start_console(&console_addr(addr)?, console)?)
         }
-        None => None,
+        _ => None,
     };
 
-    let signal = signals.recv().await;
+    let mut discovery = args.outbox_schemas.as_ref().map(|pattern| {
+        let every = Duration::from(args.discover_interval).max(Duration::from_millis(100));
+        (pattern.clone(), tokio::time::interval_at(tokio::time::Instant::now() + every, every))
+    });
+    let signal = loop {
+        let tick = async {
+            match &mut discovery {
+                Some((_, every)) => every.tick().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            signal = signals.recv() => break signal,
+            _ = tick => {
+                let Some((pattern, _)) = &discovery else { continue };
+                rediscover(&args, pattern, &config, &sink, &relayed, &mut running).await;
+            }
+        }
+    };
     info!(
         signal,
         "stopping: claiming stopped, publishes in flight finish and are finalized; signal again to exit at once"
     );
-    tokio::select! {
-        answered = supervisor.send(Shutdown) => {
-            answered.map_err(|e| CliError::Failed(format!("the dispatcher did not answer the shutdown: {e}")))?;
+    // Every dispatcher is told at once (a request is sent when made), then each answer awaited.
+    let stops: Vec<_> = running.iter().map(|(_, r)| r.supervisor.send(Shutdown)).collect();
+    let answered = async {
+        for stop in stops {
+            stop.await.map_err(|e| CliError::Failed(format!("the dispatcher did not answer the shutdown: {e}")))?;
         }
+        Ok::<_, CliError>(())
+    };
+    tokio::select! {
+        answered = answered => answered?,
         signal = signals.recv() => {
             return Err(CliError::Aborted(format!(
                 "{signal} again: exiting at once; rows still processing are reclaimed when their lease expires"
@@ -446,9 +594,56 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     if let Some(serving) = serving {
         serving.stop().await;
     }
-    // The supervisor has logged its final counters; this line says the exit is the clean one.
+    // The supervisors have logged their final counters; this line says the exit is the clean one.
     info!("dispatcher stopped cleanly; exiting 0");
     Ok(())
+}
+
+/// Looks for the schemas `pattern` finds now: starts a dispatcher for each new one, stops
+/// those of schemas that are gone. A failure is logged and tried again at the next look.
+async fn rediscover(
+    args: &RunArgs,
+    pattern: &str,
+    config: &DispatcherConfig,
+    sink: &RabbitSink,
+    relayed: &serve::SupervisorSlot,
+    running: &mut Vec<(String, serve::Relayed)>,
+) {
+    let found = match discover(&args.database, pattern).await {
+        Ok(found) => found,
+        Err(e) => {
+            warn!(error = %e, pattern, "looking for outbox schemas failed; trying again later");
+            return;
+        }
+    };
+    let gone: Vec<String> = running.iter().map(|(s, _)| s.clone()).filter(|s| !found.contains(s)).collect();
+    for schema in gone {
+        if let Some(at) = running.iter().position(|(s, _)| *s == schema) {
+            let (_, stopped) = running.remove(at);
+            info!(outbox = %format!("{schema}.outbox"), "its schema is gone: stopping its dispatcher");
+            let _ = stopped.supervisor.send(Shutdown).await;
+            relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.supervisor);
+        }
+    }
+    for schema in found {
+        if running.iter().any(|(s, _)| *s == schema) {
+            continue;
+        }
+        let name = format!("{schema}.outbox");
+        let started = match prepare(args.in_schema(&schema), config, Some(name.clone())).await {
+            Ok(outbox) => start_one(outbox, sink, relayed),
+            Err(e) => Err(e),
+        };
+        match started {
+            Ok(one) => {
+                info!(outbox = %name, "new outbox schema found: relaying it");
+                running.push((schema, one));
+            }
+            Err(e) => {
+                warn!(outbox = %name, error = %e, "a new outbox schema cannot be relayed yet; trying again later")
+            }
+        }
+    }
 }
 
 /// Connects the RabbitMQ sink, retrying with capped, jittered exponential backoff while the

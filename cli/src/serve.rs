@@ -31,8 +31,18 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often the recorder drains its histograms' buffers.
 const UPKEEP_PERIOD: Duration = Duration::from_secs(5);
 
-/// The dispatcher, once started; readiness is 503 until then.
-pub(crate) type SupervisorSlot = Arc<Mutex<Option<Addr<OutboxSupervisor>>>>;
+/// The dispatchers running, one an outbox; readiness is 503 until the first starts.
+pub(crate) type SupervisorSlot = Arc<Mutex<Vec<Relayed>>>;
+
+/// One outbox `run` relays: its name (when it relays several), its dispatcher and its pool.
+#[derive(Clone)]
+pub(crate) struct Relayed {
+    pub(crate) name: Option<String>,
+    pub(crate) supervisor: Addr<OutboxSupervisor>,
+    pub(crate) pool: PgPool,
+    /// Its source name.
+    pub(crate) source: String,
+}
 
 /// Installs the Prometheus recorder as the process's `metrics` recorder.
 pub(crate) fn install_recorder() -> Result<PrometheusHandle, CliError> {
@@ -50,20 +60,14 @@ pub(crate) struct Serving {
 #[derive(Clone)]
 struct State {
     metrics: PrometheusHandle,
-    pool: PgPool,
     supervisor: SupervisorSlot,
     /// The dispatcher's arbiter, where the database probe runs.
     home: ArbiterHandle,
 }
 
 /// Binds `addr` and starts serving. Must run on the dispatcher's arbiter.
-pub(crate) fn start(
-    addr: &str,
-    metrics: PrometheusHandle,
-    pool: PgPool,
-    supervisor: SupervisorSlot,
-) -> Result<Serving, CliError> {
-    let state = State { metrics: metrics.clone(), pool, supervisor, home: actix::Arbiter::current() };
+pub(crate) fn start(addr: &str, metrics: PrometheusHandle, supervisor: SupervisorSlot) -> Result<Serving, CliError> {
+    let state = State { metrics: metrics.clone(), supervisor, home: actix::Arbiter::current() };
     let server = HttpServer::new(move || {
         App::new()
             .app_data(web::Data::new(state.clone()))
@@ -116,12 +120,27 @@ async fn ready(state: web::Data<State>) -> HttpResponse {
 
 /// Why the dispatcher is not ready; `None` when it is.
 async fn not_ready(state: &State) -> Option<String> {
-    let supervisor = state.supervisor.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let Some(supervisor) = supervisor else {
-        return Some("the dispatcher has not started yet (connecting to the broker)".to_owned());
-    };
+    let relayed = state.supervisor.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    if relayed.is_empty() {
+        return Some(
+            "the dispatcher has not started yet (connecting to the broker, or no outbox found yet)".to_owned(),
+        );
+    }
+    for outbox in relayed {
+        if let Some(why) = outbox_not_ready(state, &outbox).await {
+            return Some(match &outbox.name {
+                Some(name) => format!("{name}: {why}"),
+                None => why,
+            });
+        }
+    }
+    None
+}
+
+/// Why one outbox's dispatcher is not ready, if it is not.
+async fn outbox_not_ready(state: &State, outbox: &Relayed) -> Option<String> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let pool = state.pool.clone();
+    let pool = outbox.pool.clone();
     state.home.spawn(async move {
         let answer = tokio::time::timeout(PROBE_TIMEOUT, actix_outbox::admin::check_connection(&pool)).await;
         let _ = tx.send(answer);
@@ -132,7 +151,7 @@ async fn not_ready(state: &State) -> Option<String> {
         Ok(Err(_)) => return Some(format!("the database did not answer within {PROBE_TIMEOUT:?}")),
         Err(_) => return Some("the dispatcher's arbiter is gone".to_owned()),
     }
-    match tokio::time::timeout(PROBE_TIMEOUT, supervisor.send(GetHealth)).await {
+    match tokio::time::timeout(PROBE_TIMEOUT, outbox.supervisor.send(GetHealth)).await {
         Ok(Ok(health)) => health.not_ready_reason(),
         Ok(Err(_)) => Some("the dispatcher has stopped".to_owned()),
         Err(_) => Some(format!("the dispatcher did not answer within {PROBE_TIMEOUT:?}")),

@@ -290,8 +290,10 @@ pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
 /// ```
 pub async fn ensure_schema(database_url: &str, schema: &str) -> Result<bool, StoreError> {
     let target = ConnectionString::parse(database_url)?;
-    // Validates the name, so that it may stand unquoted below.
-    target.in_schema(schema)?;
+    // A plain identifier may stand unquoted below; `in_schema` says why another is refused.
+    if !crate::url::is_plain_identifier(schema) {
+        target.in_schema(schema)?;
+    }
     let mut conn = open_uncached(&target).await.map_err(StoreError::Connect)?;
     #[derive(diesel::QueryableByName)]
     struct Exists {

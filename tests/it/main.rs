@@ -25,6 +25,7 @@ mod rabbit;
 mod routing;
 mod startup;
 mod store;
+mod tenants;
 mod testkit;
 #[cfg(feature = "opentelemetry")]
 mod trace;

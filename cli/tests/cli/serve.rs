@@ -198,3 +198,119 @@ async fn run_serves_the_console_with_the_dispatchers_health_behind_the_token() {
     assert!(tokio::net::TcpStream::connect(&addr).await.is_err(), "the console stopped with the dispatcher");
     std::fs::remove_file(&token_file).unwrap();
 }
+
+/// The `x-outbox-source` header of a delivery.
+fn source_of(delivery: &lapin::message::Delivery) -> String {
+    let headers = delivery.properties.headers().as_ref().expect("headers");
+    match headers.inner().get("x-outbox-source") {
+        Some(lapin::types::AMQPValue::LongString(s)) => s.to_string(),
+        other => panic!("x-outbox-source: {other:?}"),
+    }
+}
+
+/// `migrate --schema` makes an outbox in a schema of its own (once), `enqueue --schema` writes
+/// to it, and one `run --outbox A --outbox B` relays both: each message carries its outbox's
+/// source, each outbox has its own metrics series (`outbox="tenant_a.outbox"`) and summary.
+#[tokio::test]
+async fn run_relays_the_outboxes_of_several_schemas_each_under_its_own_name() {
+    let db = TestDb::new().await;
+    for tenant in ["tenant_a", "tenant_b"] {
+        let first = ok(&db.url, &["migrate", "--schema", tenant]).await;
+        assert!(first.starts_with(&format!("created schema {tenant}\n")), "{first}");
+        assert_eq!(first.lines().filter(|l| l.starts_with("applied migration ")).count(), 8, "{first}");
+        let again = ok(&db.url, &["migrate", "--schema", tenant]).await;
+        assert_eq!(again.trim(), format!("database {} is up to date: no pending migrations", db.name));
+    }
+    let enqueue = |tenant: &'static str, id: &'static str| {
+        let url = db.url.clone();
+        async move {
+            let args =
+                ["enqueue", "--schema", tenant, "--aggregate-type", "t", "--aggregate-id", id, "--event-type", "e"];
+            ok(&url, &[&args[..], &["--payload", "{}"]].concat()).await
+        }
+    };
+    for id in ["a1", "a2", "a3"] {
+        enqueue("tenant_a", id).await;
+    }
+    for id in ["b1", "b2"] {
+        enqueue("tenant_b", id).await;
+    }
+    assert_eq!(db.count_status("pending").await, 0, "public.outbox holds none of them");
+
+    let (mut broker, _) = TestBroker::with_queue("cli-tenants").await;
+    let queue = broker.queue(&["#"], Default::default()).await;
+    let amqp = amqp_url();
+    let flags = ["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare"];
+    let more = ["--outbox", "tenant_a", "--outbox", "tenant_b.outbox", "--metrics-addr", "127.0.0.1:0"];
+    let mut run = Dispatcher::start(&db.url, &[&flags[..], &more[..]].concat());
+    let addr = served_addr(&run).await;
+    let deliveries = broker.take(&queue, 5).await;
+    let mut sources: Vec<String> = deliveries.iter().map(source_of).collect();
+    sources.sort();
+    let tail = |s: &String| s.rsplit('/').next().unwrap().to_owned();
+    assert_eq!(
+        sources.iter().map(tail).collect::<Vec<_>>(),
+        ["tenant_a.outbox", "tenant_a.outbox", "tenant_a.outbox", "tenant_b.outbox", "tenant_b.outbox"]
+    );
+    let page = until("both outboxes' counters", async || {
+        let page = http_get(&addr, "/metrics").await.1;
+        (sample(&page, r#"outbox_finalized_total{outcome="done",outbox="tenant_b.outbox"}"#) == Some(2.0))
+            .then_some(page)
+    })
+    .await;
+    assert_eq!(sample(&page, r#"outbox_published_total{outbox="tenant_a.outbox"}"#), Some(3.0), "{page}");
+    assert_eq!(sample(&page, r#"outbox_published_total{outbox="tenant_b.outbox"}"#), Some(2.0), "{page}");
+    assert_eq!(sample(&page, "outbox_published_total"), None, "no unlabelled series: {page}");
+    assert_eq!(http_get(&addr, "/health/ready").await, (200, "ready".to_owned()));
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    for tenant in ["tenant_a", "tenant_b"] {
+        let stopped =
+            run.log().iter().filter(|l| l.contains("outbox dispatcher stopped") && l.contains(tenant)).count();
+        assert_eq!(stopped, 1, "{tenant}: log:\n{}", run.log().join("\n"));
+    }
+}
+
+/// `run --outbox-schemas 'tenant_%'` relays the schemas it finds, and one migrated while it
+/// runs from the next look on; schemas that do not match are left alone.
+#[tokio::test]
+async fn run_picks_up_an_outbox_schema_created_while_it_runs() {
+    let db = TestDb::new().await;
+    ok(&db.url, &["migrate", "--schema", "tenant_a"]).await;
+    ok(&db.url, &["migrate", "--schema", "other"]).await;
+    let (mut broker, _) = TestBroker::with_queue("cli-discover").await;
+    let queue = broker.queue(&["#"], Default::default()).await;
+    let amqp = amqp_url();
+    let flags = ["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare"];
+    let more = ["--outbox-schemas", "tenant_%", "--discover-interval", "200ms"];
+    let mut run = Dispatcher::start(&db.url, &[&flags[..], &more[..]].concat());
+    let row = |tenant: &'static str| {
+        let url = db.url.clone();
+        async move {
+            let args = ["enqueue", "--schema", tenant, "--aggregate-type", "t", "--aggregate-id", "1", "--event-type"];
+            ok(&url, &[&args[..], &["e", "--payload", "{}"]].concat()).await
+        }
+    };
+    row("tenant_a").await;
+    row("other").await;
+    ok(&db.url, &["migrate", "--schema", "tenant_b"]).await;
+    row("tenant_b").await;
+    let deliveries = broker.take(&queue, 2).await;
+    let mut tails: Vec<String> =
+        deliveries.iter().map(|d| source_of(d).rsplit('/').next().unwrap().to_owned()).collect();
+    tails.sort();
+    assert_eq!(tails, ["tenant_a.outbox", "tenant_b.outbox"]);
+    assert_eq!(run.logged("new outbox schema found: relaying it"), 1, "log:\n{}", run.log().join("\n"));
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+    let mut conn = db.conn().await;
+    let pending: i64 = diesel_async::RunQueryDsl::get_result(
+        diesel::select(diesel::dsl::sql::<diesel::sql_types::BigInt>(
+            "(SELECT count(*) FROM other.outbox WHERE status = 'pending')",
+        )),
+        &mut conn,
+    )
+    .await
+    .unwrap();
+    assert_eq!(pending, 1, "the schema that does not match is not relayed");
+}
