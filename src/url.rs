@@ -142,7 +142,7 @@ impl ConnectionString {
             None => format!("{} options='-c search_path={schema}'", self.raw),
         };
         let mut config = self.config.clone();
-        config.options(&format!("-c search_path={schema}"));
+        config.options(format!("-c search_path={schema}"));
         Ok(Self { raw, config })
     }
 
