@@ -485,7 +485,12 @@ mod tests {
 
     #[test]
     fn database_urls_are_checked_and_masked() {
-        let args = |url: &str| DatabaseArgs { database_url: url.to_owned(), pooler: Pooler::None, direct_url: None, schema: None };
+        let args = |url: &str| DatabaseArgs {
+            database_url: url.to_owned(),
+            pooler: Pooler::None,
+            direct_url: None,
+            schema: None,
+        };
         for (url, masked) in [
             ("postgres://app:s3cret@db:5432/app", "postgres://app:***@db:5432/app"),
             ("postgres://app@db/app?password=s3cret", "postgres://app@db/app?password=***"),

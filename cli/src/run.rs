@@ -398,6 +398,8 @@ struct Prepared {
     database: DatabaseArgs,
     config: DispatcherConfig,
     pool: actix_outbox::PgPool,
+    /// The schema of `--outbox` or `--outbox-schemas`, empty for the URL's own outbox.
+    schema: String,
 }
 
 /// Checks the outbox `database` reaches (migrated), derives its source unless configured, and
@@ -428,7 +430,8 @@ async fn prepare(
         config = config.name(name.clone());
     }
     let pool = database.pool((config.workers + EXTRA_CONNECTIONS) as u32).await?;
-    Ok(Prepared { name, database, config, pool })
+    let schema = if name.is_some() { database.schema.clone().unwrap_or_default() } else { String::new() };
+    Ok(Prepared { name, database, config, pool, schema })
 }
 
 /// The schemas `pattern` finds in the database of `database` (without `--schema`).
@@ -450,9 +453,31 @@ impl RunArgs {
     }
 }
 
+/// One outbox being relayed: its schema (empty for the URL's own), its dispatcher, and its own
+/// connection to the broker.
+struct Running {
+    schema: String,
+    relayed: serve::Relayed,
+    sink: RabbitSink,
+}
+
+/// The broker connection of one more outbox (the first is made by [`connect_broker`]): each
+/// outbox has its own, so that one outbox's drain never fills the confirm pipeline another's
+/// messages wait in. Named after the outbox in the broker's connection list.
+async fn sink_of(rabbit: &RabbitConfig, name: Option<&str>) -> Result<RabbitSink, CliError> {
+    let mut config = rabbit.clone();
+    if let (Some(name), None) = (name, &config.connection_name) {
+        config = config.connection_name(format!("actix-outbox {name}"));
+    }
+    RabbitSink::connect(config).await.map_err(|e| match e {
+        e @ RabbitError::Config(_) => CliError::BadInput(e.to_string()),
+        e => CliError::Failed(e.to_string()),
+    })
+}
+
 /// Starts the dispatcher of `outbox` on `sink`, registered in `relayed`.
-fn start_one(outbox: Prepared, sink: &RabbitSink, relayed: &serve::SupervisorSlot) -> Result<serve::Relayed, CliError> {
-    let Prepared { name, database, config, pool } = outbox;
+fn start_one(outbox: Prepared, sink: RabbitSink, relayed: &serve::SupervisorSlot) -> Result<Running, CliError> {
+    let Prepared { name, database, config, pool, schema } = outbox;
     let source = config.source.clone().unwrap_or_default();
     info!(outbox = name.as_deref(), database = %database.url()?, pooler = %database.pooler, source = %source,
         fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
@@ -460,7 +485,7 @@ fn start_one(outbox: Prepared, sink: &RabbitSink, relayed: &serve::SupervisorSlo
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
     let one = serve::Relayed { name, supervisor, pool, source };
     relayed.lock().unwrap_or_else(|e| e.into_inner()).push(one.clone());
-    Ok(one)
+    Ok(Running { schema, relayed: one, sink })
 }
 
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
@@ -517,8 +542,13 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         None => None,
     };
 
-    let sink = tokio::select! {
-        sink = connect_broker(rabbit) => sink?,
+    let first_name = ready.first().and_then(|o| o.name.clone());
+    let mut first_config = rabbit.clone();
+    if let (Some(name), None) = (&first_name, &rabbit.connection_name) {
+        first_config = first_config.connection_name(format!("actix-outbox {name}"));
+    }
+    let first_sink = tokio::select! {
+        sink = connect_broker(first_config) => sink?,
         signal = signals.recv() => {
             info!(signal, "stopping before the dispatcher started; nothing was claimed");
             if let Some(serving) = serving {
@@ -527,14 +557,19 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             return Ok(());
         }
     };
-    let mut running: Vec<(String, serve::Relayed)> = Vec::new();
-    for (outbox, schema) in ready.into_iter().zip(schemas.iter().cloned().chain(std::iter::repeat(String::new()))) {
-        running.push((schema, start_one(outbox, &sink, &relayed)?));
+    let mut running: Vec<Running> = Vec::new();
+    let mut first_sink = Some(first_sink);
+    for outbox in ready {
+        let sink = match first_sink.take() {
+            Some(sink) => sink,
+            None => sink_of(&rabbit, outbox.name.as_deref()).await?,
+        };
+        running.push(start_one(outbox, sink, &relayed)?);
     }
     // After the dispatcher, whose health and counters the overview shows. A pool of its own:
     // pages never wait for the dispatcher's connections, nor it for theirs.
-    let console = match (&args.console_addr, running.first()) {
-        (Some(addr), Some((_, first))) => {
+    let console = match (&args.console_addr, running.first().map(|r| &r.relayed)) {
+        (Some(addr), Some(first)) => {
             let pool = args.database.pool(CONSOLE_CONNECTIONS).await?;
             let mut console = actix_outbox_console::Console::new(pool)
                 .supervisor(first.supervisor.clone())
@@ -563,7 +598,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             signal = signals.recv() => break signal,
             _ = tick => {
                 let Some((pattern, _)) = &discovery else { continue };
-                rediscover(&args, pattern, &config, &sink, &relayed, &mut running).await;
+                rediscover(&args, pattern, &config, &rabbit, &relayed, &mut running).await;
             }
         }
     };
@@ -572,7 +607,7 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         "stopping: claiming stopped, publishes in flight finish and are finalized; signal again to exit at once"
     );
     // Every dispatcher is told at once (a request is sent when made), then each answer awaited.
-    let stops: Vec<_> = running.iter().map(|(_, r)| r.supervisor.send(Shutdown)).collect();
+    let stops: Vec<_> = running.iter().map(|r| r.relayed.supervisor.send(Shutdown)).collect();
     let answered = async {
         for stop in stops {
             stop.await.map_err(|e| CliError::Failed(format!("the dispatcher did not answer the shutdown: {e}")))?;
@@ -587,7 +622,9 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             )));
         }
     }
-    sink.close().await;
+    for outbox in &running {
+        outbox.sink.close().await;
+    }
     if let Some(console) = console {
         console.stop().await;
     }
@@ -605,9 +642,9 @@ async fn rediscover(
     args: &RunArgs,
     pattern: &str,
     config: &DispatcherConfig,
-    sink: &RabbitSink,
+    rabbit: &RabbitConfig,
     relayed: &serve::SupervisorSlot,
-    running: &mut Vec<(String, serve::Relayed)>,
+    running: &mut Vec<Running>,
 ) {
     let found = match discover(&args.database, pattern).await {
         Ok(found) => found,
@@ -616,28 +653,30 @@ async fn rediscover(
             return;
         }
     };
-    let gone: Vec<String> = running.iter().map(|(s, _)| s.clone()).filter(|s| !found.contains(s)).collect();
+    let gone: Vec<String> = running.iter().map(|r| r.schema.clone()).filter(|s| !found.contains(s)).collect();
     for schema in gone {
-        if let Some(at) = running.iter().position(|(s, _)| *s == schema) {
-            let (_, stopped) = running.remove(at);
+        if let Some(at) = running.iter().position(|r| r.schema == schema) {
+            let stopped = running.remove(at);
             info!(outbox = %format!("{schema}.outbox"), "its schema is gone: stopping its dispatcher");
-            let _ = stopped.supervisor.send(Shutdown).await;
-            relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.supervisor);
+            let _ = stopped.relayed.supervisor.send(Shutdown).await;
+            stopped.sink.close().await;
+            relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.relayed.supervisor);
         }
     }
     for schema in found {
-        if running.iter().any(|(s, _)| *s == schema) {
+        if running.iter().any(|r| r.schema == schema) {
             continue;
         }
         let name = format!("{schema}.outbox");
-        let started = match prepare(args.in_schema(&schema), config, Some(name.clone())).await {
-            Ok(outbox) => start_one(outbox, sink, relayed),
-            Err(e) => Err(e),
+        let started = async {
+            let outbox = prepare(args.in_schema(&schema), config, Some(name.clone())).await?;
+            let sink = sink_of(rabbit, Some(&name)).await?;
+            start_one(outbox, sink, relayed)
         };
-        match started {
+        match started.await {
             Ok(one) => {
                 info!(outbox = %name, "new outbox schema found: relaying it");
-                running.push((schema, one));
+                running.push(one);
             }
             Err(e) => {
                 warn!(outbox = %name, error = %e, "a new outbox schema cannot be relayed yet; trying again later")
