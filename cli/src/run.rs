@@ -457,6 +457,8 @@ impl RunArgs {
 /// connection to the broker.
 struct Running {
     schema: String,
+    /// Where it lives (`--schema` set to its schema).
+    database: DatabaseArgs,
     relayed: serve::Relayed,
     sink: RabbitSink,
 }
@@ -485,7 +487,7 @@ fn start_one(outbox: Prepared, sink: RabbitSink, relayed: &serve::SupervisorSlot
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
     let one = serve::Relayed { name, supervisor, pool, source };
     relayed.lock().unwrap_or_else(|e| e.into_inner()).push(one.clone());
-    Ok(Running { schema, relayed: one, sink })
+    Ok(Running { schema, database, relayed: one, sink })
 }
 
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
@@ -568,9 +570,9 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     }
     // After the dispatcher, whose health and counters the overview shows. A pool of its own:
     // pages never wait for the dispatcher's connections, nor it for theirs.
-    let console = match (&args.console_addr, running.first().map(|r| &r.relayed)) {
-        (Some(addr), Some(first)) => {
-            let pool = args.database.pool(CONSOLE_CONNECTIONS).await?;
+    let console = match (&args.console_addr, running.first()) {
+        (Some(addr), Some(Running { database, relayed: first, .. })) => {
+            let pool = database.pool(CONSOLE_CONNECTIONS).await?;
             let mut console = actix_outbox_console::Console::new(pool)
                 .supervisor(first.supervisor.clone())
                 .fifo(args.fifo.fifo()?)
