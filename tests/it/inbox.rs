@@ -790,9 +790,9 @@ async fn inbox_and_outbox_migrations_apply_in_either_order_without_disturbing_ea
     let inbox_applied = inbox::migrate_inbox(&db.url).await.unwrap();
     assert_eq!(inbox_applied, vec!["20261201900001".to_owned(), "20261202900002".to_owned()]);
     assert_eq!(db.tables().await, inbox_tables);
-    assert_eq!(actix_outbox::admin::pending_migrations(&db.url).await.unwrap().len(), 7, "the outbox is still to do");
+    assert_eq!(actix_outbox::admin::pending_migrations(&db.url).await.unwrap().len(), 8, "the outbox is still to do");
     let outbox_applied = actix_outbox::migrate(&db.url).await.unwrap();
-    assert_eq!(outbox_applied.len(), 7);
+    assert_eq!(outbox_applied.len(), 8);
     assert_eq!(db.tables().await, both);
     assert!(inbox::migrate_inbox(&db.url).await.unwrap().is_empty());
     assert!(actix_outbox::migrate(&db.url).await.unwrap().is_empty());
