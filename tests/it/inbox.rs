@@ -799,7 +799,7 @@ async fn inbox_and_outbox_migrations_apply_in_either_order_without_disturbing_ea
     assert!(inbox::pending_inbox_migrations(&db.url).await.unwrap().is_empty());
     assert!(actix_outbox::admin::pending_migrations(&db.url).await.unwrap().is_empty());
     let versions = db.versions().await;
-    assert_eq!(versions.len(), 9);
+    assert_eq!(versions.len(), 10);
 
     // Outbox first.
     let db = BareDb::new().await;
