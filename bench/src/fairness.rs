@@ -20,7 +20,7 @@ use actix_outbox::dispatcher::Shutdown;
 use actix_outbox::sink::{QueueKind, RabbitConfig, RabbitSink};
 use actix_outbox::{ConnectionString, DispatcherConfig, NewEvent, OutboxSupervisor, PoolConfig};
 use clap::Parser;
-use diesel::sql_types::{BigInt, Double};
+use diesel::sql_types::Double;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 type BoxError = Box<dyn std::error::Error>;
@@ -129,7 +129,7 @@ async fn measure(opts: &Opts, url: &ConnectionString, exchange: &str) -> Result<
     }
     let idle = probe(opts, &mut producer, &mut conn, "idle", 0).await?;
     let drain =
-        float(&mut conn, "SELECT extract(epoch FROM max(done_at) - min(done_at))::float8 AS v FROM tenant_a.outbox")
+        value(&mut conn, "SELECT extract(epoch FROM max(done_at) - min(done_at))::float8 AS v FROM tenant_a.outbox")
             .await?;
     for dispatcher in &relay {
         dispatcher.send(Shutdown).await?;
@@ -176,8 +176,9 @@ async fn probe(
         tokio::time::sleep(opts.probe_interval).await;
     }
     let left = pending(conn, "tenant_a").await?;
-    let query = format!("SELECT count(*) AS v FROM tenant_b.outbox WHERE aggregate_id = '{tag}' AND status <> 'done'");
-    while count(conn, &query).await? > 0 {
+    let query =
+        format!("SELECT count(*)::float8 AS v FROM tenant_b.outbox WHERE aggregate_id = '{tag}' AND status <> 'done'");
+    while value(conn, &query).await? > 0.0 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     #[derive(diesel::QueryableByName)]
@@ -195,21 +196,12 @@ async fn probe(
 }
 
 async fn pending(conn: &mut AsyncPgConnection, schema: &str) -> Result<i64, BoxError> {
-    count(conn, &format!("SELECT count(*) AS v FROM {schema}.outbox WHERE status <> 'done'")).await
+    let sql = format!("SELECT count(*)::float8 AS v FROM {schema}.outbox WHERE status <> 'done'");
+    Ok(value(conn, &sql).await? as i64)
 }
 
-/// The one value `v` of `sql`'s one row.
-async fn count(conn: &mut AsyncPgConnection, sql: &str) -> Result<i64, BoxError> {
-    #[derive(diesel::QueryableByName)]
-    struct V {
-        #[diesel(sql_type = BigInt)]
-        v: i64,
-    }
-    Ok(diesel::sql_query(sql).get_result::<V>(conn).await?.v)
-}
-
-/// The one value `v` of `sql`'s one row.
-async fn float(conn: &mut AsyncPgConnection, sql: &str) -> Result<f64, BoxError> {
+/// The one value `v` of `sql`'s one row, as a float.
+async fn value(conn: &mut AsyncPgConnection, sql: &str) -> Result<f64, BoxError> {
     #[derive(diesel::QueryableByName)]
     struct V {
         #[diesel(sql_type = Double)]

@@ -66,8 +66,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub database: DatabaseArgs,
     /// Relay the outbox of this schema of the database (SCHEMA or SCHEMA.outbox); repeatable:
-    /// one dispatcher an outbox in this process (workers, pool, listener and pace of its own,
-    /// the broker connection shared), each with its own source, metrics label
+    /// one dispatcher an outbox in this process (workers, pool, listener, pace and broker
+    /// connection of its own), each with its own source, metrics label
     /// outbox="SCHEMA.outbox" and summary line, so that one outbox's backlog never delays
     /// another's rows. Default: the URL's own outbox (or --schema's)
     #[arg(long, value_name = "SCHEMA", value_parser = outbox_schema, conflicts_with = "schema")]
@@ -255,18 +255,13 @@ impl From<QueueType> for QueueKind {
     }
 }
 
-/// `--outbox SCHEMA[.outbox]`: the schema, a lowercase identifier. The table of an outbox is
-/// always `outbox`.
+/// `--outbox SCHEMA[.outbox]`: the schema. The table of an outbox is always `outbox`; the
+/// schema's spelling is checked where it is used, by `ConnectionString::in_schema`.
 fn outbox_schema(arg: &str) -> Result<String, String> {
     let schema = arg.strip_suffix(".outbox").unwrap_or(arg);
-    let plain = !schema.is_empty()
-        && schema.len() <= 63
-        && schema.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
-        && schema.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !plain {
+    if schema.is_empty() || schema.contains('.') {
         return Err(format!(
-            "expected SCHEMA or SCHEMA.outbox, SCHEMA a lowercase identifier (a-z, 0-9, _), got {arg:?}; an \
-             outbox's table is always named outbox, one a schema"
+            "expected SCHEMA or SCHEMA.outbox, got {arg:?}: an outbox's table is always named outbox, one a schema"
         ));
     }
     Ok(schema.to_owned())
@@ -398,8 +393,6 @@ struct Prepared {
     database: DatabaseArgs,
     config: DispatcherConfig,
     pool: actix_outbox::PgPool,
-    /// The schema of `--outbox` or `--outbox-schemas`, empty for the URL's own outbox.
-    schema: String,
 }
 
 /// Checks the outbox `database` reaches (migrated), derives its source unless configured, and
@@ -430,8 +423,7 @@ async fn prepare(
         config = config.name(name.clone());
     }
     let pool = database.pool((config.workers + EXTRA_CONNECTIONS) as u32).await?;
-    let schema = if name.is_some() { database.schema.clone().unwrap_or_default() } else { String::new() };
-    Ok(Prepared { name, database, config, pool, schema })
+    Ok(Prepared { name, database, config, pool })
 }
 
 /// The schemas `pattern` finds in the database of `database` (without `--schema`).
@@ -453,11 +445,10 @@ impl RunArgs {
     }
 }
 
-/// One outbox being relayed: its schema (empty for the URL's own), its dispatcher, and its own
-/// connection to the broker.
+/// One outbox being relayed: where it lives, its dispatcher, and its own connection to the
+/// broker.
 struct Running {
-    schema: String,
-    /// Where it lives (`--schema` set to its schema).
+    /// Where it lives (`--schema` its schema, for `--outbox` and `--outbox-schemas`).
     database: DatabaseArgs,
     relayed: serve::Relayed,
     sink: RabbitSink,
@@ -467,19 +458,23 @@ struct Running {
 /// outbox has its own, so that one outbox's drain never fills the confirm pipeline another's
 /// messages wait in. Named after the outbox in the broker's connection list.
 async fn sink_of(rabbit: &RabbitConfig, name: Option<&str>) -> Result<RabbitSink, CliError> {
-    let mut config = rabbit.clone();
-    if let (Some(name), None) = (name, &config.connection_name) {
-        config = config.connection_name(format!("actix-outbox {name}"));
-    }
-    RabbitSink::connect(config).await.map_err(|e| match e {
+    RabbitSink::connect(named(rabbit, name)).await.map_err(|e| match e {
         e @ RabbitError::Config(_) => CliError::BadInput(e.to_string()),
         e => CliError::Failed(e.to_string()),
     })
 }
 
+/// `rabbit` with its connection named after the outbox `name`, unless named already.
+fn named(rabbit: &RabbitConfig, name: Option<&str>) -> RabbitConfig {
+    match (name, &rabbit.connection_name) {
+        (Some(name), None) => rabbit.clone().connection_name(format!("actix-outbox {name}")),
+        _ => rabbit.clone(),
+    }
+}
+
 /// Starts the dispatcher of `outbox` on `sink`, registered in `relayed`.
 fn start_one(outbox: Prepared, sink: RabbitSink, relayed: &serve::SupervisorSlot) -> Result<Running, CliError> {
-    let Prepared { name, database, config, pool, schema } = outbox;
+    let Prepared { name, database, config, pool } = outbox;
     let source = config.source.clone().unwrap_or_default();
     info!(outbox = name.as_deref(), database = %database.url()?, pooler = %database.pooler, source = %source,
         fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
@@ -487,7 +482,7 @@ fn start_one(outbox: Prepared, sink: RabbitSink, relayed: &serve::SupervisorSlot
         .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
     let one = serve::Relayed { name, supervisor, pool, source };
     relayed.lock().unwrap_or_else(|e| e.into_inner()).push(one.clone());
-    Ok(Running { schema, database, relayed: one, sink })
+    Ok(Running { database, relayed: one, sink })
 }
 
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
@@ -544,13 +539,8 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         None => None,
     };
 
-    let first_name = ready.first().and_then(|o| o.name.clone());
-    let mut first_config = rabbit.clone();
-    if let (Some(name), None) = (&first_name, &rabbit.connection_name) {
-        first_config = first_config.connection_name(format!("actix-outbox {name}"));
-    }
     let first_sink = tokio::select! {
-        sink = connect_broker(first_config) => sink?,
+        sink = connect_broker(named(&rabbit, ready.first().and_then(|o| o.name.as_deref()))) => sink?,
         signal = signals.recv() => {
             info!(signal, "stopping before the dispatcher started; nothing was claimed");
             if let Some(serving) = serving {
@@ -655,18 +645,17 @@ async fn rediscover(
             return;
         }
     };
-    let gone: Vec<String> = running.iter().map(|r| r.schema.clone()).filter(|s| !found.contains(s)).collect();
-    for schema in gone {
-        if let Some(at) = running.iter().position(|r| r.schema == schema) {
-            let stopped = running.remove(at);
-            info!(outbox = %format!("{schema}.outbox"), "its schema is gone: stopping its dispatcher");
-            let _ = stopped.relayed.supervisor.send(Shutdown).await;
-            stopped.sink.close().await;
-            relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.relayed.supervisor);
-        }
+    let schema_of = |r: &Running| r.database.schema.clone().unwrap_or_default();
+    let (kept, gone): (Vec<Running>, Vec<Running>) = running.drain(..).partition(|r| found.contains(&schema_of(r)));
+    *running = kept;
+    for stopped in gone {
+        info!(outbox = stopped.relayed.name.as_deref(), "its schema is gone: stopping its dispatcher");
+        let _ = stopped.relayed.supervisor.send(Shutdown).await;
+        stopped.sink.close().await;
+        relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.relayed.supervisor);
     }
     for schema in found {
-        if running.iter().any(|r| r.schema == schema) {
+        if running.iter().any(|r| schema_of(r) == schema) {
             continue;
         }
         let name = format!("{schema}.outbox");
