@@ -292,9 +292,9 @@ impl CliError {
 /// `--database-url` / `DATABASE_URL`, shared by every command.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
-    /// PostgreSQL connection string: postgres://user:password@host:port/database, or key=value pairs (host=db user=app password=... dbname=app); to follow a failover, list every server and ask for the primary (postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write); passwords masked in every message
-    #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
-    pub database_url: String,
+    /// PostgreSQL connection string: postgres://user:password@host:port/database, or key=value pairs (host=db user=app password=... dbname=app); to follow a failover, list every server and ask for the primary (postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write); passwords masked in every message. `run` takes it repeated, to relay the outboxes of several databases
+    #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true, required = true)]
+    pub database_url: Vec<String>,
     /// What stands between this process and PostgreSQL: `none` (the server itself, or a pooler in session mode) or `transaction` (PgBouncer with pool_mode = transaction, and the like): then no statement stays prepared past its transaction, and what needs a session goes to --direct-url
     #[arg(long, env = "DATABASE_POOLER", value_name = "MODE", default_value_t = Pooler::None)]
     pub pooler: Pooler,
@@ -309,9 +309,22 @@ pub struct DatabaseArgs {
 impl DatabaseArgs {
     /// The connection string, parsed by the driver's parser (malformed: bad input), in
     /// `--schema` when it is given.
+    /// A connection string given more than once is bad input here: only `run` relays several
+    /// databases, each through [`DatabaseArgs::each`].
     fn url(&self) -> Result<ConnectionString, CliError> {
-        let url = ConnectionString::parse(&self.database_url).map_err(|e| CliError::BadInput(e.to_string()))?;
+        let [url] = self.database_url.as_slice() else {
+            return Err(CliError::BadInput(format!(
+                "--database-url is given {} times: only `run` relays several databases; other commands act on one",
+                self.database_url.len()
+            )));
+        };
+        let url = ConnectionString::parse(url).map_err(|e| CliError::BadInput(e.to_string()))?;
         self.in_schema(url, self.schema.as_deref())
+    }
+
+    /// One `DatabaseArgs` a `--database-url`, each with the other flags as given.
+    fn each(&self) -> Vec<DatabaseArgs> {
+        self.database_url.iter().map(|url| DatabaseArgs { database_url: vec![url.clone()], ..self.clone() }).collect()
     }
 
     /// `url` confined to `schema` (none: as it is). Refused behind a transaction pooler, which
@@ -486,7 +499,7 @@ mod tests {
     #[test]
     fn database_urls_are_checked_and_masked() {
         let args = |url: &str| DatabaseArgs {
-            database_url: url.to_owned(),
+            database_url: vec![url.to_owned()],
             pooler: Pooler::None,
             direct_url: None,
             schema: None,

@@ -69,7 +69,8 @@ pub struct RunArgs {
     /// one dispatcher an outbox in this process (workers, pool, listener, pace and broker
     /// connection of its own), each with its own source, metrics label
     /// outbox="SCHEMA.outbox" and summary line, so that one outbox's backlog never delays
-    /// another's rows. Default: the URL's own outbox (or --schema's)
+    /// another's rows. With --database-url repeated, the schema's outbox in each database.
+    /// Default: the URL's own outbox (or --schema's)
     #[arg(long, value_name = "SCHEMA", value_parser = outbox_schema, conflicts_with = "schema")]
     pub outbox: Vec<String>,
     /// Relay the outbox of every schema whose name is LIKE this pattern (e.g. 'tenant_%'), as
@@ -434,15 +435,67 @@ async fn discover(database: &DatabaseArgs, pattern: &str) -> Result<Vec<String>,
 }
 
 impl RunArgs {
-    /// `self.database` for the outbox of `schema`.
-    fn in_schema(&self, schema: &str) -> DatabaseArgs {
-        DatabaseArgs { schema: Some(schema.to_owned()), ..self.database.clone() }
-    }
-
     /// Whether the process relays several outboxes (or may come to): each then is named.
     fn several(&self) -> bool {
-        self.outbox.len() > 1 || self.outbox_schemas.is_some()
+        self.outbox.len() > 1 || self.outbox_schemas.is_some() || self.database.database_url.len() > 1
     }
+
+    /// The name of the outbox of `schema` (none: the URL's own) in `database`, when the process
+    /// relays several: `SCHEMA.outbox`, or `DATABASE/SCHEMA.outbox` with several databases.
+    fn name_of(&self, database: &DatabaseArgs, schema: Option<&str>) -> Result<Option<String>, CliError> {
+        if !self.several() {
+            return Ok(None);
+        }
+        let table = schema.map_or_else(|| "outbox".to_owned(), |schema| format!("{schema}.outbox"));
+        if self.database.database_url.len() == 1 {
+            return Ok(Some(table));
+        }
+        let url = database.url()?;
+        let db = url.database().ok_or_else(|| {
+            CliError::BadInput(format!(
+                "--database-url {url} names no database: with several, each must name its own (they name the outboxes)"
+            ))
+        })?;
+        Ok(Some(format!("{db}/{table}")))
+    }
+
+    /// Every outbox to relay at start, as `(where, name)`: the schemas of `--outbox` (or those
+    /// `--outbox-schemas` finds) in each database, or each database's own outbox.
+    async fn outboxes(&self) -> Result<Vec<(DatabaseArgs, Option<String>)>, CliError> {
+        let mut outboxes = Vec::new();
+        for database in self.database.each() {
+            let schemas = match &self.outbox_schemas {
+                Some(pattern) => {
+                    let found = discover(&database, pattern).await?;
+                    info!(database = %database.url()?, pattern, found = ?found,
+                        "outbox schemas found; new ones are looked for every {}", self.discover_interval);
+                    found
+                }
+                None => self.outbox.clone(),
+            };
+            if schemas.is_empty() && self.outbox_schemas.is_none() {
+                outboxes.push((database.clone(), self.name_of(&database, None)?));
+            }
+            for schema in schemas {
+                let name = self.name_of(&database, Some(&schema))?;
+                outboxes.push((in_schema(&database, &schema), name));
+            }
+        }
+        let mut names: Vec<&String> = outboxes.iter().filter_map(|(_, name)| name.as_ref()).collect();
+        names.sort();
+        if let Some(twice) = names.windows(2).find(|w| w[0] == w[1]) {
+            return Err(CliError::BadInput(format!(
+                "two outboxes would both be named {}: give each --database-url a database of another name",
+                twice[0]
+            )));
+        }
+        Ok(outboxes)
+    }
+}
+
+/// `database` for the outbox of `schema`.
+fn in_schema(database: &DatabaseArgs, schema: &str) -> DatabaseArgs {
+    DatabaseArgs { schema: Some(schema.to_owned()), ..database.clone() }
 }
 
 /// One outbox being relayed: where it lives, its dispatcher, and its own connection to the
@@ -452,6 +505,33 @@ struct Running {
     database: DatabaseArgs,
     relayed: serve::Relayed,
     sink: RabbitSink,
+}
+
+impl Running {
+    /// Its name: `SCHEMA.outbox` when the process relays several, else the table's own.
+    fn name(&self) -> String {
+        self.relayed.name.clone().unwrap_or_else(|| "outbox".to_owned())
+    }
+}
+
+/// The console of one outbox being relayed, on a pool of its own (pages never wait for the
+/// dispatcher's connections, nor it for theirs): two connections, or one an outbox when the
+/// console shows several.
+async fn console_of(
+    outbox: &Running,
+    args: &RunArgs,
+    token: Option<&str>,
+    several: bool,
+) -> Result<actix_outbox_console::Console, CliError> {
+    let pool = outbox.database.pool(if several { 1 } else { CONSOLE_CONNECTIONS }).await?;
+    let mut console = actix_outbox_console::Console::new(pool)
+        .supervisor(outbox.relayed.supervisor.clone())
+        .fifo(args.fifo.fifo()?)
+        .source(outbox.relayed.source.clone());
+    if let Some(token) = token {
+        console = console.token(token);
+    }
+    Ok(console)
 }
 
 /// The broker connection of one more outbox (the first is made by [`connect_broker`]): each
@@ -486,21 +566,22 @@ fn start_one(outbox: Prepared, sink: RabbitSink, relayed: &serve::SupervisorSlot
 }
 
 pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
-    args.database.url()?;
+    for database in args.database.each() {
+        database.url()?;
+    }
+    if args.database.database_url.len() > 1 && args.database.direct_url.is_some() {
+        return Err(CliError::BadInput(
+            "--direct-url names one server, and --database-url is given several times: relay the databases behind a \
+             transaction pooler in one run each"
+                .into(),
+        ));
+    }
     let config = args.dispatcher_config()?;
     let rabbit = args.rabbit_config()?;
     let console_token = args.console_token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").ok())?;
     if args.several() && config.source.is_some() {
         return Err(CliError::BadInput(
             "--source names one outbox; with several, each derives its own (SYSTEM_IDENTIFIER/DATABASE/SCHEMA.outbox)"
-                .into(),
-        ));
-    }
-    if args.several() && args.console_addr.is_some() {
-        return Err(CliError::BadInput(
-            "--console-addr with several outboxes: the console shows one outbox and has no picker yet; serve it from \
-             a run of that outbox alone (--schema SCHEMA --console-addr ...), which joins this one as one more \
-             dispatcher of that outbox"
                 .into(),
         ));
     }
@@ -515,21 +596,9 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
     // Registered before anything slow, so that a signal during start-up is not lost.
     let mut signals = Signals::register()?;
 
-    let schemas: Vec<String> = match &args.outbox_schemas {
-        Some(pattern) => {
-            let found = discover(&args.database, pattern).await?;
-            info!(pattern, found = ?found, "outbox schemas found; new ones are looked for every {}", args.discover_interval);
-            found
-        }
-        None => args.outbox.clone(),
-    };
     let mut ready = Vec::new();
-    if schemas.is_empty() && args.outbox_schemas.is_none() {
-        ready.push(prepare(args.database.clone(), &config, None).await?);
-    }
-    for schema in &schemas {
-        let name = args.several().then(|| format!("{schema}.outbox"));
-        ready.push(prepare(args.in_schema(schema), &config, name).await?);
+    for (database, name) in args.outboxes().await? {
+        ready.push(prepare(database, &config, name).await?);
     }
 
     // Before the broker: an orchestrator sees the process live, and not ready until it runs.
@@ -558,21 +627,26 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
         };
         running.push(start_one(outbox, sink, &relayed)?);
     }
-    // After the dispatcher, whose health and counters the overview shows. A pool of its own:
-    // pages never wait for the dispatcher's connections, nor it for theirs.
-    let console = match (&args.console_addr, running.first()) {
-        (Some(addr), Some(Running { database, relayed: first, .. })) => {
-            let pool = database.pool(CONSOLE_CONNECTIONS).await?;
-            let mut console = actix_outbox_console::Console::new(pool)
-                .supervisor(first.supervisor.clone())
-                .fifo(args.fifo.fifo()?)
-                .source(first.source.clone());
-            if let Some(token) = &console_token {
-                console = console.token(token);
-            }
+    // After the dispatchers, whose health and counters the overview shows.
+    let console = match &args.console_addr {
+        None => None,
+        Some(addr) => {
+            let console = if args.several() {
+                let consoles = actix_outbox_console::Consoles::new();
+                for outbox in &running {
+                    consoles.insert(outbox.name(), console_of(outbox, &args, console_token.as_deref(), true).await?);
+                }
+                serve::ConsoleOf::Many { consoles, read_only: console_token.is_none() }
+            } else {
+                let Some(outbox) = running.first() else { unreachable!("one outbox without --outbox-schemas") };
+                serve::ConsoleOf::One(Box::new(console_of(outbox, &args, console_token.as_deref(), false).await?))
+            };
             Some(serve::start_console(&console_addr(addr)?, console)?)
         }
-        _ => None,
+    };
+    let consoles = match &console {
+        Some(serving) => serving.consoles(),
+        None => None,
     };
 
     let mut discovery = args.outbox_schemas.as_ref().map(|pattern| {
@@ -590,7 +664,8 @@ pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
             signal = signals.recv() => break signal,
             _ = tick => {
                 let Some((pattern, _)) = &discovery else { continue };
-                rediscover(&args, pattern, &config, &rabbit, &relayed, &mut running).await;
+                let console = consoles.as_ref().map(|c| (c, console_token.as_deref()));
+                rediscover(&args, pattern, &config, &rabbit, &relayed, console, &mut running).await;
             }
         }
     };
@@ -636,33 +711,54 @@ async fn rediscover(
     config: &DispatcherConfig,
     rabbit: &RabbitConfig,
     relayed: &serve::SupervisorSlot,
+    console: Option<(&actix_outbox_console::Consoles, Option<&str>)>,
     running: &mut Vec<Running>,
 ) {
-    let found = match discover(&args.database, pattern).await {
-        Ok(found) => found,
-        Err(e) => {
-            warn!(error = %e, pattern, "looking for outbox schemas failed; trying again later");
-            return;
+    let mut found = Vec::new();
+    for database in args.database.each() {
+        match discover(&database, pattern).await {
+            Ok(schemas) => found.extend(schemas.into_iter().map(|schema| in_schema(&database, &schema))),
+            Err(e) => {
+                warn!(error = %e, pattern, "looking for outbox schemas failed; trying again later");
+                return;
+            }
         }
-    };
-    let schema_of = |r: &Running| r.database.schema.clone().unwrap_or_default();
-    let (kept, gone): (Vec<Running>, Vec<Running>) = running.drain(..).partition(|r| found.contains(&schema_of(r)));
+    }
+    let same = |a: &DatabaseArgs, b: &DatabaseArgs| a.database_url == b.database_url && a.schema == b.schema;
+    let (kept, gone): (Vec<Running>, Vec<Running>) =
+        running.drain(..).partition(|r| found.iter().any(|f| same(f, &r.database)));
     *running = kept;
     for stopped in gone {
         info!(outbox = stopped.relayed.name.as_deref(), "its schema is gone: stopping its dispatcher");
+        if let Some((consoles, _)) = console {
+            consoles.remove(&stopped.name());
+        }
         let _ = stopped.relayed.supervisor.send(Shutdown).await;
         stopped.sink.close().await;
         relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.relayed.supervisor);
     }
-    for schema in found {
-        if running.iter().any(|r| schema_of(r) == schema) {
+    for database in found {
+        if running.iter().any(|r| same(&r.database, &database)) {
             continue;
         }
-        let name = format!("{schema}.outbox");
+        let name = match args.name_of(&database, database.schema.as_deref()) {
+            Ok(name) => name.unwrap_or_else(|| "outbox".to_owned()),
+            Err(e) => {
+                warn!(error = %e, "a new outbox schema cannot be relayed");
+                continue;
+            }
+        };
         let started = async {
-            let outbox = prepare(args.in_schema(&schema), config, Some(name.clone())).await?;
+            let outbox = prepare(database, config, Some(name.clone())).await?;
             let sink = sink_of(rabbit, Some(&name)).await?;
-            start_one(outbox, sink, relayed)
+            let one = start_one(outbox, sink, relayed)?;
+            if let Some((consoles, token)) = console {
+                match console_of(&one, args, token, true).await {
+                    Ok(page) => consoles.insert(name.clone(), page),
+                    Err(e) => warn!(outbox = %name, error = %e, "the console cannot show the new outbox"),
+                }
+            }
+            Ok::<_, CliError>(one)
         };
         match started.await {
             Ok(one) => {

@@ -161,17 +161,47 @@ async fn outbox_not_ready(state: &State, outbox: &Relayed) -> Option<String> {
 /// The web console's server (`run --console-addr`).
 pub(crate) struct ConsoleServing {
     server: ServerHandle,
+    /// The list of outboxes it shows, when there are several.
+    consoles: Option<actix_outbox_console::Consoles>,
+}
+
+/// What `--console-addr` serves: the console of the one outbox, or the list of several with
+/// each one's console under it.
+#[derive(Clone)]
+pub(crate) enum ConsoleOf {
+    One(Box<actix_outbox_console::Console>),
+    /// `read_only`: no console of the list takes changes (no operator token).
+    Many {
+        consoles: actix_outbox_console::Consoles,
+        read_only: bool,
+    },
 }
 
 /// Binds `addr` and serves `console` at its root. Must run on the dispatcher's arbiter.
-pub(crate) fn start_console(addr: &str, console: actix_outbox_console::Console) -> Result<ConsoleServing, CliError> {
-    let read_only = console.is_read_only();
-    let server = HttpServer::new(move || App::new().service(console.scope("")))
-        .workers(1)
-        .disable_signals()
-        .shutdown_timeout(1)
-        .bind(addr)
-        .map_err(|e| CliError::Failed(format!("--console-addr {addr}: cannot listen: {e}")))?;
+pub(crate) fn start_console(addr: &str, console: ConsoleOf) -> Result<ConsoleServing, CliError> {
+    let read_only = match &console {
+        ConsoleOf::One(console) => console.is_read_only(),
+        ConsoleOf::Many { read_only, .. } => *read_only,
+    };
+    let consoles = match &console {
+        ConsoleOf::Many { consoles, .. } => Some(consoles.clone()),
+        ConsoleOf::One(_) => None,
+    };
+    let server = HttpServer::new(move || {
+        App::new().configure(|app| match &console {
+            ConsoleOf::One(console) => {
+                app.service(console.scope(""));
+            }
+            ConsoleOf::Many { consoles, .. } => {
+                app.service(consoles.scope(""));
+            }
+        })
+    })
+    .workers(1)
+    .disable_signals()
+    .shutdown_timeout(1)
+    .bind(addr)
+    .map_err(|e| CliError::Failed(format!("--console-addr {addr}: cannot listen: {e}")))?;
     let bound: Vec<SocketAddr> = server.addrs();
     let server = server.run();
     let handle = server.handle();
@@ -185,10 +215,16 @@ pub(crate) fn start_console(addr: &str, console: actix_outbox_console::Console) 
             info!(%addr, "serving the web console; changes need the operator token");
         }
     }
-    Ok(ConsoleServing { server: handle })
+    Ok(ConsoleServing { server: handle, consoles })
 }
 
 impl ConsoleServing {
+    /// The list of outboxes it shows, when there are several: a dispatcher started or stopped
+    /// later is added to it or removed.
+    pub(crate) fn consoles(&self) -> Option<actix_outbox_console::Consoles> {
+        self.consoles.clone()
+    }
+
     /// Stops listening and waits for the answers under way.
     pub(crate) async fn stop(self) {
         self.server.stop(true).await;

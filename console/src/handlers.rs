@@ -11,13 +11,15 @@ use maud::Markup;
 use serde::Deserialize;
 
 use crate::auth::{self, Denied, Via};
+use crate::consoles::{Mount, Mounted};
 use crate::pages::{self, View};
 use crate::query::{self, DeadFilter};
 use crate::repair::{self, Repair, RepairError};
 use crate::report::{BlockedView, StatsReport};
 use crate::{Console, PAGE_SIZE, REFRESH, chart};
 
-type Data = web::Data<Console>;
+/// The console a request is for (and the picker of the others, when it is one of several).
+type Data = Mounted;
 
 /// How long the overview waits for the dispatcher's health.
 const HEALTH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -56,8 +58,14 @@ fn session(req: &HttpRequest, console: &Console) -> Option<String> {
     auth::session_csrf(req, &console.shared.sessions)
 }
 
-fn view<'a>(console: &'a Console, base: &'a str, csrf: Option<&'a str>) -> View<'a> {
-    View { base, source: console.config.source.as_deref(), read_only: console.is_read_only(), csrf }
+fn view<'a>(console: &'a Mounted, base: &'a str, csrf: Option<&'a str>) -> View<'a> {
+    View {
+        base,
+        source: console.config.source.as_deref(),
+        read_only: console.is_read_only(),
+        csrf,
+        picker: console.picker.as_ref(),
+    }
 }
 
 pub(crate) async fn stylesheet() -> HttpResponse {
@@ -104,6 +112,25 @@ pub(crate) async fn overview(req: HttpRequest, console: Data) -> HttpResponse {
     html(StatusCode::OK, pages::overview(&view(&console, &base, csrf.as_deref()), &data, REFRESH.as_secs()))
 }
 
+/// `GET /` of [`Consoles::scope`](crate::Consoles::scope): every outbox with its figures.
+pub(crate) async fn outboxes(req: HttpRequest, mount: web::Data<Mount>) -> HttpResponse {
+    let base = base(&req, 0);
+    let Mount::Many(consoles) = mount.get_ref() else {
+        return HttpResponse::NotFound().finish();
+    };
+    let mut lines = Vec::new();
+    for (name, slug, console) in consoles.all() {
+        let table = match console.config.pool.get().await {
+            Ok(mut conn) => query::overview(&mut conn).await.map_err(one_line),
+            Err(e) => Err(format!("no database connection: {}", one_line(e))),
+        };
+        lines.push(pages::OutboxLine { name, slug, source: console.config.source.clone(), table });
+    }
+    let picker = consoles.picker();
+    let v = View { base: &base, source: None, read_only: true, csrf: None, picker: Some(&picker) };
+    html(StatusCode::OK, pages::outboxes(&v, &lines, REFRESH.as_secs()))
+}
+
 pub(crate) async fn api_stats(console: Data) -> HttpResponse {
     let report = async {
         let mut conn = console.config.pool.get().await.map_err(one_line)?;
@@ -113,6 +140,13 @@ pub(crate) async fn api_stats(console: Data) -> HttpResponse {
         Ok(report) => json(StatusCode::OK, &report),
         Err(e) => json(StatusCode::SERVICE_UNAVAILABLE, &serde_json::json!({ "error": e })),
     }
+}
+
+/// The `{id}` of a route: by name, since a [`Consoles`](crate::Consoles) scope adds an
+/// `{outbox}` before it.
+#[derive(Debug, Deserialize)]
+pub(crate) struct RowId {
+    id: i64,
 }
 
 /// The query string of `/dead`.
@@ -148,11 +182,11 @@ pub(crate) async fn dead(req: HttpRequest, console: Data, q: web::Query<DeadQuer
     }
 }
 
-pub(crate) async fn row(req: HttpRequest, console: Data, id: web::Path<i64>) -> HttpResponse {
+pub(crate) async fn row(req: HttpRequest, console: Data, id: web::Path<RowId>) -> HttpResponse {
     let base = base(&req, 2);
     let csrf = session(&req, &console);
     let v = view(&console, &base, csrf.as_deref());
-    let id = id.into_inner();
+    let id = id.id;
     let row = async {
         let mut conn = console.config.pool.get().await.map_err(one_line)?;
         query::row(&mut conn, id).await.map_err(one_line)
@@ -202,7 +236,7 @@ impl Form {
 }
 
 /// The answer to a refused change. Nothing was changed.
-fn refuse(req: &HttpRequest, console: &Console, base: &str, denied: Denied) -> HttpResponse {
+fn refuse(req: &HttpRequest, console: &Mounted, base: &str, denied: Denied) -> HttpResponse {
     let mut response = if auth::wants_json(req) {
         json(denied.status(), &serde_json::json!({ "error": denied.message() }))
     } else {
@@ -219,7 +253,7 @@ fn refuse(req: &HttpRequest, console: &Console, base: &str, denied: Denied) -> H
 /// Who is answered, once a change was allowed: JSON for a script, a page for the browser.
 struct Reply<'a> {
     via: Via,
-    console: &'a Console,
+    console: &'a Mounted,
     base: &'a str,
     csrf: Option<&'a str>,
 }
@@ -301,12 +335,12 @@ async fn repair(
     }
 }
 
-pub(crate) async fn retry_one(req: HttpRequest, console: Data, id: web::Path<i64>, body: web::Bytes) -> HttpResponse {
-    repair(req, console, body, Some(id.into_inner()), Kind::Retry, 3).await
+pub(crate) async fn retry_one(req: HttpRequest, console: Data, id: web::Path<RowId>, body: web::Bytes) -> HttpResponse {
+    repair(req, console, body, Some(id.id), Kind::Retry, 3).await
 }
 
-pub(crate) async fn skip_one(req: HttpRequest, console: Data, id: web::Path<i64>, body: web::Bytes) -> HttpResponse {
-    repair(req, console, body, Some(id.into_inner()), Kind::Skip, 3).await
+pub(crate) async fn skip_one(req: HttpRequest, console: Data, id: web::Path<RowId>, body: web::Bytes) -> HttpResponse {
+    repair(req, console, body, Some(id.id), Kind::Skip, 3).await
 }
 
 pub(crate) async fn retry_selected(req: HttpRequest, console: Data, body: web::Bytes) -> HttpResponse {

@@ -54,6 +54,7 @@
 
 mod auth;
 mod chart;
+mod consoles;
 mod handlers;
 mod pages;
 mod query;
@@ -68,6 +69,8 @@ use actix_outbox::{Fifo, OutboxSupervisor, PgPool};
 use actix_web::dev::HttpServiceFactory;
 use actix_web::middleware::DefaultHeaders;
 use actix_web::web;
+
+pub use consoles::Consoles;
 
 /// The `Content-Security-Policy` of every response: no script at all, styles only from the
 /// console's own stylesheet, forms only to the console's origin, and no framing (clickjacking
@@ -193,36 +196,16 @@ impl Console {
     /// sampler, which reads the table once a minute for as long as a clone of the console lives.
     pub fn scope(&self, path: &str) -> impl HttpServiceFactory + 'static {
         self.start_sampler();
-        let headers = DefaultHeaders::new()
-            .add(("Content-Security-Policy", CONTENT_SECURITY_POLICY))
-            .add(("X-Content-Type-Options", "nosniff"))
-            .add(("X-Frame-Options", "DENY"))
-            .add(("Referrer-Policy", "no-referrer"))
-            // Pages show payloads: no copy of them belongs in a shared cache.
-            .add(("Cache-Control", "no-store"));
-        web::scope(path)
-            .app_data(web::Data::new(self.clone()))
-            .wrap(headers)
-            .route("", web::get().to(handlers::overview))
-            .route("/", web::get().to(handlers::overview))
-            .route("/console.css", web::get().to(handlers::stylesheet))
-            .route("/api/stats", web::get().to(handlers::api_stats))
-            .route("/dead", web::get().to(handlers::dead))
-            .route("/dead/retry", web::post().to(handlers::retry_selected))
-            .route("/dead/skip", web::post().to(handlers::skip_selected))
-            .route("/dead/{id}/retry", web::post().to(handlers::retry_one))
-            .route("/dead/{id}/skip", web::post().to(handlers::skip_one))
-            .route("/rows/{id}", web::get().to(handlers::row))
-            .route("/blocked", web::get().to(handlers::blocked))
-            .route("/pace", web::post().to(handlers::set_pace))
-            .route("/login", web::get().to(handlers::login_form))
-            .route("/login", web::post().to(handlers::login))
-            .route("/logout", web::post().to(handlers::logout))
+        routes(
+            web::scope(path)
+                .app_data(web::Data::new(consoles::Mount::One(Box::new(self.clone()))))
+                .wrap(security_headers()),
+        )
     }
 
     /// Starts the chart's sampler once, on the current Tokio runtime; without one (a console
     /// mounted by a test harness outside a runtime) the chart stays empty.
-    fn start_sampler(&self) {
+    pub(crate) fn start_sampler(&self) {
         if tokio::runtime::Handle::try_current().is_err() {
             return;
         }
@@ -230,4 +213,45 @@ impl Console {
             tokio::spawn(chart::sample(self.config.clone(), Arc::downgrade(&self.shared)));
         });
     }
+}
+
+/// The headers of every response (see [`CONTENT_SECURITY_POLICY`]).
+fn security_headers() -> DefaultHeaders {
+    DefaultHeaders::new()
+        .add(("Content-Security-Policy", CONTENT_SECURITY_POLICY))
+        .add(("X-Content-Type-Options", "nosniff"))
+        .add(("X-Frame-Options", "DENY"))
+        .add(("Referrer-Policy", "no-referrer"))
+        // Pages show payloads: no copy of them belongs in a shared cache.
+        .add(("Cache-Control", "no-store"))
+}
+
+/// The pages and forms of one outbox's console, added to `scope` (whose app data says which
+/// console they serve: [`consoles::Mount`]).
+fn routes<T>(scope: actix_web::Scope<T>) -> actix_web::Scope<T>
+where
+    T: actix_web::dev::ServiceFactory<
+            actix_web::dev::ServiceRequest,
+            Config = (),
+            Response = actix_web::dev::ServiceResponse,
+            Error = actix_web::Error,
+            InitError = (),
+        >,
+{
+    scope
+        .route("", web::get().to(handlers::overview))
+        .route("/", web::get().to(handlers::overview))
+        .route("/console.css", web::get().to(handlers::stylesheet))
+        .route("/api/stats", web::get().to(handlers::api_stats))
+        .route("/dead", web::get().to(handlers::dead))
+        .route("/dead/retry", web::post().to(handlers::retry_selected))
+        .route("/dead/skip", web::post().to(handlers::skip_selected))
+        .route("/dead/{id}/retry", web::post().to(handlers::retry_one))
+        .route("/dead/{id}/skip", web::post().to(handlers::skip_one))
+        .route("/rows/{id}", web::get().to(handlers::row))
+        .route("/blocked", web::get().to(handlers::blocked))
+        .route("/pace", web::post().to(handlers::set_pace))
+        .route("/login", web::get().to(handlers::login_form))
+        .route("/login", web::post().to(handlers::login))
+        .route("/logout", web::post().to(handlers::logout))
 }

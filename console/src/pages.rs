@@ -8,6 +8,7 @@ use actix_outbox::dispatcher::{Health, PaceReport};
 use chrono::{DateTime, Utc};
 use maud::{DOCTYPE, Markup, html};
 
+use crate::consoles::Picker;
 use crate::query::{DeadFilter, DeadPage, Overview};
 use crate::report::BlockedView;
 
@@ -19,11 +20,27 @@ pub(crate) struct View<'a> {
     pub(crate) read_only: bool,
     /// The session's CSRF token when an operator is logged in: forms are shown then.
     pub(crate) csrf: Option<&'a str>,
+    /// The outboxes to pick from, when the console is one of several ([`crate::Consoles`]).
+    pub(crate) picker: Option<&'a Picker>,
 }
 
 impl View<'_> {
     fn link(&self, path: &str) -> String {
         format!("{}{path}", self.base)
+    }
+
+    /// Whether this is a page of one outbox (not the list of several).
+    fn is_outbox(&self) -> bool {
+        self.picker.is_none_or(|p| p.current.is_some())
+    }
+
+    /// Where the list of outboxes is: the base of an outbox's page less its own segment.
+    fn home(&self) -> &str {
+        if self.picker.is_some_and(|p| p.current.is_some()) {
+            self.base.rsplit_once('/').map_or("", |(home, _)| home)
+        } else {
+            self.base
+        }
     }
 
     /// Whether repair forms are shown.
@@ -70,20 +87,28 @@ pub(crate) fn layout(v: &View<'_>, title: &str, refresh: Option<u64>, body: Mark
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
                 @if let Some(secs) = refresh { meta http-equiv="refresh" content=(secs); }
-                title { (title) " · outbox console" @if let Some(s) = v.source { " · " (s) } }
+                title {
+                    (title) " · outbox console"
+                    @if let Some(name) = v.picker.and_then(|p| p.current.as_deref()) { " · " (name) }
+                    @else if let Some(s) = v.source { " · " (s) }
+                }
                 link rel="stylesheet" href=(v.link("/console.css"));
             }
             body {
                 header {
                     nav {
                         a.brand href=(v.link("/")) { "outbox" }
+                        @if let Some(picker) = v.picker { (outbox_picker(v, picker)) }
                         @if let Some(source) = v.source { span.source #source { (source) } }
-                        a href=(v.link("/")) { "Overview" }
-                        a href=(v.link("/dead")) { "Dead" }
-                        a href=(v.link("/blocked")) { "Blocked" }
-                        a href=(v.link("/api/stats")) { "JSON" }
+                        @if v.is_outbox() {
+                            a href=(v.link("/")) { "Overview" }
+                            a href=(v.link("/dead")) { "Dead" }
+                            a href=(v.link("/blocked")) { "Blocked" }
+                            a href=(v.link("/api/stats")) { "JSON" }
+                        }
                         span.spacer {}
-                        @if v.read_only {
+                        @if !v.is_outbox() {
+                        } @else if v.read_only {
                             span.badge.readonly #read-only { "read-only: no operator token configured" }
                         } @else if v.csrf.is_some() {
                             form.inline method="post" action=(v.link("/logout")) {
@@ -99,6 +124,71 @@ pub(crate) fn layout(v: &View<'_>, title: &str, refresh: Option<u64>, body: Mark
             }
         }
     }
+}
+
+/// The picker of [`crate::Consoles`]: the outbox shown, and a list of every other one (a
+/// `<details>`, which opens without script).
+fn outbox_picker(v: &View<'_>, p: &Picker) -> Markup {
+    let home = v.home();
+    html! {
+        details.picker #picker {
+            summary { (p.current.as_deref().unwrap_or("all outboxes")) }
+            ul {
+                li { a href=(format!("{home}/")) { "all outboxes" } }
+                @for (name, slug) in &p.outboxes {
+                    li {
+                        @if p.current.as_deref() == Some(name.as_str()) {
+                            a.current href=(format!("{home}/{slug}/")) aria-current="page" { (name) }
+                        } @else {
+                            a href=(format!("{home}/{slug}/")) { (name) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// One line of the list of outboxes.
+pub(crate) struct OutboxLine {
+    pub(crate) name: String,
+    pub(crate) slug: String,
+    pub(crate) source: Option<String>,
+    pub(crate) table: Result<Overview, String>,
+}
+
+/// `GET /` of [`crate::Consoles`]: every outbox with its figures, each a link to its overview.
+pub(crate) fn outboxes(v: &View<'_>, lines: &[OutboxLine], refresh: u64) -> Markup {
+    let body = html! {
+        @if lines.is_empty() {
+            p.note #no-outboxes { "No outbox yet." }
+        } @else {
+            table.rows #outboxes {
+                thead { tr { th { "outbox" } th { "source" } th { "pending" } th { "processing" } th { "dead" }
+                    th { "oldest unfinished" } th { "expired leases" } } }
+                tbody {
+                    @for line in lines {
+                        tr.outbox data-outbox=(line.name) {
+                            td { a href=(v.link(&format!("/{}/", line.slug))) { (line.name) } }
+                            td { (line.source.as_deref().unwrap_or("")) }
+                            @match &line.table {
+                                Ok(t) => {
+                                    td.pending { (t.pending) }
+                                    td.processing { (t.processing) }
+                                    td.dead { a href=(v.link(&format!("/{}/dead", line.slug))) { (t.dead) } }
+                                    td { (t.oldest_unfinished_age_s.map(age).unwrap_or_else(|| "none".to_owned())) }
+                                    td { (t.expired_leases) }
+                                }
+                                Err(e) => { td.error colspan="5" { "The table could not be read: " (e) } }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        p.note { "The page reloads every " (refresh) " s." }
+    };
+    layout(v, "Outboxes", Some(refresh), body)
 }
 
 /// What the overview shows besides the table's figures.

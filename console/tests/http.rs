@@ -6,7 +6,7 @@ mod support;
 
 use actix_outbox::Fifo;
 use actix_outbox_console::report::StatsReport;
-use actix_outbox_console::{CONTENT_SECURITY_POLICY, Console};
+use actix_outbox_console::{CONTENT_SECURITY_POLICY, Console, Consoles};
 use actix_web::dev::{Service, ServiceResponse};
 use actix_web::http::{StatusCode, header};
 use actix_web::{App, test};
@@ -574,4 +574,101 @@ async fn the_max_rate_is_shown_and_set_behind_the_token() {
         test::call_service(&app, form_post("/outbox/pace", "max_rate=5").insert_header(bearer).to_request()).await;
     assert_eq!(resp.status(), StatusCode::CONFLICT);
     assert_eq!(body(resp).await, r#"{"error":"no dispatcher is attached to this console"}"#);
+}
+
+/// Two outboxes (two databases) in one [`Consoles`]: the list counts each one's rows and links
+/// to its pages; each outbox's pages show its rows alone, with a picker of the other; a repair
+/// needs that outbox's own login; an outbox added while serving shows at once, and one removed
+/// answers 404.
+#[actix_web::test]
+async fn consoles_list_several_outboxes_and_pick_between_them() {
+    let (a, b, c) = (TestDb::new().await, TestDb::new().await, TestDb::new().await);
+    for _ in 0..3 {
+        a.insert("pending", "a1", "order.created", None).await;
+    }
+    let dead_a = a.insert("dead", "a2", "order.paid", Some("boom a")).await;
+    let dead_b = b.insert("dead", "b1", "invoice.sent", Some("boom b")).await;
+    b.insert("dead", "b2", "invoice.sent", Some("boom b")).await;
+    c.insert("pending", "c1", "order.created", None).await;
+    let consoles = Consoles::new();
+    consoles.insert("tenant_a.outbox", Console::new(a.pool.clone()).source("tenant_a").token(TOKEN));
+    consoles.insert("tenant_b.outbox", Console::new(b.pool.clone()).source("tenant_b").token(TOKEN));
+    let app = test::init_service(App::new().service(consoles.scope("/outbox"))).await;
+    let get = async |uri: &str| {
+        let resp = test::call_service(&app, test::TestRequest::get().uri(uri).to_request()).await;
+        (resp.status(), body(resp).await)
+    };
+
+    let (status, list) = get("/outbox/").await;
+    assert_eq!(status, StatusCode::OK);
+    let line = |name: &str| {
+        let at = list.find(&format!(r#"data-outbox="{name}""#)).unwrap_or_else(|| panic!("{name} listed: {list}"));
+        list[at..at + list[at..].find("</tr>").unwrap()].to_owned()
+    };
+    let (line_a, line_b) = (line("tenant_a.outbox"), line("tenant_b.outbox"));
+    assert!(line_a.contains(r#"<a href="/outbox/tenant_a.outbox/">tenant_a.outbox</a>"#), "{line_a}");
+    assert!(line_a.contains(r#"<td class="pending">3</td>"#), "{line_a}");
+    assert!(line_a.contains(r#"<a href="/outbox/tenant_a.outbox/dead">1</a>"#), "{line_a}");
+    assert!(line_b.contains(r#"<td class="pending">0</td>"#), "{line_b}");
+    assert!(line_b.contains(r#"<a href="/outbox/tenant_b.outbox/dead">2</a>"#), "{line_b}");
+    assert_eq!(list.matches(r#"<tr class="outbox""#).count(), 2, "{list}");
+    assert_eq!(get("/outbox/console.css").await.0, StatusCode::OK);
+
+    // Each outbox's pages: its own rows, and the picker of both.
+    let (status, overview) = get("/outbox/tenant_b.outbox/").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        overview.contains(r#"<a class="value" id="count-dead" href="/outbox/tenant_b.outbox/dead">2</a>"#),
+        "{overview}"
+    );
+    assert!(overview.contains(r#"<div class="value" id="count-pending">0</div>"#), "{overview}");
+    assert!(overview.contains(r#"<summary>tenant_b.outbox</summary>"#), "{overview}");
+    assert!(overview.contains(r#"<li><a href="/outbox/">all outboxes</a></li>"#), "{overview}");
+    assert!(overview.contains(r#"<li><a href="/outbox/tenant_a.outbox/">tenant_a.outbox</a></li>"#), "{overview}");
+    assert!(
+        overview
+            .contains(r#"<a class="current" href="/outbox/tenant_b.outbox/" aria-current="page">tenant_b.outbox</a>"#),
+        "{overview}"
+    );
+    assert!(overview.contains(r#"<link rel="stylesheet" href="/outbox/tenant_b.outbox/console.css">"#), "{overview}");
+    assert_eq!(get("/outbox/tenant_b.outbox/console.css").await.0, StatusCode::OK);
+    let (_, dead) = get("/outbox/tenant_a.outbox/dead").await;
+    assert!(dead.contains(&format!(r#"<a href="/outbox/tenant_a.outbox/rows/{dead_a}">{dead_a}</a>"#)), "{dead}");
+    assert!(!dead.contains("invoice.sent"), "{dead}");
+    let (status, row) = get(&format!("/outbox/tenant_b.outbox/rows/{dead_b}")).await;
+    assert_eq!(status, StatusCode::OK, "{row}");
+    assert_eq!(get("/outbox/tenant_c.outbox/").await.0, StatusCode::NOT_FOUND);
+
+    // A repair goes to the outbox whose page it is, with that outbox's login.
+    let resp = test::call_service(
+        &app,
+        test::TestRequest::post()
+            .uri(&format!("/outbox/tenant_b.outbox/dead/{dead_b}/retry"))
+            .insert_header((header::AUTHORIZATION, format!("Bearer {TOKEN}")))
+            .insert_header((header::ACCEPT, "application/json"))
+            .to_request(),
+    )
+    .await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(b.state(dead_b).await.0, "pending");
+    assert_eq!(a.state(dead_a).await.0, "dead");
+    let req = form_post("/outbox/tenant_a.outbox/login", &format!("token={TOKEN}")).to_request();
+    let resp = test::call_service(&app, req).await;
+    assert_eq!(resp.status(), StatusCode::SEE_OTHER);
+    assert_eq!(resp.headers().get(header::LOCATION).unwrap(), "/outbox/tenant_a.outbox/");
+    let cookie = resp.headers().get(header::SET_COOKIE).unwrap().to_str().unwrap();
+    assert!(cookie.contains("Path=/outbox/tenant_a.outbox"), "{cookie}");
+
+    // Added and removed while serving.
+    consoles.insert("tenant_c.outbox", Console::new(c.pool.clone()));
+    let (status, overview) = get("/outbox/tenant_c.outbox/").await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(overview.contains(r#"<div class="value" id="count-pending">1</div>"#), "{overview}");
+    assert!(consoles.remove("tenant_a.outbox"));
+    assert!(!consoles.remove("tenant_a.outbox"));
+    assert_eq!(consoles.names(), ["tenant_b.outbox", "tenant_c.outbox"]);
+    assert_eq!(get("/outbox/tenant_a.outbox/").await.0, StatusCode::NOT_FOUND);
+    let (_, list) = get("/outbox/").await;
+    assert!(!list.contains("tenant_a.outbox"), "{list}");
+    assert_eq!(list.matches(r#"<tr class="outbox""#).count(), 2, "{list}");
 }

@@ -63,8 +63,11 @@ impl On {
             .expect("count")
     }
 
-    /// On a standby: it has replayed all the WAL it received, and received nothing more for
-    /// 200 ms (the last bytes through a link just held may still be on their way).
+    /// On a standby: it has replayed all the WAL it can of what it received, and received
+    /// nothing more for 500 ms (the last bytes through a link just held may still be on their
+    /// way). "All it can": a link held at any byte may leave the last record half received, and
+    /// replay stops before it for good (the received position is then never reached), so a
+    /// replay position that stays where it is counts as done too.
     async fn replayed_all_received(&self) -> bool {
         #[derive(diesel::QueryableByName)]
         struct Lsns {
@@ -80,9 +83,9 @@ impl On {
         };
         let mut conn = self.conn().await;
         let first: Lsns = query().get_result(&mut conn).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
         let then: Lsns = query().get_result(&mut conn).await.unwrap();
-        first.received == then.received && then.received == then.replayed
+        first.received == then.received && (then.received == then.replayed || first.replayed == then.replayed)
     }
 
     async fn source(&self) -> String {

@@ -271,6 +271,84 @@ async fn run_relays_the_outboxes_of_several_schemas_each_under_its_own_name() {
     }
 }
 
+/// `--database-url` repeated: one run relays the outbox of each database, each named
+/// `DATABASE/outbox` in its metrics, with its own source; `--console-addr` then lists both and
+/// serves each one's console under its name, its own rows only.
+#[tokio::test]
+async fn run_relays_the_outboxes_of_several_databases_and_its_console_picks_between_them() {
+    let (one, two) = (TestDb::new().await, TestDb::new().await);
+    let enqueue = ["enqueue", "--aggregate-type", "t", "--aggregate-id", "1", "--event-type", "e", "--payload", "{}"];
+    for _ in 0..2 {
+        ok(&one.url, &enqueue).await;
+    }
+    ok(&two.url, &enqueue).await;
+    let (mut broker, _) = TestBroker::with_queue("cli-databases").await;
+    let queue = broker.queue(&["#"], Default::default()).await;
+    let amqp = amqp_url();
+    let flags = ["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare"];
+    let more = ["--database-url", &one.url, "--database-url", &two.url, "--metrics-addr", "127.0.0.1:0"];
+    let mut run = Dispatcher::start(&one.url, &[&flags[..], &more[..], &["--console-addr", "0"]].concat());
+    let addr = served_addr(&run).await;
+    let deliveries = broker.take(&queue, 3).await;
+    let mut sources: Vec<String> = deliveries.iter().map(source_of).collect();
+    sources.sort();
+    let (a, b) = (format!("/{}/public.outbox", one.name), format!("/{}/public.outbox", two.name));
+    let ends = |s: &String| {
+        if s.ends_with(&a) {
+            1
+        } else if s.ends_with(&b) {
+            2
+        } else {
+            0
+        }
+    };
+    let mut which: Vec<i32> = sources.iter().map(ends).collect();
+    which.sort();
+    assert_eq!(which, [1, 1, 2], "{sources:?}");
+    let (name_one, name_two) = (format!("{}/outbox", one.name), format!("{}/outbox", two.name));
+    let page = until("both outboxes' counters", async || {
+        let page = http_get(&addr, "/metrics").await.1;
+        let done = |name: &str| sample(&page, &format!(r#"outbox_finalized_total{{outcome="done",outbox="{name}"}}"#));
+        (done(&name_one) == Some(2.0) && done(&name_two) == Some(1.0)).then_some(page)
+    })
+    .await;
+    assert_eq!(sample(&page, "outbox_published_total"), None, "no unlabelled series: {page}");
+
+    let console = run
+        .log()
+        .iter()
+        .find(|l| l.contains("serving the web console, read-only"))
+        .and_then(|l| l.split("addr=").nth(1))
+        .map(|rest| rest.split_whitespace().next().unwrap().to_owned())
+        .unwrap_or_else(|| panic!("the console's address is logged: {}", run.log().join("\n")));
+    let (status, list) = http_get(&console, "/").await;
+    assert_eq!(status, 200, "{list}");
+    let slug_two = name_two.replace('/', "-");
+    for (name, slug) in [(&name_one, name_one.replace('/', "-")), (&name_two, slug_two.clone())] {
+        assert!(list.contains(&format!(r#"<a href="/{slug}/">{name}</a>"#)), "{list}");
+    }
+    let (status, overview) = http_get(&console, &format!("/{slug_two}/")).await;
+    assert_eq!(status, 200, "{overview}");
+    assert!(overview.contains(&format!("<summary>{name_two}</summary>")), "{overview}");
+    let (_, json) = http_get(&console, &format!("/{slug_two}/api/stats")).await;
+    assert!(json.starts_with(r#"{"by_status":{"dead":0,"done":1,"pending":0,"processing":0}"#), "{json}");
+    run.signal("TERM");
+    assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
+}
+
+/// Other commands act on one database: a repeated `--database-url` is a usage error.
+#[tokio::test]
+async fn commands_but_run_refuse_several_databases() {
+    let db = TestDb::new().await;
+    let ran = cli(&db.url, &["stats", "--database-url", &db.url, "--database-url", &db.url]).await;
+    assert_eq!(ran.code, 2, "{}", ran.stderr);
+    assert!(
+        ran.stderr.contains("--database-url is given 2 times: only `run` relays several databases"),
+        "{}",
+        ran.stderr
+    );
+}
+
 /// `run --outbox-schemas 'tenant_%'` relays the schemas it finds, and one migrated while it
 /// runs from the next look on; schemas that do not match are left alone.
 #[tokio::test]

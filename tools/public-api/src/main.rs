@@ -5,7 +5,7 @@
 //! ```text
 //! RUSTC_BOOTSTRAP=1 RUSTDOCFLAGS='-Z unstable-options --output-format json' \
 //!     cargo doc --no-deps -p actix-outbox --features actix-outbox/opentelemetry,actix-outbox/testkit,actix-outbox/inbox
-//! cargo run -p actix-outbox-tools --bin public-api -- target/doc/actix_outbox.json tests/public-api.txt
+//! cargo run -p actix-outbox-public-api -- target/doc/actix_outbox.json tests/public-api.txt
 //! ```
 //!
 //! It exits 1 and prints the lines that differ (`-` gone from the API, `+` new in it) when the
