@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use lapin::types::ShortString;
 
+use crate::sink::QueueKind;
 use crate::url::mask_url;
 
 /// Deliveries the broker sends ahead of their acknowledgements, by default (`basic.qos`).
@@ -79,9 +80,13 @@ pub struct InboxConfig {
     /// one database (two services, or two independent uses of one stream) each apply a message
     /// once. Keep it stable: a renamed consumer handles every message again.
     pub consumer: String,
-    /// The AMQP URL, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`; `?heartbeat=10` bounds how
-    /// long a silent broker looks alive.
-    pub url: String,
+    /// The AMQP URLs of the broker's nodes, e.g. `amqp://guest:guest@127.0.0.1:5672/%2f`;
+    /// `?heartbeat=10` bounds how long a silent broker looks alive. Each (re)connection tries
+    /// them in turn, starting after the node it last reached, each within
+    /// [`connect_timeout`](InboxConfig::connect_timeout): give every node of a cluster, so that
+    /// the consumer moves on when its node goes down. One from [`InboxConfig::new`]; more with
+    /// [`InboxConfig::cluster`].
+    pub urls: Vec<String>,
     /// The queue consumed. It must exist (declare and bind it as your topology requires); the
     /// consumer retries, with backoff, until it does.
     pub queue: String,
@@ -120,6 +125,12 @@ pub struct InboxConfig {
     /// before consuming) and something must be bound to it for the queue's name: a dead
     /// letter nobody is bound for is held and retried, never dropped. Default true.
     pub declare_dead_letter: bool,
+    /// The type the consumer declares the dead-letter queue with (`x-queue-type`), when it
+    /// declares it. `None` (the default): no type given, so the vhost's default (classic,
+    /// unless set otherwise). On a cluster, give [`QueueKind::Quorum`]: a classic queue lives on
+    /// one node, and while that node is down the consumer cannot declare it, so it cannot
+    /// consume from the other nodes either. A queue's type cannot change once it exists.
+    pub dead_letter_queue_kind: Option<QueueKind>,
     /// Check per aggregate that no message is applied after a newer one (per source and
     /// aggregate: ids of two producers are not comparable). Default false.
     pub ordered: bool,
@@ -139,7 +150,7 @@ impl std::fmt::Debug for InboxConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InboxConfig")
             .field("consumer", &self.consumer)
-            .field("url", &mask_url(&self.url))
+            .field("urls", &self.urls.iter().map(|u| mask_url(u)).collect::<Vec<_>>())
             .field("queue", &self.queue)
             .field("prefetch", &self.prefetch)
             .field("concurrency", &self.concurrency)
@@ -155,6 +166,7 @@ impl std::fmt::Debug for InboxConfig {
             .field("dead_letter_exchange", &self.dead_letter_exchange_name())
             .field("dead_letter_queue", &self.dead_letter_queue_name())
             .field("declare_dead_letter", &self.declare_dead_letter)
+            .field("dead_letter_queue_kind", &self.dead_letter_queue_kind)
             .field("ordered", &self.ordered)
             .field("raw_bodies", &self.raw_bodies)
             .field("late_events", &self.late_events)
@@ -182,14 +194,16 @@ impl InboxConfig {
     /// | [`dead_letter_exchange`](InboxConfig::dead_letter_exchange) | `None`: `<queue>.dlx` |
     /// | [`dead_letter_queue`](InboxConfig::dead_letter_queue) | `None`: `<queue>.dlq` |
     /// | [`declare_dead_letter`](InboxConfig::declare_dead_letter) | `true` |
+    /// | [`dead_letter_queue_kind`](InboxConfig::dead_letter_queue_kind) | `None`: the vhost's default type |
     /// | [`ordered`](InboxConfig::ordered) | `false` |
     /// | [`raw_bodies`](InboxConfig::raw_bodies) | `false` |
     /// | [`late_events`](InboxConfig::late_events) | [`LateEvents::Skip`] |
     /// | [`connection_name`](InboxConfig::connection_name) | `None`: `actix-outbox inbox <consumer>` |
+    /// | [`urls`](InboxConfig::urls) | `[url]` (more: [`InboxConfig::cluster`]) |
     pub fn new(consumer: impl Into<String>, url: impl Into<String>, queue: impl Into<String>) -> Self {
         Self {
             consumer: consumer.into(),
-            url: url.into(),
+            urls: vec![url.into()],
             queue: queue.into(),
             prefetch: DEFAULT_PREFETCH,
             concurrency: DEFAULT_CONCURRENCY,
@@ -205,11 +219,33 @@ impl InboxConfig {
             dead_letter_exchange: None,
             dead_letter_queue: None,
             declare_dead_letter: true,
+            dead_letter_queue_kind: None,
             ordered: false,
             raw_bodies: false,
             late_events: LateEvents::Skip,
             connection_name: None,
         }
+    }
+
+    /// The nodes of a cluster at `urls` instead of the one URL of [`InboxConfig::new`] (see
+    /// [`InboxConfig::urls`]).
+    ///
+    /// ```
+    /// use actix_outbox::inbox::InboxConfig;
+    /// let config = InboxConfig::new("billing", "amqp://rabbit-1:5672/%2f", "billing.events")
+    ///     .cluster(["amqp://rabbit-1:5672/%2f", "amqp://rabbit-2:5672/%2f", "amqp://rabbit-3:5672/%2f"]);
+    /// assert_eq!(config.urls.len(), 3);
+    /// config.validate().unwrap();
+    /// ```
+    pub fn cluster<U: Into<String>>(mut self, urls: impl IntoIterator<Item = U>) -> Self {
+        self.urls = urls.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// Sets [`InboxConfig::dead_letter_queue_kind`].
+    pub fn dead_letter_queue_kind(mut self, kind: QueueKind) -> Self {
+        self.dead_letter_queue_kind = Some(kind);
+        self
     }
 
     setters! {
@@ -273,7 +309,10 @@ impl InboxConfig {
         if self.consumer.contains('\0') {
             return invalid("the consumer name must not contain NUL".into());
         }
-        if let Err(e) = crate::amqp::check_url(&self.url) {
+        if self.urls.is_empty() {
+            return invalid("no AMQP URL: give the broker's (or every cluster node's)".into());
+        }
+        if let Some(e) = self.urls.iter().find_map(|url| crate::amqp::check_url(url).err()) {
             return invalid(e);
         }
         if self.queue.is_empty() {

@@ -106,6 +106,9 @@ pub(crate) struct InboxConsumer {
     session: Option<Session>,
     /// Links opened by this actor so far.
     generation: u64,
+    /// The node of [`InboxConfig::urls`](super::InboxConfig::urls) the next link tries first:
+    /// the one after the node of the last link, so that a node that went down is tried last.
+    next_node: usize,
     connecting: Option<SpawnHandle>,
     reconnect_timer: Option<SpawnHandle>,
     /// The reconnect backoff, counting link failures.
@@ -141,6 +144,7 @@ impl InboxConsumer {
             state: State::Running,
             session: None,
             generation: 0,
+            next_node: 0,
             connecting: None,
             reconnect_timer: None,
             lanes,
@@ -158,7 +162,7 @@ impl InboxConsumer {
         }
         let config = &self.shared.config;
         let tag = consumer_tag(&config.consumer, self.generation + 1);
-        let open = Link::open(config.clone(), tag);
+        let open = Link::open(config.clone(), tag, self.next_node);
         self.connecting = Some(ctx.spawn(open.into_actor(self).map(|opened, act, ctx| act.opened(opened, ctx))));
     }
 
@@ -178,10 +182,12 @@ impl InboxConsumer {
             return;
         }
         self.generation += 1;
+        self.next_node = (link.node + 1) % self.shared.config.urls.len().max(1);
         let generation = self.generation;
         if generation > 1 {
             Counters::add(&self.shared.counters.reconnects, 1);
-            info!(queue = %self.shared.config.queue, "inbox consumer reconnected");
+            info!(queue = %self.shared.config.queue, node = %crate::url::mask_url(&self.shared.config.urls[link.node]),
+                "inbox consumer reconnected");
         } else {
             info!(consumer = %self.shared.config.consumer, queue = %self.shared.config.queue,
                 prefetch = self.shared.config.prefetch, concurrency = self.shared.config.concurrency,

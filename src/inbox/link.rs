@@ -37,6 +37,8 @@ pub(crate) struct Link {
     /// message the broker returns is that forward's (lapin hands a return to whichever confirm
     /// it resolves next, which need not be the returned message's own).
     pub(crate) forwards: Arc<tokio::sync::Mutex<()>>,
+    /// The index in [`InboxConfig::urls`] of the node it is connected to.
+    pub(crate) node: usize,
     thread: LinkThread,
 }
 
@@ -47,14 +49,17 @@ impl std::fmt::Debug for Link {
 }
 
 impl Link {
-    /// Connects, sets the link up and starts consuming (bounded by the connect timeout).
-    /// `Err` is a one-line reason, password masked.
-    pub(crate) async fn open(config: InboxConfig, tag: String) -> Result<(Link, Consumer), String> {
-        let (ready_tx, ready_rx) = oneshot::channel::<Result<(Channel, Consumer), String>>();
-        let thread = LinkThread::start("actix-outbox-inbox-amqp", move |stop| hold(config, tag, ready_tx, stop))
+    /// Connects to the first node of [`InboxConfig::urls`] that answers, from the one at
+    /// `first` on (each within the connect timeout), sets the link up and starts consuming (also
+    /// bounded by the connect timeout). `Err` is a one-line reason, passwords masked.
+    pub(crate) async fn open(config: InboxConfig, tag: String, first: usize) -> Result<(Link, Consumer), String> {
+        let (ready_tx, ready_rx) = oneshot::channel::<Result<Ready, String>>();
+        let thread = LinkThread::start("actix-outbox-inbox-amqp", move |stop| hold(config, tag, first, ready_tx, stop))
             .map_err(|e| e.to_string())?;
         match ready_rx.await {
-            Ok(Ok((channel, consumer))) => Ok((Link { channel, forwards: Arc::default(), thread }, consumer)),
+            Ok(Ok(Ready { channel, consumer, node })) => {
+                Ok((Link { channel, forwards: Arc::default(), node, thread }, consumer))
+            }
             Ok(Err(e)) => Err(e),
             Err(_) => Err("the link's thread ended before connecting".into()),
         }
@@ -66,22 +71,39 @@ impl Link {
     }
 }
 
+/// What the link thread hands over once it consumes.
+struct Ready {
+    channel: Channel,
+    consumer: Consumer,
+    node: usize,
+}
+
 /// The link thread's whole life: set up, hand over, keep the connection until told to stop.
 async fn hold(
     config: InboxConfig,
     tag: String,
-    ready: oneshot::Sender<Result<(Channel, Consumer), String>>,
+    first: usize,
+    ready: oneshot::Sender<Result<Ready, String>>,
     mut stop: Stop,
 ) {
     let mut connection = None;
-    let timeout = config.connect_timeout;
-    let setup = tokio::time::timeout(timeout, set_up(&config, &tag, &mut connection)).await.unwrap_or_else(|_| {
-        Err(format!("no answer within the connect timeout ({})", humantime::format_duration(timeout)))
-    });
-    let handed = match setup {
+    let setup = async {
+        let node = connect(&config, first, &mut connection).await?;
+        let url = mask_url(&config.urls[node]);
+        let Some(conn) = &connection else { unreachable!("connected") };
+        let timeout = config.connect_timeout;
+        let (channel, consumer) = tokio::time::timeout(timeout, set_up(&config, &tag, conn))
+            .await
+            .unwrap_or_else(|_| {
+                Err(format!("no answer within the connect timeout ({})", humantime::format_duration(timeout)))
+            })
+            .map_err(|e| format!("RabbitMQ at {url}: {e}"))?;
+        Ok(Ready { channel, consumer, node })
+    };
+    let handed = match setup.await {
         Ok(link) => ready.send(Ok(link)).is_ok(),
         Err(e) => {
-            let _ = ready.send(Err(format!("RabbitMQ at {}: {e}", mask_url(&config.url))));
+            let _ = ready.send(Err(e));
             false
         }
     };
@@ -95,17 +117,35 @@ async fn hold(
     connection_closer::close_gracefully(&conn, "inbox link").await;
 }
 
-/// Connects (into `connection`, so that the caller can close it whatever fails later), opens
-/// the channel, declares or checks the dead-letter topology, sets the prefetch and consumes.
-async fn set_up(
-    config: &InboxConfig,
-    tag: &str,
-    connection: &mut Option<Connection>,
-) -> Result<(Channel, Consumer), String> {
+/// Connects (into `connection`, so that the caller can close it whatever fails later) to the
+/// first node that answers, trying each once from `first` on, each within the connect timeout;
+/// the node's index in [`InboxConfig::urls`].
+async fn connect(config: &InboxConfig, first: usize, connection: &mut Option<Connection>) -> Result<usize, String> {
     let name = config.connection_name.clone().unwrap_or_else(|| format!("actix-outbox inbox {}", config.consumer));
-    let properties = ConnectionProperties::default().with_connection_name(name.into());
-    let conn = Connection::connect(&config.url, properties).await.map_err(|e| format!("connecting failed: {e}"))?;
-    let conn = connection.insert(conn);
+    let nodes = config.urls.len();
+    let mut failures = Vec::new();
+    for node in (0..nodes).map(|k| (first + k) % nodes) {
+        let url = &config.urls[node];
+        let properties = ConnectionProperties::default().with_connection_name(name.as_str().into());
+        let why = match tokio::time::timeout(config.connect_timeout, Connection::connect(url, properties)).await {
+            Ok(Ok(conn)) => {
+                *connection = Some(conn);
+                return Ok(node);
+            }
+            Ok(Err(e)) => format!("connecting failed: {e}"),
+            Err(_) => format!(
+                "connecting failed: no answer within the connect timeout ({})",
+                humantime::format_duration(config.connect_timeout)
+            ),
+        };
+        failures.push(format!("RabbitMQ at {}: {why}", mask_url(url)));
+    }
+    Err(failures.join("; "))
+}
+
+/// Opens the channel on `conn`, declares or checks the dead-letter topology, sets the prefetch
+/// and consumes.
+async fn set_up(config: &InboxConfig, tag: &str, conn: &Connection) -> Result<(Channel, Consumer), String> {
     let failed = |what: String| move |e: lapin::Error| format!("{what} failed: {e}");
     let channel = conn.create_channel().await.map_err(failed("opening a channel".into()))?;
     channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(failed("enabling confirms".into()))?;
@@ -118,8 +158,12 @@ async fn set_up(
             .await
             .map_err(failed(format!("declaring the dead-letter exchange {dlx:?}")))?;
         let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+        let mut arguments = FieldTable::default();
+        if let Some(kind) = config.dead_letter_queue_kind {
+            arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(kind.as_str().into()));
+        }
         channel
-            .queue_declare(dlq.as_str().into(), durable, FieldTable::default())
+            .queue_declare(dlq.as_str().into(), durable, arguments)
             .await
             .map_err(failed(format!("declaring the dead-letter queue {dlq:?}")))?;
         channel

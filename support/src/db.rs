@@ -132,6 +132,19 @@ impl TestDb {
         outbox::table.filter(outbox::status.eq(status)).count().get_result(&mut conn).await.expect("count")
     }
 
+    /// The `bigint` column `n` of the one row `sql` returns (`SELECT count(*) AS n FROM ...`):
+    /// for the tables a test adds (an inbox, a handler's effects).
+    pub async fn scalar(&self, sql: &str) -> i64 {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let n: N =
+            diesel::sql_query(sql).get_result(&mut self.conn().await).await.unwrap_or_else(|e| panic!("{sql}: {e}"));
+        n.n
+    }
+
     /// Makes every pending row claimable now (skips a backoff or deferral).
     pub async fn make_available(&self) {
         let mut conn = self.conn().await;

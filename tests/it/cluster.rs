@@ -26,8 +26,10 @@ use std::time::Duration;
 
 use actix_outbox::admin::Status;
 use actix_outbox::dispatcher::{GetMetrics, Shutdown};
+use actix_outbox::inbox;
 use actix_outbox::sink::{QueueKind, RabbitConfig, RabbitSink};
 use actix_outbox::{DispatcherConfig, OutboxSupervisor};
+use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
 use futures_util::StreamExt;
 use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
@@ -171,6 +173,11 @@ async fn read_queue(url: &str, queue: &str) -> Vec<i64> {
 /// the queue (declared there), is killed with SIGKILL. The sink moves to the next node; the
 /// publishes in flight on the dead connection fail as unavailable (attempt refunded) and go
 /// again; the queue elects a leader among the two left. Copies: at most the window.
+///
+/// The consumer side goes through the same loss: an inbox consumer, given every node and
+/// connected to node 0, reads a second quorum queue bound to the exchange (led by node 0 too,
+/// its dead-letter queue a quorum queue) into a database of its own; it moves to another node,
+/// gets the deliveries it had not acknowledged again, and applies each event exactly once.
 #[actix_rt::test]
 async fn the_connected_node_killed_mid_run_loses_no_row() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -180,11 +187,14 @@ async fn the_connected_node_killed_mid_run_loses_no_row() {
     let (exchange, queue) = (unique("cluster-x"), unique("cluster-q"));
     let sink = sink(&cluster, &exchange, &queue).await;
     assert_eq!(cluster.leader_of(&queue).await, Some(0), "the queue is led where it was declared");
+    let (inbox_db, inbox_queue) = (TestDb::new().await, unique("cluster-inbox"));
+    let consumer = inbox_consumer(&cluster, &inbox_db, &exchange, &inbox_queue).await;
     let config = dispatcher_config();
     let window = window(&config);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     eventually(WITHIN, "a third done", || async { db.count_status("done").await >= 3_333 }).await;
     let at_kill = db.count_status("done").await;
+    let applied_at_kill = inbox_db.scalar("SELECT count(*) AS n FROM inbox").await;
     cluster.kill(0).await;
 
     let outcome = finish(&cluster, &db, dispatcher, sink, &queue, 1, window).await;
@@ -193,11 +203,82 @@ async fn the_connected_node_killed_mid_run_loses_no_row() {
     assert!(outcome.duplicates <= window, "{} copies, more than the {window} in flight", outcome.duplicates);
     let leader = cluster.leader_of(&queue).await;
     assert!(matches!(leader, Some(1 | 2)), "a new leader: {leader:?}");
+
+    eventually(WITHIN, "the inbox applied every event", || async {
+        inbox_db.scalar("SELECT count(*) AS n FROM inbox").await == 10_000
+    })
+    .await;
+    let inbox = consumer.send(inbox::GetMetrics).await.unwrap();
+    consumer.send(inbox::Shutdown).await.unwrap();
+    assert!(applied_at_kill < 10_000, "the kill came while the inbox consumed ({applied_at_kill} applied)");
+    let ids: BTreeSet<i64> = db.rows().await.iter().map(|r| r.id).collect();
+    let effects = inbox_db.scalar("SELECT count(*) AS n FROM effects").await;
+    let once = inbox_db.scalar("SELECT count(DISTINCT message_id) AS n FROM effects").await;
+    assert_eq!((effects, once), (10_000, 10_000), "one effect per event: {inbox:?}");
+    let (lowest, highest) = (
+        inbox_db.scalar("SELECT min(message_id) AS n FROM effects").await,
+        inbox_db.scalar("SELECT max(message_id) AS n FROM effects").await,
+    );
+    assert_eq!(
+        (Some(&lowest), Some(&highest)),
+        (ids.iter().next(), ids.iter().next_back()),
+        "the effects are the rows' events"
+    );
+    assert!(inbox.reconnects >= 1, "the inbox moved to another node: {inbox:?}");
+    assert_eq!((inbox.dead_lettered, inbox.unusable, inbox.panics), (0, 0, 0), "{inbox:?}");
+    assert_eq!(inbox.handled, 10_000, "{inbox:?}");
+    assert_eq!(read_queue(&cluster.url(1), &inbox_queue).await.len(), 0, "nothing left on the inbox's queue");
     println!(
         "cluster (a) kill of the connected leader at {at_kill} done: {} duplicates (window {window}), {} released, \
-         {} with a second attempt, longest pause {:?}, {} reconnects",
-        outcome.duplicates, outcome.released, outcome.spent, outcome.pause, outcome.reconnects
+         {} with a second attempt, longest pause {:?}, {} reconnects; the inbox: {} handled, {} duplicates \
+         skipped, {} reconnects",
+        outcome.duplicates,
+        outcome.released,
+        outcome.spent,
+        outcome.pause,
+        outcome.reconnects,
+        inbox.handled,
+        inbox.duplicates,
+        inbox.reconnects
     );
+}
+
+/// An inbox consumer of `queue` (declared here on node 0, a quorum queue bound to `exchange`
+/// for every key), given every node of `cluster`, recording one row in `effects` per handled
+/// event in `db`, where the inbox is migrated.
+async fn inbox_consumer(
+    cluster: &RabbitCluster,
+    db: &TestDb,
+    exchange: &str,
+    queue: &str,
+) -> actix::Addr<inbox::InboxSupervisor> {
+    inbox::migrate_inbox(&db.url).await.expect("migrate the inbox");
+    db.conn().await.batch_execute("CREATE TABLE effects (message_id bigint NOT NULL)").await.unwrap();
+    let conn = Connection::connect(&cluster.url(0), ConnectionProperties::default()).await.unwrap();
+    let channel = conn.create_channel().await.unwrap();
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString("quorum".into()));
+    let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
+    channel.queue_declare(queue.into(), durable, arguments).await.unwrap();
+    channel
+        .queue_bind(queue.into(), exchange.into(), "#".into(), Default::default(), FieldTable::default())
+        .await
+        .unwrap();
+    let _ = conn.close(200, "declared".into()).await;
+    let handler = inbox::handler_fn(|conn, message| {
+        Box::pin(async move {
+            diesel::sql_query("INSERT INTO effects (message_id) VALUES ($1)")
+                .bind::<diesel::sql_types::BigInt, _>(message.message_id)
+                .execute(conn)
+                .await?;
+            Ok(())
+        })
+    });
+    let config = inbox::InboxConfig::new("cluster", cluster.url(0), queue)
+        .cluster(cluster.urls())
+        .dead_letter_queue_kind(QueueKind::Quorum)
+        .reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500));
+    inbox::InboxSupervisor::start(config, db.pool.clone(), handler).expect("start the inbox consumer")
 }
 
 /// (b) The queue's leader moved to node 1 (not the node the sink is connected to), then, once a

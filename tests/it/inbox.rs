@@ -74,13 +74,7 @@ async fn effects(db: &TestDb) -> Vec<Effect> {
 }
 
 async fn count(db: &TestDb, sql: &str) -> i64 {
-    #[derive(diesel::QueryableByName)]
-    struct N {
-        #[diesel(sql_type = BigInt)]
-        n: i64,
-    }
-    let n: N = diesel::sql_query(sql).get_result(&mut db.conn().await).await.unwrap();
-    n.n
+    db.scalar(sql).await
 }
 
 async fn effect_count(db: &TestDb) -> i64 {

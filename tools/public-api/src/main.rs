@@ -4,9 +4,13 @@
 //!
 //! ```text
 //! RUSTC_BOOTSTRAP=1 RUSTDOCFLAGS='-Z unstable-options --output-format json' \
-//!     cargo doc --no-deps -p actix-outbox --features actix-outbox/opentelemetry,actix-outbox/testkit,actix-outbox/inbox
+//!     cargo doc --no-deps -p actix-outbox --features opentelemetry,testkit,inbox
 //! cargo run -p actix-outbox-public-api -- target/doc/actix_outbox.json tests/public-api.txt
 //! ```
+//!
+//! (CI gives `RUSTC_BOOTSTRAP` to rustdoc alone, through a wrapper, and documents the
+//! workspace less `actix-outbox-tools`, so that the dependencies checked for the documentation
+//! serve this too: see `.ci/run`.)
 //!
 //! It exits 1 and prints the lines that differ (`-` gone from the API, `+` new in it) when the
 //! listing is stale; `--bless` writes the listing anew instead. Rustdoc's JSON is unstable
