@@ -224,10 +224,24 @@ struct Opts {
     #[arg(long, env = "DATABASE_URL", default_value = DEFAULT_DATABASE_URL)]
     #[serde(skip)]
     database_url: String,
-    /// The RabbitMQ broker.
+    /// The RabbitMQ broker (with `--cluster`, the bench's cluster's nodes, comma-separated).
     #[arg(long, env = "AMQP_URL", default_value = DEFAULT_AMQP_URL)]
     #[serde(skip)]
     amqp_url: String,
+    /// Against a three-node RabbitMQ cluster that the bench starts (as the tests do: one
+    /// `rabbitmq-server` a node, on free ports, as the `rabbitmq` user) instead of `--amqp-url`:
+    /// the queue is a quorum queue, the sink is given every node. Compare with a run without it
+    /// (one node, a classic queue) in the same session.
+    #[arg(long)]
+    cluster: bool,
+}
+
+impl Opts {
+    /// The broker's first node, for the bench's own connections (declaring, consuming, the raw
+    /// publisher).
+    fn first_amqp_url(&self) -> &str {
+        self.amqp_url.split(',').next().unwrap_or_default()
+    }
 }
 
 /// `--retention`.

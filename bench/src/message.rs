@@ -15,10 +15,10 @@ pub(crate) fn body(n: i64, pad: &str) -> Vec<u8> {
     serde_json::to_vec(&serde_json::json!({ "n": n, "pad": pad })).expect("a JSON value serialises")
 }
 
-/// The RabbitMQ sink's configuration for this run: every default, but the exchange, the
-/// connection's name and `--no-outbox-headers`.
+/// The RabbitMQ sink's configuration for this run: every default, but the nodes (one, or the
+/// bench's cluster's), the exchange, the connection's name and `--no-outbox-headers`.
 pub(crate) fn rabbit_config(opts: &Opts, exchange: &str) -> RabbitConfig {
-    RabbitConfig::new(&opts.amqp_url)
+    RabbitConfig::cluster(opts.amqp_url.split(','))
         .exchange(exchange)
         .connection_name("actix-outbox bench")
         .outbox_headers(!opts.no_outbox_headers)

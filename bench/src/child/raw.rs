@@ -17,7 +17,7 @@ use crate::{BoxError, BrokerChild, EVENT_TYPE, Opts};
 /// confirm channel, like the sink; reports when the last confirm is in.
 pub(crate) async fn broker(role: BrokerChild, opts: Opts) -> Result<ExitCode, BoxError> {
     let mut commands = commands();
-    let conn = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+    let conn = Connection::connect(opts.first_amqp_url(), ConnectionProperties::default()).await?;
     let mut channels = Vec::new();
     for _ in 0..opts.raw_channels.max(1) {
         let channel = conn.create_channel().await?;

@@ -69,12 +69,25 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
         return Err("--pgbouncer and --pooler-url compare the e2e, latency and loaded phases: --phases has none".into());
     }
     let names = Names::new(&opts)?;
+    // The bench's own cluster, stopped (its folder removed) when this returns.
+    let cluster = match opts.cluster {
+        true => {
+            eprintln!("starting a three-node RabbitMQ cluster...");
+            Some(actix_outbox_test_support::RabbitCluster::start().await)
+        }
+        false => None,
+    };
+    let opts = match &cluster {
+        Some(cluster) => Opts { amqp_url: cluster.urls().join(","), ..opts },
+        None => opts,
+    };
+    let opts = &opts;
     // Ctrl-C still cleans up: the children see their stdin close and stop.
     let result = tokio::select! {
-        result = bench(&opts, &names) => result,
+        result = bench(opts, &names) => result,
         _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
     };
-    let cleanup = cleanup(&opts, &names).await;
+    let cleanup = cleanup(opts, &names).await;
     let report = result?;
     if let Err(e) = cleanup {
         eprintln!("bench: cleanup failed: {e}");
@@ -90,7 +103,7 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
 async fn cleanup(opts: &Opts, names: &Names) -> Result<(), BoxError> {
     let mut admin = AsyncPgConnection::establish(&names.admin_url).await?;
     admin.batch_execute(&format!("DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)", names.database)).await?;
-    let conn = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+    let conn = Connection::connect(opts.first_amqp_url(), ConnectionProperties::default()).await?;
     let channel = conn.create_channel().await?;
     channel.queue_delete(names.queue.as_str().into(), QueueDeleteOptions::default()).await?;
     channel.exchange_delete(names.exchange.as_str().into(), ExchangeDeleteOptions::default()).await?;
@@ -123,14 +136,18 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
     };
 
     // The exchange (as the sink declares it) and a durable queue that takes everything.
-    let amqp = Connection::connect(&opts.amqp_url, ConnectionProperties::default()).await?;
+    let amqp = Connection::connect(opts.first_amqp_url(), ConnectionProperties::default()).await?;
     let channel = amqp.create_channel().await?;
     let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
     channel
         .exchange_declare(names.exchange.as_str().into(), ExchangeKind::Topic, durable, FieldTable::default())
         .await?;
     let queue_options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-    channel.queue_declare(names.queue.as_str().into(), queue_options, FieldTable::default()).await?;
+    let mut queue_arguments = FieldTable::default();
+    if opts.cluster {
+        queue_arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString("quorum".into()));
+    }
+    channel.queue_declare(names.queue.as_str().into(), queue_options, queue_arguments).await?;
     channel
         .queue_bind(
             names.queue.as_str().into(),
@@ -191,6 +208,11 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
             cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
             postgres: postgres.v,
             note: "PostgreSQL, RabbitMQ, the dispatcher and the benchmark share these cores",
+            broker: if opts.cluster {
+                "a three-node RabbitMQ cluster on this machine, a quorum queue"
+            } else {
+                "one RabbitMQ node, a classic queue"
+            },
         },
         options: opts,
         in_flight_per_process: opts.depth_per_process(),

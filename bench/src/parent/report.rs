@@ -148,6 +148,8 @@ pub(super) struct Machine {
     pub(super) cores: usize,
     pub(super) postgres: String,
     pub(super) note: &'static str,
+    /// The broker and the queue: one node, or the bench's cluster.
+    pub(super) broker: &'static str,
 }
 
 pub(super) fn median(mut values: Vec<f64>) -> f64 {
@@ -260,6 +262,7 @@ pub(super) fn print_report(report: &Report<'_>) {
         "actix-outbox bench  {}  {} cores (shared by PostgreSQL {}, RabbitMQ, the dispatcher and the bench)",
         report.date, report.machine.cores, report.machine.postgres
     );
+    println!("broker: {}", report.machine.broker);
     println!(
         "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  retention {}  headers {}  runs {}",
         o.messages,
