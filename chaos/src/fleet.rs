@@ -32,6 +32,26 @@ pub struct RunFlags {
     pub fifo: bool,
     /// Where each instance's stderr goes, one file per instance.
     pub log_dir: PathBuf,
+    /// The broker nodes: one (the shared broker), or the run's cluster's. Slot `i`'s proxy
+    /// fronts node `1 + i % 2` of a cluster (node 0 serves the run's consumer), and its process
+    /// is given the other nodes' own URLs after the proxy's, to move to when that node dies.
+    pub nodes: Vec<Node>,
+}
+
+/// A broker node: its AMQP address and URL.
+#[derive(Debug, Clone)]
+pub struct Node {
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+    /// `amqp://guest:guest@127.0.0.1:PORT/%2f`.
+    pub url: String,
+}
+
+impl RunFlags {
+    /// The node slot `index`'s proxy fronts.
+    fn home(&self, index: usize) -> usize {
+        if self.nodes.len() > 1 { 1 + index % (self.nodes.len() - 1) } else { 0 }
+    }
 }
 
 /// An exit the fault runner did not cause.
@@ -79,10 +99,11 @@ pub struct Slot {
 impl Slot {
     /// The slot's proxies, no process yet.
     pub async fn new(index: usize, flags: RunFlags, started: Instant) -> Arc<Slot> {
+        let home = flags.nodes[flags.home(index)].addr.clone();
         Arc::new(Slot {
             index,
             db: Proxy::start("127.0.0.1:5432".into()).await,
-            broker: Proxy::start("127.0.0.1:5672".into()).await,
+            broker: Proxy::start(home).await,
             db_faulted: Default::default(),
             flags,
             started,
@@ -109,10 +130,13 @@ impl Slot {
         let sep = if f.database_url.contains('?') { '&' } else { '?' };
         let database_url = format!("{}{sep}application_name={owner}", self.db.route(&f.database_url));
         let log = std::fs::File::create(f.log_dir.join(format!("{owner}.log")))?;
+        let home = f.home(self.index);
+        let mut amqp_urls = vec![self.broker.amqp_url()];
+        amqp_urls.extend(f.nodes.iter().enumerate().filter(|(i, _)| *i != home).map(|(_, n)| n.url.clone()));
         let mut cmd = tokio::process::Command::new(&f.bin);
         cmd.arg("run")
             .args(["--database-url", &database_url])
-            .args(["--amqp-url", &self.broker.amqp_url()])
+            .args(["--amqp-url", &amqp_urls.join(",")])
             .args(["--exchange", &f.exchange])
             .args(["--owner", &owner])
             .args(["--workers", &f.workers.to_string()])

@@ -80,6 +80,13 @@ struct Args {
     /// How long the drain may take once production stops
     #[arg(long, value_name = "DURATION", default_value = "3m")]
     drain: humantime::Duration,
+    /// Against a three-node RabbitMQ cluster of the run's own (started as the tests start it,
+    /// on free ports), the queue a quorum queue led by node 1: the schedule adds node losses
+    /// (node 1 or 2 killed with SIGKILL, started again after a pause). Each process reaches
+    /// node 1 or 2 through its proxy and is given the other nodes too; node 0 serves the run's
+    /// consumer and is never killed
+    #[arg(long)]
+    cluster: bool,
 }
 
 impl Args {
@@ -100,6 +107,9 @@ impl Args {
         );
         if self.fifo {
             cmd += " --fifo";
+        }
+        if self.cluster {
+            cmd += " --cluster";
         }
         cmd
     }
@@ -156,7 +166,19 @@ async fn run(args: &Args, seed: u64) -> i32 {
         }
     };
     let tag = format!("{}_{seed}", std::process::id());
-    let world = match world::World::create(&tag).await {
+    // The run's own cluster, if asked for: stopped (its folder removed) when the run ends.
+    let cluster = match args.cluster {
+        true => {
+            println!("chaos: starting a three-node RabbitMQ cluster");
+            Some(actix_outbox_test_support::RabbitCluster::start().await)
+        }
+        false => None,
+    };
+    let broker = match &cluster {
+        Some(cluster) => world::Broker { url: cluster.url(0), quorum: true },
+        None => world::Broker::default(),
+    };
+    let world = match world::World::create(&tag, broker).await {
         Ok(w) => w,
         Err(e) => {
             eprintln!("chaos: {e}");
@@ -165,7 +187,18 @@ async fn run(args: &Args, seed: u64) -> i32 {
     };
     let log_dir = std::env::temp_dir().join(format!("actix-outbox-chaos-{tag}"));
     let _ = std::fs::create_dir_all(&log_dir);
-    let code = match drive(args, seed, &bin, &world, &log_dir).await {
+    let nodes: Vec<fleet::Node> = match &cluster {
+        Some(cluster) => (0..actix_outbox_test_support::cluster::NODES)
+            .map(|i| fleet::Node { addr: format!("127.0.0.1:{}", cluster.port(i)), url: cluster.url(i) })
+            .collect(),
+        None => vec![fleet::Node { addr: "127.0.0.1:5672".into(), url: world::AMQP.into() }],
+    };
+    if let Some(cluster) = &cluster {
+        // Led by a node that a fault may kill.
+        cluster.transfer_leadership(&world.queue, 1).await;
+    }
+    let cluster = cluster.map(|c| Arc::new(tokio::sync::Mutex::new(c)));
+    let code = match drive(args, seed, &bin, &world, &log_dir, nodes, cluster.clone()).await {
         Ok(verdict) if verdict.passed() => {
             let _ = std::fs::remove_dir_all(&log_dir);
             0
@@ -189,11 +222,14 @@ async fn drive(
     bin: &std::path::Path,
     world: &world::World,
     log_dir: &std::path::Path,
+    nodes: Vec<fleet::Node>,
+    cluster: Option<Cluster>,
 ) -> Result<verdict::Verdict, String> {
     let length = args.run_length();
     let lease: Duration = args.lease.into();
     let publish_timeout: Duration = args.publish_timeout.into();
-    let shape = Shape { run: length, processes: args.processes, lease, mean_gap: args.fault_gap.into() };
+    let shape =
+        Shape { run: length, processes: args.processes, lease, mean_gap: args.fault_gap.into(), cluster: args.cluster };
     let faults = plan::schedule(seed, &shape);
     let window = Window { workers: args.workers, max_in_flight: args.max_in_flight, publish_timeout, lease };
     println!(
@@ -201,8 +237,11 @@ async fn drive(
         args.processes,
         length.as_secs(),
         faults.len(),
-        if args.fifo { ", --fifo" } else { "" }
+        if args.fifo { ", --fifo" } else { "" },
     );
+    if args.cluster {
+        println!("chaos: a three-node RabbitMQ cluster, a quorum queue; node losses scheduled among the faults");
+    }
     println!(
         "chaos: database {}, exchange {}, dispatcher {} (workers {}, batch {}, max in flight {}, lease {}, publish timeout {})",
         world.database,
@@ -226,6 +265,7 @@ async fn drive(
         publish_timeout,
         fifo: args.fifo,
         log_dir: log_dir.to_owned(),
+        nodes,
     };
     let started = Instant::now();
     let mut slots = Vec::new();
@@ -236,7 +276,7 @@ async fn drive(
     }
 
     let log: world::Log = Default::default();
-    let consumer = tokio::spawn(world::consume(world.queue.clone(), log.clone(), started));
+    let consumer = tokio::spawn(world::consume(world.broker.url.clone(), world.queue.clone(), log.clone(), started));
     let (stop_tx, stop_rx) = watch::channel(false);
     let (poison_tx, poison_rx) = mpsc::unbounded_channel();
     let producer = tokio::spawn(world::produce(
@@ -255,9 +295,11 @@ async fn drive(
         let others: Vec<Arc<Slot>> = slots.iter().filter(|s| s.index != fault.process).cloned().collect();
         let poison = poison_tx.clone();
         let url = world.url.clone();
+        let cluster = cluster.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until((started + fault.at).into()).await;
-            inflict(index, &fault, &slot, &others, &poison, &url, lease + publish_timeout).await
+            let ctx = Context { requests: &poison, url: &url, stop_allowance: lease + publish_timeout, cluster };
+            inflict(index, &fault, &slot, &others, &ctx).await
         }));
     }
 
@@ -360,16 +402,24 @@ async fn drain(url: &str, log: &world::Log, deadline: Duration) -> Result<(bool,
     }
 }
 
-/// Carries out fault `index` on `slot` and says how it went.
-async fn inflict(
-    index: usize,
-    fault: &Fault,
-    slot: &Arc<Slot>,
-    others: &[Arc<Slot>],
-    requests: &mpsc::UnboundedSender<world::Request>,
-    url: &str,
+/// The run's cluster, which node losses kill nodes of and start them again.
+type Cluster = Arc<tokio::sync::Mutex<actix_outbox_test_support::RabbitCluster>>;
+
+/// What a fault reaches besides its process.
+struct Context<'a> {
+    /// The producer, for bursts and poison rows.
+    requests: &'a mpsc::UnboundedSender<world::Request>,
+    /// The run's database.
+    url: &'a str,
+    /// How long a graceful stop may take.
     stop_allowance: Duration,
-) -> Outcome {
+    /// The run's cluster, with `--cluster`.
+    cluster: Option<Cluster>,
+}
+
+/// Carries out fault `index` on `slot` and says how it went.
+async fn inflict(index: usize, fault: &Fault, slot: &Arc<Slot>, others: &[Arc<Slot>], ctx: &Context<'_>) -> Outcome {
+    let (requests, url, stop_allowance) = (ctx.requests, ctx.url, ctx.stop_allowance);
     let begun = Instant::now();
     let mut out = Outcome::default();
     let proxy = |service| match service {
@@ -493,6 +543,15 @@ async fn inflict(
             let _ = requests.send(world::Request::Poison(fault.kind, index));
             out.note = "row inserted".into();
         }
+        Kind::NodeLoss { node } => match &ctx.cluster {
+            Some(cluster) => {
+                cluster.lock().await.kill(node).await;
+                tokio::time::sleep(fault.duration).await;
+                cluster.lock().await.start_node(node).await;
+                out.note = format!("node {node} killed, back after {:.1}s", begun.elapsed().as_secs_f64());
+            }
+            None => out.violations.push(format!("fault #{}: a node loss without a cluster", index + 1)),
+        },
     }
     if on_db(fault.kind) {
         slot.db_faulted.store(false, Ordering::Relaxed);

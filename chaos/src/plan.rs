@@ -93,6 +93,12 @@ pub enum Kind {
     PoisonUnroutable,
     /// A row the sink rejects permanently: a producer header name AMQP cannot encode.
     PoisonHeader,
+    /// `--cluster`: node `node` of the run's RabbitMQ cluster killed with SIGKILL, started
+    /// again after the duration (and back in the cluster before the next node loss).
+    NodeLoss {
+        /// 1 or 2: node 0 serves the run's consumer and stays.
+        node: usize,
+    },
 }
 
 impl Kind {
@@ -132,6 +138,7 @@ impl fmt::Display for Kind {
             Kind::Alarm => write!(f, "broker alarm"),
             Kind::PoisonUnroutable => write!(f, "poison: unroutable"),
             Kind::PoisonHeader => write!(f, "poison: bad header"),
+            Kind::NodeLoss { node } => write!(f, "kill node {node}"),
         }
     }
 }
@@ -160,7 +167,13 @@ pub struct Shape {
     pub lease: Duration,
     /// Mean pause between the starts of two faults.
     pub mean_gap: Duration,
+    /// Against a three-node cluster: node losses join the menu.
+    pub cluster: bool,
 }
+
+/// How long a killed node takes to be back in the cluster, at most, on a small machine: no
+/// other node loss starts before.
+const NODE_BACK: Duration = Duration::from_secs(45);
 
 /// Draws one fault of a kind, and its duration, given the lease.
 type Draw = fn(&mut Rng, Duration) -> (Kind, Duration);
@@ -203,6 +216,14 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
         // process's wake-up race each other.
         (2, |r, lease| (Kind::Stop, lease + r.duration(Duration::from_millis(0), Duration::from_millis(400)))),
     ];
+    // Node losses only against a cluster, drawn after the menu's other faults: a seed without
+    // `--cluster` replays the schedule it always did.
+    let node_loss: (u32, Draw) = (3, |r, _| {
+        let node = 1 + r.below(0, 2) as usize;
+        (Kind::NodeLoss { node }, r.duration(Duration::from_millis(500), Duration::from_secs(5)))
+    });
+    let menu: Vec<(u32, Draw)> = menu.into_iter().chain(shape.cluster.then_some(node_loss)).collect();
+    let mut node_busy = Duration::ZERO;
     let total: u32 = menu.iter().map(|(w, _)| w).sum();
     // Busy until: per process, and per (process, service) proxy.
     let mut process_busy = vec![Duration::ZERO; shape.processes];
@@ -230,6 +251,8 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
         let free = (0..shape.processes).map(|i| (first + i) % shape.processes).find(|&p| {
             if kind.is_poison() {
                 true
+            } else if matches!(kind, Kind::NodeLoss { .. }) {
+                node_busy <= at
             } else if kind == Kind::StaleWake {
                 process_busy[p] <= at && (0..shape.processes).all(|q| q == p || proxy_busy[q][1] <= at)
             } else if kind.on_process() {
@@ -251,7 +274,9 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
                 }
             }
         }
-        if kind.on_process() {
+        if matches!(kind, Kind::NodeLoss { .. }) {
+            node_busy = at + duration + NODE_BACK;
+        } else if kind.on_process() {
             process_busy[process] = busy_until;
         } else if let Some(service) = kind.service() {
             proxy_busy[process][slot(service)] = busy_until;
@@ -335,6 +360,9 @@ impl Window {
             // Publishes wait for a blocked broker; they are not timed out and sent again.
             Kind::Alarm => 0,
             Kind::PoisonUnroutable | Kind::PoisonHeader => 0,
+            // Every process may have its window in flight to the lost node (its connection,
+            // or the queue's leader there): replicated, never confirmed, published again.
+            Kind::NodeLoss { .. } => w * processes as u64,
         }
     }
 }
@@ -349,6 +377,7 @@ mod tests {
             processes: 3,
             lease: Duration::from_secs(2),
             mean_gap: Duration::from_secs(3),
+            cluster: false,
         }
     }
 
@@ -359,6 +388,23 @@ mod tests {
         assert_eq!(show(&a), show(&b));
         assert_ne!(show(&a), show(&c));
         assert!(a.len() > 10, "{} faults", a.len());
+    }
+
+    #[test]
+    fn node_losses_come_only_against_a_cluster_one_at_a_time() {
+        let cluster = Shape { cluster: true, ..shape() };
+        let mut losses = 0;
+        for seed in 0..50 {
+            assert!(!schedule(seed, &shape()).iter().any(|f| matches!(f.kind, Kind::NodeLoss { .. })));
+            let faults = schedule(seed, &cluster);
+            let nodes: Vec<&Fault> = faults.iter().filter(|f| matches!(f.kind, Kind::NodeLoss { .. })).collect();
+            for pair in nodes.windows(2) {
+                assert!(pair[0].at + pair[0].duration + NODE_BACK <= pair[1].at, "seed {seed}: {pair:?}");
+            }
+            assert!(nodes.iter().all(|f| matches!(f.kind, Kind::NodeLoss { node: 1 | 2 })), "seed {seed}");
+            losses += nodes.len();
+        }
+        assert!(losses >= 50, "{losses} node losses in 50 schedules");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::Outcome;
 use crate::fleet::{Unexpected, describe};
-use crate::plan::{Fault, Window};
+use crate::plan::{Fault, Kind, Window};
 use crate::world::{Delivery, Produced, Row, StaleWrite};
 
 /// Everything the run gathered.
@@ -255,7 +255,11 @@ impl Verdict {
             "#", "at", "fault", "proc", "lasted", "bound", "dups", "outcome"
         )];
         for (i, (f, o)) in e.faults.iter().zip(e.outcomes).enumerate() {
-            let target = if f.kind.is_poison() { "-".to_owned() } else { format!("p{}", f.process + 1) };
+            let target = match f.kind {
+                Kind::NodeLoss { node } => format!("n{node}"),
+                kind if kind.is_poison() => "-".to_owned(),
+                _ => format!("p{}", f.process + 1),
+            };
             let mut note = o.note.clone();
             if f.kind.is_poison() {
                 let ids: Vec<String> = poison.iter().filter(|(_, x)| **x == i).map(|(id, _)| id.to_string()).collect();

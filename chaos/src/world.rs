@@ -20,8 +20,23 @@ use crate::plan::{Kind, Rng};
 
 /// The PostgreSQL server (trust authentication, as on the service machines).
 pub const SERVER: &str = "postgres://root@127.0.0.1:5432";
-/// The RabbitMQ broker.
+/// The RabbitMQ broker (without `--cluster`).
 pub const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// Where the run's queue lives: the shared broker, or node 0 of the run's own cluster.
+#[derive(Debug, Clone)]
+pub struct Broker {
+    /// The node the run declares on, consumes from and cleans up on.
+    pub url: String,
+    /// A quorum queue (on a cluster) rather than a classic one.
+    pub quorum: bool,
+}
+
+impl Default for Broker {
+    fn default() -> Self {
+        Broker { url: AMQP.to_owned(), quorum: false }
+    }
+}
 
 /// Routing keys the queue is bound to; a poison row's `poison.*` key matches none of them.
 const BINDING: &str = "chaos.#";
@@ -67,12 +82,15 @@ pub struct World {
     pub exchange: String,
     /// The consumer's queue.
     pub queue: String,
+    /// Where the queue lives.
+    pub broker: Broker,
     amqp: Connection,
 }
 
 impl World {
-    /// Creates and migrates the database, installs the audit, declares exchange and queue.
-    pub async fn create(tag: &str) -> Result<World, String> {
+    /// Creates and migrates the database, installs the audit, declares exchange and queue on
+    /// `broker`.
+    pub async fn create(tag: &str, broker: Broker) -> Result<World, String> {
         let database = format!("chaos_{tag}");
         let mut admin = AsyncPgConnection::establish(&format!("{SERVER}/postgres"))
             .await
@@ -83,7 +101,7 @@ impl World {
         let mut conn = actix_outbox::admin::connect(&url).await.map_err(|e| e.to_string())?;
         conn.batch_execute(AUDIT_SQL).await.map_err(|e| format!("install the audit: {e}"))?;
 
-        let amqp = Connection::connect(AMQP, ConnectionProperties::default())
+        let amqp = Connection::connect(&broker.url, ConnectionProperties::default())
             .await
             .map_err(|e| format!("RabbitMQ must be running on 127.0.0.1:5672 (guest/guest): {e}"))?;
         let channel = amqp.create_channel().await.map_err(|e| e.to_string())?;
@@ -97,6 +115,9 @@ impl World {
         let mut arguments = FieldTable::default();
         // A safety net for a run killed before its cleanup: the broker drops the queue itself.
         arguments.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
+        if broker.quorum {
+            arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+        }
         let options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
         channel.queue_declare(queue.as_str().into(), options, arguments).await.map_err(|e| e.to_string())?;
         channel
@@ -109,7 +130,7 @@ impl World {
             )
             .await
             .map_err(|e| e.to_string())?;
-        Ok(World { database, url, exchange, queue, amqp })
+        Ok(World { database, url, exchange, queue, broker, amqp })
     }
 
     /// Deletes the queue, the exchange and the database.
@@ -285,8 +306,8 @@ pub type Log = Arc<Mutex<Vec<Delivery>>>;
 
 /// Consumes the run's queue on a direct connection (no proxy, no fault) until dropped,
 /// appending each delivery to `log`. An error ends the run: its record would be incomplete.
-pub async fn consume(queue: String, log: Log, started: Instant) -> Result<(), String> {
-    let conn = Connection::connect(AMQP, ConnectionProperties::default()).await.map_err(|e| e.to_string())?;
+pub async fn consume(broker: String, queue: String, log: Log, started: Instant) -> Result<(), String> {
+    let conn = Connection::connect(&broker, ConnectionProperties::default()).await.map_err(|e| e.to_string())?;
     let channel = conn.create_channel().await.map_err(|e| e.to_string())?;
     let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
     let mut consumer = channel

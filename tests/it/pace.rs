@@ -33,8 +33,11 @@ async fn done_times(db: &TestDb) -> Vec<DateTime<Utc>> {
 }
 
 /// 1,500 rows through the real broker at a cap of 300 a second: the drain's rate, first row
-/// done to last (database clock), is within 10 % of the cap, and no second of it finished more
-/// than the cap and one bucket (a tenth of a second of the cap) more.
+/// done to last (database clock), is within 10 % of the cap, and no three seconds of it
+/// finished more than 10 % over the cap. (The pace gates claims; a row is done a claim, a
+/// publish and a finalize later, and that lag varies with the host's load: over one second a
+/// lag that shrinks by a tenth of a second would show as a burst of a tenth of the cap that no
+/// claim made. Three seconds leave the lag's swing a third of that.)
 #[actix_rt::test]
 async fn a_capped_drain_stays_within_ten_percent_of_the_cap() {
     const CAP: f64 = 300.0;
@@ -54,8 +57,8 @@ async fn a_capped_drain_stays_within_ten_percent_of_the_cap() {
     let rate = (ROWS - 1) as f64 / span;
     assert!((CAP * 0.9..=CAP * 1.1).contains(&rate), "drained at {rate:.1}/s over {span:.2} s, cap {CAP}/s");
     for (i, start) in times.iter().enumerate() {
-        let in_a_second = times[i..].iter().take_while(|t| **t - *start < chrono::TimeDelta::seconds(1)).count();
-        assert!(in_a_second as f64 <= CAP + CAP / 10.0, "{in_a_second} rows done in the second from row {i}");
+        let in_three = times[i..].iter().take_while(|t| **t - *start < chrono::TimeDelta::seconds(3)).count();
+        assert!(in_three as f64 <= 3.0 * CAP * 1.1, "{in_three} rows done in the three seconds from row {i}");
     }
     let delivered: BTreeSet<i64> = broker.message_ids(&queue, ROWS).await.into_iter().collect();
     assert_eq!(delivered.len(), ROWS);
