@@ -7,7 +7,10 @@
 //! - `--database-url` (or `DATABASE_URL`; default
 //!   `postgres://root@127.0.0.1:5432/actix_outbox_inbox_example`): created if missing; the inbox
 //!   is migrated there, and the example adds a table of its own, `received_events`.
-//! - `--amqp-url` (or `AMQP_URL`; default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+//! - `--amqp-url` (or `AMQP_URL`; default `amqp://guest:guest@127.0.0.1:5672/%2f`); several,
+//!   comma-separated, for the nodes of a cluster (`InboxConfig::cluster`), tried in turn.
+//! - `--quorum`: the queue and its dead-letter queue are declared as quorum queues (a cluster's
+//!   replicated queues; a queue's type cannot change once it exists).
 //! - `--queue` (default `actix-outbox.inbox-example`): declared durable and bound to the
 //!   `outbox` topic exchange (the one the dispatcher's RabbitMQ sink publishes to) for the
 //!   events it applies, `order.*` (the events of the other examples); `--exchange`,
@@ -36,6 +39,7 @@
 use std::process::ExitCode;
 
 use actix_outbox::inbox::{self, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxSupervisor};
+use actix_outbox::sink::QueueKind;
 use clap::Parser;
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -58,9 +62,13 @@ struct Args {
     /// PostgreSQL URL [default: DATABASE_URL, else postgres://root@127.0.0.1:5432/actix_outbox_inbox_example]
     #[arg(long, value_name = "URL")]
     database_url: Option<String>,
-    /// AMQP URL [default: AMQP_URL, else amqp://guest:guest@127.0.0.1:5672/%2f]
+    /// AMQP URL, or several comma-separated for a cluster's nodes [default: AMQP_URL, else
+    /// amqp://guest:guest@127.0.0.1:5672/%2f]
     #[arg(long, value_name = "URL")]
     amqp_url: Option<String>,
+    /// Declare the queue and its dead-letter queue as quorum queues (for a cluster)
+    #[arg(long)]
+    quorum: bool,
     /// The queue to consume (declared durable)
     #[arg(long, value_name = "NAME", default_value = "actix-outbox.inbox-example")]
     queue: String,
@@ -173,8 +181,11 @@ async fn run(args: Args) -> Result<(), BoxError> {
         .clone()
         .or_else(|| std::env::var("DATABASE_URL").ok())
         .unwrap_or_else(|| DEFAULT_DATABASE_URL.into());
-    let amqp_url =
+    let amqp_urls =
         args.amqp_url.clone().or_else(|| std::env::var("AMQP_URL").ok()).unwrap_or_else(|| DEFAULT_AMQP_URL.into());
+    let nodes: Vec<String> = amqp_urls.split(',').map(|u| u.trim().to_owned()).filter(|u| !u.is_empty()).collect();
+    // The example's own connections (declaring, deleting) go to the first node.
+    let amqp_url = <[String]>::first(&nodes).cloned().unwrap_or_else(|| DEFAULT_AMQP_URL.into());
     // Its `Display` masks the password.
     let masked = actix_outbox::ConnectionString::parse(&database_url)?;
     if args.delete_queue {
@@ -195,7 +206,10 @@ async fn run(args: Args) -> Result<(), BoxError> {
     // System's arbiter, which lives as long as the program).
     declare_topology(&args, &amqp_url).await.map_err(|e| format!("RabbitMQ (declaring the queue): {e}"))?;
 
-    let config = InboxConfig::new(&args.consumer, &amqp_url, &args.queue).prefetch(args.prefetch);
+    let mut config = InboxConfig::new(&args.consumer, &amqp_url, &args.queue).cluster(nodes).prefetch(args.prefetch);
+    if args.quorum {
+        config = config.dead_letter_queue_kind(QueueKind::Quorum);
+    }
     let consumer = InboxSupervisor::start(config, pool, RecordEvent)?;
     eprintln!(
         "consuming {:?} as {:?} into {masked}; SIGINT or SIGTERM stops after the deliveries in hand",
@@ -225,7 +239,11 @@ async fn declare_topology(args: &Args, amqp_url: &str) -> Result<(), lapin::Erro
     let conn = Connection::connect(amqp_url, properties).await?;
     let channel = conn.create_channel().await?;
     let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-    channel.queue_declare(args.queue.as_str().into(), durable, FieldTable::default()).await?;
+    let mut arguments = FieldTable::default();
+    if args.quorum {
+        arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString("quorum".into()));
+    }
+    channel.queue_declare(args.queue.as_str().into(), durable, arguments).await?;
     if !args.no_bind {
         let durable = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
         channel
