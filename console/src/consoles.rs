@@ -131,15 +131,14 @@ impl Consoles {
     /// The picker with `current` (a slug) picked, and the console of that outbox.
     fn pick(&self, current: &str) -> Option<(Console, Picker)> {
         let entries = self.entries();
-        let console = entries.iter().find(|e| e.slug == current)?.console.clone();
-        let current = entries.iter().find(|e| e.slug == current).map(|e| e.name.clone());
-        let outboxes = entries.into_iter().map(|e| (e.name, e.slug)).collect();
-        Some((console, Picker { current, outboxes }))
+        let picked = entries.iter().find(|e| e.slug == current)?;
+        let (console, current) = (picked.console.clone(), Some(picked.name.clone()));
+        Some((console, Picker { current, ..Picker::of(entries) }))
     }
 
     /// The picker of the list itself (no outbox picked).
     pub(crate) fn picker(&self) -> Picker {
-        Picker { current: None, outboxes: self.entries().into_iter().map(|e| (e.name, e.slug)).collect() }
+        Picker::of(self.entries())
     }
 }
 
@@ -158,6 +157,13 @@ pub(crate) struct Picker {
     pub(crate) current: Option<String>,
     /// Every outbox as `(name, slug)`.
     pub(crate) outboxes: Vec<(String, String)>,
+}
+
+impl Picker {
+    /// Every outbox of `entries`, none picked.
+    fn of(entries: Vec<Entry>) -> Picker {
+        Picker { current: None, outboxes: entries.into_iter().map(|e| (e.name, e.slug)).collect() }
+    }
 }
 
 /// The console a request is for, with the picker when it is one of several: what every

@@ -25,6 +25,7 @@ use super::config::InboxConfig;
 use crate::amqp::connection::{LinkThread, Stop};
 use crate::amqp::connection_closer;
 use crate::amqp::publisher_confirm::{self, Confirmed};
+use crate::sink::QueueKind;
 use crate::url::mask_url;
 
 /// Bound on waiting for the broker's confirm of a forwarded copy.
@@ -88,9 +89,10 @@ async fn hold(
 ) {
     let mut connection = None;
     let setup = async {
-        let node = connect(&config, first, &mut connection).await?;
+        let (conn, node) = connect(&config, first).await?;
+        // Kept by `hold`, so that it closes the connection whatever fails from here.
+        let conn = connection.insert(conn);
         let url = mask_url(&config.urls[node]);
-        let Some(conn) = &connection else { unreachable!("connected") };
         let timeout = config.connect_timeout;
         let (channel, consumer) = tokio::time::timeout(timeout, set_up(&config, &tag, conn))
             .await
@@ -117,10 +119,9 @@ async fn hold(
     connection_closer::close_gracefully(&conn, "inbox link").await;
 }
 
-/// Connects (into `connection`, so that the caller can close it whatever fails later) to the
-/// first node that answers, trying each once from `first` on, each within the connect timeout;
-/// the node's index in [`InboxConfig::urls`].
-async fn connect(config: &InboxConfig, first: usize, connection: &mut Option<Connection>) -> Result<usize, String> {
+/// Connects to the first node that answers, trying each once from `first` on, each within the
+/// connect timeout: the connection and the node's index in [`InboxConfig::urls`].
+async fn connect(config: &InboxConfig, first: usize) -> Result<(Connection, usize), String> {
     let name = config.connection_name.clone().unwrap_or_else(|| format!("actix-outbox inbox {}", config.consumer));
     let nodes = config.urls.len();
     let mut failures = Vec::new();
@@ -128,10 +129,7 @@ async fn connect(config: &InboxConfig, first: usize, connection: &mut Option<Con
         let url = &config.urls[node];
         let properties = ConnectionProperties::default().with_connection_name(name.as_str().into());
         let why = match tokio::time::timeout(config.connect_timeout, Connection::connect(url, properties)).await {
-            Ok(Ok(conn)) => {
-                *connection = Some(conn);
-                return Ok(node);
-            }
+            Ok(Ok(conn)) => return Ok((conn, node)),
             Ok(Err(e)) => format!("connecting failed: {e}"),
             Err(_) => format!(
                 "connecting failed: no answer within the connect timeout ({})",
@@ -158,10 +156,7 @@ async fn set_up(config: &InboxConfig, tag: &str, conn: &Connection) -> Result<(C
             .await
             .map_err(failed(format!("declaring the dead-letter exchange {dlx:?}")))?;
         let durable = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-        let mut arguments = FieldTable::default();
-        if let Some(kind) = config.dead_letter_queue_kind {
-            arguments.insert("x-queue-type".into(), lapin::types::AMQPValue::LongString(kind.as_str().into()));
-        }
+        let arguments = config.dead_letter_queue_kind.map(QueueKind::arguments).unwrap_or_default();
         channel
             .queue_declare(dlq.as_str().into(), durable, arguments)
             .await

@@ -4,8 +4,7 @@
 use actix_outbox::admin::{self, EraseError, Erasure};
 use actix_outbox::inbox::{self, InboxMessage};
 use actix_outbox::testing::inbox::{is_recorded, record};
-use diesel::sql_types::BigInt;
-use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::SimpleAsyncConnection;
 
 use actix_outbox_test_support::TestDb;
 
@@ -97,16 +96,6 @@ async fn erase_runs_inside_the_callers_transaction() {
     assert_eq!(ids(&db).await, rows, "the caller's rollback undid the erasure");
 }
 
-#[derive(diesel::QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    diesel::sql_query(sql).get_result::<Count>(&mut db.conn().await).await.unwrap_or_else(|e| panic!("{sql}: {e}")).n
-}
-
 #[tokio::test]
 async fn inbox_erase_blanks_the_aggregate_and_keeps_duplicates_recognised() {
     let db = TestDb::new().await;
@@ -129,17 +118,16 @@ async fn inbox_erase_blanks_the_aggregate_and_keeps_duplicates_recognised() {
     let erasure = inbox::erase_aggregate(&mut conn, "order", "42").await.unwrap();
     assert_eq!((erasure.anonymised, erasure.marks_deleted), (3, 1));
 
-    assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox WHERE aggregate_id = '42'").await, 0);
-    assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '42'").await, 0);
-    assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox WHERE aggregate_type = '' AND aggregate_id = ''").await, 3);
+    assert_eq!(db.scalar("SELECT count(*) AS n FROM inbox WHERE aggregate_id = '42'").await, 0);
+    assert_eq!(db.scalar("SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '42'").await, 0);
+    assert_eq!(db.scalar("SELECT count(*) AS n FROM inbox WHERE aggregate_type = '' AND aggregate_id = ''").await, 3);
     // The other aggregate keeps its strings and its mark.
     assert_eq!(
-        count(&db, "SELECT count(*) AS n FROM inbox WHERE aggregate_type = 'order' AND aggregate_id = '43'").await,
+        db.scalar("SELECT count(*) AS n FROM inbox WHERE aggregate_type = 'order' AND aggregate_id = '43'").await,
         1
     );
     assert_eq!(
-        count(&db, "SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '43' AND last_message_id = 3")
-            .await,
+        db.scalar("SELECT count(*) AS n FROM inbox_aggregates WHERE aggregate_id = '43' AND last_message_id = 3").await,
         1
     );
 
@@ -148,5 +136,5 @@ async fn inbox_erase_blanks_the_aggregate_and_keeps_duplicates_recognised() {
         assert!(is_recorded(&mut conn, consumer, "src", id).await.unwrap(), "{consumer} {id}");
         assert!(!record(&mut conn, consumer, &message(id, "42")).await.unwrap(), "{consumer} {id}: a duplicate");
     }
-    assert_eq!(count(&db, "SELECT count(*) AS n FROM inbox").await, 4);
+    assert_eq!(db.scalar("SELECT count(*) AS n FROM inbox").await, 4);
 }

@@ -73,16 +73,12 @@ async fn effects(db: &TestDb) -> Vec<Effect> {
         .unwrap()
 }
 
-async fn count(db: &TestDb, sql: &str) -> i64 {
-    db.scalar(sql).await
-}
-
 async fn effect_count(db: &TestDb) -> i64 {
-    count(db, "SELECT count(*) AS n FROM effects").await
+    db.scalar("SELECT count(*) AS n FROM effects").await
 }
 
 async fn inbox_count(db: &TestDb) -> i64 {
-    count(db, "SELECT count(*) AS n FROM inbox").await
+    db.scalar("SELECT count(*) AS n FROM inbox").await
 }
 
 /// Asserts that `expected` ids (and no other) each have exactly one effect.
@@ -549,8 +545,7 @@ async fn shutdown_during_a_database_outage_gives_the_deliveries_back() {
     // A COMMIT the server had received when the proxy cut its connection still completes on
     // the server: read the count once no cut connection holds a transaction any more.
     eventually(WITHIN, "the cut connections' transactions ended", || async {
-        count(
-            &db,
+        db.scalar(
             "SELECT count(*) AS n FROM pg_stat_activity WHERE datname = current_database() \
              AND pid <> pg_backend_pid() AND xact_start IS NOT NULL",
         )

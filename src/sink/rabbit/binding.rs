@@ -31,6 +31,13 @@ impl QueueKind {
             QueueKind::Classic => "classic",
         }
     }
+
+    /// The `queue.declare` arguments of a queue of this kind (`x-queue-type`).
+    pub(crate) fn arguments(self) -> FieldTable {
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-queue-type".into(), AMQPValue::LongString(self.as_str().into()));
+        arguments
+    }
 }
 
 impl std::fmt::Display for QueueKind {
@@ -107,10 +114,11 @@ pub(super) async fn declare(
         if bindings[..n].iter().any(|o| o.queue == b.queue) {
             continue;
         }
-        let mut arguments = FieldTable::default();
-        arguments.insert("x-queue-type".into(), AMQPValue::LongString(b.kind.as_str().into()));
         let options = QueueDeclareOptions { durable: true, ..QueueDeclareOptions::default() };
-        channel.queue_declare(b.queue.as_str().into(), options, arguments).await.map_err(|e| declare_error(b, &e))?;
+        channel
+            .queue_declare(b.queue.as_str().into(), options, b.kind.arguments())
+            .await
+            .map_err(|e| declare_error(b, &e))?;
     }
     for b in bindings {
         channel
