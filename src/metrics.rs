@@ -26,6 +26,9 @@
 //! | `outbox_sink_outages_total` | counter | | times claiming paused because the sink became unavailable |
 //! | `outbox_in_flight` | gauge | | rows claimed and not yet finalized |
 //! | `outbox_in_flight_bytes` | gauge | | their payload bytes |
+//! | `outbox_in_flight_limit` | gauge | | rows the dispatcher keeps in flight at most now: between one worker's `max_in_flight` and all the workers', found from the sink's answer times |
+//! | `outbox_max_rate` | gauge | | the cap on messages a second, 0 when not paced |
+//! | `outbox_pace_rate` | gauge | | the pace now: the cap, or less while the broker pushes back; 0 when not paced |
 //! | `outbox_sink_up` | gauge | | 1 while the sink says it is up and the sink gate is open, else 0 |
 //! | `outbox_claiming_paused` | gauge | | 1 while the sink gate holds claiming back (sink unavailable or being probed), else 0 |
 //! | `outbox_publish_seconds` | histogram | | from the sink call to its answer (not a panic nor a publish timeout) |
@@ -219,6 +222,11 @@ impl Metrics {
         metrics::gauge!("outbox_pace_rate", self.labels.iter()).set(pace.rate.unwrap_or(0.0));
     }
 
+    /// `outbox_in_flight_limit`.
+    pub(crate) fn window_gauge(&self, limit: usize) {
+        metrics::gauge!("outbox_in_flight_limit", self.labels.iter()).set(limit as f64);
+    }
+
     /// `outbox_sink_up` and `outbox_claiming_paused`.
     pub(crate) fn sink_gauges(&self, sink_up: bool, claiming_paused: bool) {
         metrics::gauge!("outbox_sink_up", self.labels.iter()).set(f64::from(u8::from(sink_up)));
@@ -285,6 +293,11 @@ const HELP: &[(&str, MetricKind, &str)] = &[
     ("outbox_sink_outages_total", MetricKind::Counter, "Times claiming paused because the sink became unavailable."),
     ("outbox_in_flight", MetricKind::Gauge, "Rows claimed and not yet finalized."),
     ("outbox_in_flight_bytes", MetricKind::Gauge, "Payload bytes of the rows claimed and not yet finalized."),
+    (
+        "outbox_in_flight_limit",
+        MetricKind::Gauge,
+        "Rows the dispatcher keeps in flight at most now, found from the sink's answer times.",
+    ),
     ("outbox_sink_up", MetricKind::Gauge, "1 while the sink says it is up and the sink gate is open, else 0."),
     ("outbox_claiming_paused", MetricKind::Gauge, "1 while the sink gate holds claiming back, else 0."),
     ("outbox_max_rate", MetricKind::Gauge, "The cap on messages a second, 0 when not paced."),

@@ -5,7 +5,9 @@
 //! tenant_a's; while its dispatcher drains them, single rows are committed to tenant_b's one
 //! at a time, `--probe-interval` apart, and each one's commit → done (the database clock:
 //! `done_at - created_at`, so claim, publish with its confirm, and the fenced finalize) is
-//! printed beside the same probes with tenant_a idle.
+//! printed beside the same probes with tenant_a idle, split into its three steps: commit → the
+//! publish called (the wakeup and the claim), the publish (its confirm), and the publish's answer
+//! → done (the finalize).
 //!
 //! ```text
 //! cargo run --release -p actix-outbox-bench --bin fairness -- --backlog 200000
@@ -14,11 +16,13 @@
 //! It creates a database of its own (`<DATABASE_URL's name>_fair_<pid>`) and an exchange and a
 //! classic queue of its own, and drops them at the end.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use actix_outbox::dispatcher::Shutdown;
-use actix_outbox::sink::{QueueKind, RabbitConfig, RabbitSink};
-use actix_outbox::{ConnectionString, DispatcherConfig, NewEvent, OutboxSupervisor, PoolConfig};
+use actix_outbox::sink::{PublishFuture, QueueKind, RabbitConfig, RabbitSink, SinkState};
+use actix_outbox::{ConnectionString, DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PoolConfig, Publisher};
 use clap::Parser;
 use diesel::sql_types::Double;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
@@ -45,6 +49,15 @@ struct Opts {
     /// to each outbox); default: unpaced.
     #[arg(long)]
     backlog_max_rate: Option<f64>,
+    /// tenant_a's workers (default: the dispatcher's default).
+    #[arg(long)]
+    backlog_workers: Option<usize>,
+    /// tenant_a's claim batch (default: the dispatcher's default).
+    #[arg(long)]
+    backlog_batch: Option<usize>,
+    /// tenant_a's in-flight window per worker (default: the dispatcher's default).
+    #[arg(long)]
+    backlog_max_in_flight: Option<usize>,
     /// Server and name prefix of the database (`_fair_<pid>` is appended).
     #[arg(long, env = "DATABASE_URL", default_value = "postgres://root@127.0.0.1:5432/actix_outbox_bench")]
     database_url: String,
@@ -101,6 +114,7 @@ async fn measure(opts: &Opts, url: &ConnectionString, exchange: &str) -> Result<
         RabbitConfig::new(opts.amqp_url.clone()).exchange(exchange).bind_queue_with(exchange, "#", QueueKind::Classic);
     let mut relay = Vec::new();
     let mut sinks = Vec::new();
+    let marks = Marks::default();
     for (name, tenant) in [("tenant_a.outbox", &a), ("tenant_b.outbox", &b)] {
         if sinks.is_empty() || !opts.shared_sink {
             sinks.push(RabbitSink::connect(sink_config.clone()).await?);
@@ -108,10 +122,23 @@ async fn measure(opts: &Opts, url: &ConnectionString, exchange: &str) -> Result<
         let pool = PoolConfig::new(tenant.expose()).size(6).connect().await?;
         let sink = sinks.last().expect("a sink").clone();
         let mut config = DispatcherConfig::default().name(name);
-        if let (Some(rate), "tenant_a.outbox") = (opts.backlog_max_rate, name) {
-            config = config.max_rate(rate);
+        if name == "tenant_a.outbox" {
+            if let Some(rate) = opts.backlog_max_rate {
+                config = config.max_rate(rate);
+            }
+            if let Some(workers) = opts.backlog_workers {
+                config = config.workers(workers);
+            }
+            if let Some(batch) = opts.backlog_batch {
+                config = config.batch(batch);
+            }
+            if let Some(window) = opts.backlog_max_in_flight {
+                config = config.max_in_flight(window);
+            }
+            relay.push(OutboxSupervisor::start(config, pool, sink)?);
+        } else {
+            relay.push(OutboxSupervisor::start(config, pool, Timed { inner: sink, marks: marks.clone() })?);
         }
-        relay.push(OutboxSupervisor::start(config, pool, sink)?);
     }
     // A consumer drains the queue, as a service would.
     let broker = lapin::Connection::connect(&opts.amqp_url, lapin::ConnectionProperties::default()).await?;
@@ -123,11 +150,11 @@ async fn measure(opts: &Opts, url: &ConnectionString, exchange: &str) -> Result<
         while let Some(Ok(_)) = consumer.next().await {}
     });
     let mut producer = actix_outbox::admin::connect(b.expose()).await?;
-    let busy = probe(opts, &mut producer, &mut conn, "busy", opts.backlog).await?;
+    let busy = probe(opts, &mut producer, &mut conn, &marks, "busy", opts.backlog).await?;
     while pending(&mut conn, "tenant_a").await? > 0 {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let idle = probe(opts, &mut producer, &mut conn, "idle", 0).await?;
+    let idle = probe(opts, &mut producer, &mut conn, &marks, "idle", 0).await?;
     let drain =
         value(&mut conn, "SELECT extract(epoch FROM max(done_at) - min(done_at))::float8 AS v FROM tenant_a.outbox")
             .await?;
@@ -146,26 +173,88 @@ async fn measure(opts: &Opts, url: &ConnectionString, exchange: &str) -> Result<
     );
     println!("| tenant_a | p50 | p99 | max | tenant_a rows pending at the last probe |");
     println!("| --- | --- | --- | --- | --- |");
-    for (what, (lat, left)) in [("draining", busy), ("idle", idle)] {
+    for (what, probed) in [("draining", &busy), ("idle", &idle)] {
+        let lat = probed.column(|s| s.total);
         println!(
-            "| {what} | {:.1} ms | {:.1} ms | {:.1} ms | {left} |",
+            "| {what} | {:.1} ms | {:.1} ms | {:.1} ms | {} |",
             pct(&lat, 0.50),
             pct(&lat, 0.99),
-            pct(&lat, 1.0)
+            pct(&lat, 1.0),
+            probed.left
         );
+    }
+    println!("each step, p50 / p99 / max in ms:");
+    println!("| tenant_a | commit -> publish called | publish (confirm) | answer -> done |");
+    println!("| --- | --- | --- | --- |");
+    for (what, probed) in [("draining", &busy), ("idle", &idle)] {
+        let step = |f: fn(&Steps) -> f64| {
+            let v = probed.column(f);
+            format!("{:.1} / {:.1} / {:.1}", pct(&v, 0.50), pct(&v, 0.99), pct(&v, 1.0))
+        };
+        println!("| {what} | {} | {} | {} |", step(|s| s.claim), step(|s| s.publish), step(|s| s.finalize));
     }
     Ok(())
 }
 
+/// When each of tenant_b's publishes was called and answered, by row id (the last attempt's).
+type Marks = Arc<Mutex<HashMap<i64, (SystemTime, SystemTime)>>>;
+
+/// tenant_b's sink, noting when each publish was called and answered.
+#[derive(Debug)]
+struct Timed {
+    inner: RabbitSink,
+    marks: Marks,
+}
+
+impl Publisher for Timed {
+    fn publish(&self, message: Arc<OutboxMessage>) -> PublishFuture {
+        let (id, called, marks) = (message.id, SystemTime::now(), self.marks.clone());
+        let publish = self.inner.publish(message);
+        Box::pin(async move {
+            let answer = publish.await;
+            marks.lock().expect("marks").insert(id, (called, SystemTime::now()));
+            answer
+        })
+    }
+
+    fn state(&self) -> SinkState {
+        self.inner.state()
+    }
+}
+
+/// One probe's commit → done and its steps, in milliseconds.
+struct Steps {
+    total: f64,
+    claim: f64,
+    publish: f64,
+    finalize: f64,
+}
+
+/// The probes of one phase, and tenant_a's pending rows at the last.
+struct Probed {
+    steps: Vec<Steps>,
+    left: i64,
+}
+
+impl Probed {
+    /// One figure of every probe, sorted.
+    fn column(&self, f: fn(&Steps) -> f64) -> Vec<f64> {
+        let mut v: Vec<f64> = self.steps.iter().map(f).collect();
+        v.sort_by(f64::total_cmp);
+        v
+    }
+}
+
 /// Commits `opts.probes` single rows to tenant_b (tagged `tag`) and returns each one's commit →
-/// done in milliseconds once all are done, with tenant_a's pending rows at the last probe.
+/// done and its steps once all are done, with tenant_a's pending rows at the last probe.
 async fn probe(
     opts: &Opts,
     producer: &mut AsyncPgConnection,
     conn: &mut AsyncPgConnection,
+    marks: &Marks,
     tag: &str,
     wait_for_drain: usize,
-) -> Result<(Vec<f64>, i64), BoxError> {
+) -> Result<Probed, BoxError> {
     // Under way: a tenth of the backlog done before the first probe.
     while wait_for_drain > 0 && pending(conn, "tenant_a").await? as usize > wait_for_drain * 9 / 10 {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -182,17 +271,35 @@ async fn probe(
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     #[derive(diesel::QueryableByName)]
-    struct Lat {
+    struct Row {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        id: i64,
         #[diesel(sql_type = Double)]
-        ms: f64,
+        created: f64,
+        #[diesel(sql_type = Double)]
+        done: f64,
     }
-    let rows: Vec<Lat> = diesel::sql_query(format!(
-        "SELECT (extract(epoch FROM done_at - created_at) * 1000)::float8 AS ms FROM tenant_b.outbox
-         WHERE aggregate_id = '{tag}' ORDER BY 1"
+    let rows: Vec<Row> = diesel::sql_query(format!(
+        "SELECT id, extract(epoch FROM created_at)::float8 AS created, extract(epoch FROM done_at)::float8 AS done
+         FROM tenant_b.outbox WHERE aggregate_id = '{tag}'"
     ))
     .load(conn)
     .await?;
-    Ok((rows.into_iter().map(|r| r.ms).collect(), left))
+    let marks = marks.lock().expect("marks");
+    let epoch = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+    let steps = rows
+        .iter()
+        .map(|row| {
+            let (called, answered) = marks.get(&row.id).map_or((f64::NAN, f64::NAN), |&(c, a)| (epoch(c), epoch(a)));
+            Steps {
+                total: (row.done - row.created) * 1000.0,
+                claim: (called - row.created) * 1000.0,
+                publish: (answered - called) * 1000.0,
+                finalize: (row.done - answered) * 1000.0,
+            }
+        })
+        .collect();
+    Ok(Probed { steps, left })
 }
 
 async fn pending(conn: &mut AsyncPgConnection, schema: &str) -> Result<i64, BoxError> {

@@ -5,7 +5,9 @@
 //! in-flight window (`max_in_flight`) has room for a whole batch; the next claim thus overlaps
 //! the publishing of the last. A short batch means the table is drained, so the worker waits a
 //! jittered poll interval or until a [`Wake`] arrives. A window without room for a batch waits
-//! for publishes to finish (never a partial claim: see [`ClaimActor::claim`]). Under the
+//! for publishes to finish (never a partial claim: see [`ClaimActor::claim`]); so does a claim
+//! that the dispatcher's window, shared by the workers, has no room for (see `window`): the
+//! window wakes the worker when a batch fits. Under the
 //! FIFO gate, a finished publish also triggers a claim, since it may have unblocked the next row
 //! of its aggregate.
 //!
@@ -213,6 +215,20 @@ impl ClaimActor {
                 }
             }
         };
+        // The dispatcher's window, shared with the other workers (a probe's row always fits).
+        let mut reservation = if probe {
+            self.shared.window.reserve(batch)
+        } else {
+            match self.shared.window.admit(batch, self.worker, || ctx.address().recipient()) {
+                Some(reservation) => reservation,
+                None => {
+                    // The window wakes this worker when a batch fits again.
+                    self.shared.pace.refund(batch);
+                    self.backlog = true;
+                    return;
+                }
+            }
+        };
         if let Some(timer) = self.timer.take() {
             ctx.cancel_future(timer);
         }
@@ -337,9 +353,12 @@ impl ClaimActor {
                             act.finalizer.clone(),
                             owner.clone(),
                             lease_deadline,
+                            reservation.slot(),
                         )
                         .start();
                     }
+                    // What the claim did not get is room again before the next claim asks.
+                    drop(reservation);
                     match claim.heads {
                         HeadsScan::NotRun => {}
                         HeadsScan::ReachedEnd => act.heads_after = None,

@@ -27,6 +27,8 @@
 //! - `pace`: the cap on messages a second, a token bucket the claims take from, slowed by the
 //!   broker's pushback;
 //! - `sampler`: the table sampler, which the supervisor runs for the table's gauges;
+//! - `window`: how many claimed rows are in flight at most, all workers together, found from
+//!   the sink's answer times (Vegas-like: kept where the sink's queue stays short);
 //! - `shared`: the state they all read (configuration, pool, sink, counters).
 //!
 //! Each actor's messages sit beside it. Only the supervisor (at the crate root) and its
@@ -41,6 +43,7 @@ mod publish;
 mod sampler;
 mod shared;
 mod summary;
+mod window;
 // `pub(crate)`: the crate root re-exports the supervisor, `testing` its crash hooks.
 pub(crate) mod supervisor;
 

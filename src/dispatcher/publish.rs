@@ -24,6 +24,7 @@ use tracing::{Instrument, Level, debug, error, span};
 use super::finalize::{Fenced, FinalizerSlot, Heartbeat};
 use super::pace::Answer;
 use super::shared::Shared;
+use super::window::Slot;
 use crate::error::PublishError;
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
@@ -59,6 +60,8 @@ pub(crate) struct PublishActor {
     owner: Rc<Recipient<PublishFinished>>,
     /// Shared by the publish and its heartbeat timer.
     lease: Rc<LeaseState>,
+    /// The message's place in the dispatcher's window, moved into the publish when it starts.
+    slot: Option<Slot>,
 }
 
 /// What the publish and its heartbeat timer both know of the claim's lease.
@@ -85,6 +88,7 @@ impl PublishActor {
         finalizer: Arc<FinalizerSlot>,
         owner: Rc<Recipient<PublishFinished>>,
         lease_deadline: Instant,
+        slot: Slot,
     ) -> Self {
         Self {
             message: Arc::new(message),
@@ -93,6 +97,7 @@ impl PublishActor {
             finalizer,
             owner,
             lease: Rc::new(LeaseState { deadline: Cell::new(lease_deadline), decided: Cell::new(false) }),
+            slot: Some(slot),
         }
     }
 }
@@ -141,6 +146,7 @@ impl Actor for PublishActor {
         let lease = self.lease.clone();
         let worker = self.worker;
         let bytes = message.payload_bytes();
+        let slot = self.slot.take();
         let work = async move {
             let step = if shared.gate.may_publish() {
                 match call_sink(&shared, &message, &finalizer, &lease.deadline).await {
@@ -189,6 +195,8 @@ impl Actor for PublishActor {
             drop(message);
             Metrics::sub(&shared.metrics.in_flight, 1);
             Metrics::sub(&shared.metrics.in_flight_bytes, bytes);
+            // Room in the window before the claim actor hears of it and claims again.
+            drop(slot);
             owner.do_send(PublishFinished { bytes });
         }
         .instrument(span);
@@ -223,7 +231,7 @@ async fn call_sink(
                     Err(PublishError::Retryable(_) | PublishError::Unavailable(_)) => Answer::PushedBack,
                     _ => Answer::Taken,
                 };
-                shared.pace.answered(answer, took);
+                answered(shared, answer, took);
                 return Attempt::Finished(result);
             }
             Err(_elapsed) => match shared.publisher.state() {
@@ -237,7 +245,7 @@ async fn call_sink(
                     deadline += timeout;
                 }
                 SinkState::Down(why) => {
-                    shared.pace.answered(Answer::PushedBack, started.elapsed());
+                    answered(shared, Answer::PushedBack, started.elapsed());
                     return Attempt::Finished(Err(PublishError::Unavailable(format!(
                         "no answer within {} and the sink is down: {why}",
                         humantime::format_duration(timeout)
@@ -249,7 +257,7 @@ async fn call_sink(
                     deadline += timeout;
                 }
                 SinkState::Up => {
-                    shared.pace.answered(Answer::PushedBack, started.elapsed());
+                    answered(shared, Answer::PushedBack, started.elapsed());
                     return Attempt::Finished(Err(PublishError::Retryable(format!(
                         "publish timed out after {}",
                         humantime::format_duration(timeout)
@@ -259,6 +267,12 @@ async fn call_sink(
             Ok(Err(panic)) => return Attempt::Crashed(panic_text(&*panic)),
         }
     }
+}
+
+/// Counts a sink answer for the pace's pushback and the window's delay.
+fn answered(shared: &Shared, answer: Answer, took: Duration) {
+    shared.pace.answered(answer, took);
+    shared.window.answered(took);
 }
 
 fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {

@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) summary: super::summary::Summary,
     /// The cap on messages a second, shared by the workers (see `pace`).
     pub(crate) pace: super::pace::Pace,
+    /// The rows in flight at most, all workers together (see `window`).
+    pub(crate) window: Arc<super::window::Window>,
 }
 
 impl Shared {
@@ -54,6 +56,7 @@ impl Shared {
         let gate = SinkGate::new(config.sink_probe_interval, config.publish_timeout);
         let publishing = (0..config.workers).map(|_| Mutex::default()).collect();
         let pace = super::pace::Pace::new(config.max_rate, config.batch);
+        let window = super::window::Window::new(config.workers, config.in_flight_limit(), config.batch);
         let source = OnceLock::new();
         if let Some(name) = &config.source {
             let _ = source.set(Arc::from(name.as_str()));
@@ -72,6 +75,7 @@ impl Shared {
             source,
             fifo_index: AtomicBool::new(false),
             pace,
+            window,
         }
     }
 

@@ -174,6 +174,7 @@ impl OutboxSupervisor {
         let paused = self.shared.gate.claimable() == Claimable::No;
         self.shared.metrics.sink_gauges(state.is_up() && !paused, paused);
         self.shared.metrics.pace_gauges(&self.shared.pace.report());
+        self.shared.metrics.window_gauge(self.shared.window.limit());
         match check {
             Check::Nothing => {}
             Check::Paused => Metrics::add(&self.shared.metrics.sink_outages, 1),
