@@ -12,8 +12,8 @@
 //!   overlapping the publishing of the last) and all the workers' (`workers × max_in_flight`,
 //!   the most they could hold before), and starts at the floor.
 //! - Every answer of the sink is a sample of the time the publish took. The least sample of the
-//!   last 10 to 20 seconds is the sink's own time (`base`); what a round of answers
-//!   ([`ROUND`]) takes on average beyond it is time spent queueing.
+//!   last 10 to 20 seconds is the sink's own time (`base`); what a round of answers (from one
+//!   answer to the first [`ROUND`] after it) takes on average beyond it is time spent queueing.
 //! - A round whose mean exceeds the base by more than [`QUEUE_TARGET`] or the base itself,
 //!   whichever is more, shrinks the window by a quarter, down to the floor. A round within that,
 //!   in which a claim waited for room, grows it: doubling until the first round over (a slow
@@ -204,6 +204,10 @@ impl State {
 
     fn answered(&mut self, took: Duration, now: Instant) {
         self.base.sample(took, now);
+        if self.round.answers == 0 {
+            // A round is a span of answers: it starts at its first.
+            self.round.started = now;
+        }
         self.round.answers += 1;
         self.round.took += took;
         if now.saturating_duration_since(self.round.started) < ROUND {

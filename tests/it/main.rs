@@ -30,3 +30,4 @@ mod testkit;
 #[cfg(feature = "opentelemetry")]
 mod trace;
 mod web;
+mod window;

@@ -1,0 +1,92 @@
+//! The dispatcher's in-flight window, shared by its workers: kept short in front of a sink whose
+//! answers queue, opened to every worker's window for a sink slow in parallel.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
+use actix_outbox::sink::publisher_fn;
+use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor};
+
+use actix_outbox_test_support::{TestDb, eventually};
+
+/// Publishes under way at once, and the most seen.
+#[derive(Default)]
+struct Concurrency {
+    now: AtomicUsize,
+    peak: AtomicUsize,
+    published: AtomicUsize,
+}
+
+impl Concurrency {
+    fn enter(&self) {
+        let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.peak.fetch_max(now, Ordering::SeqCst);
+    }
+
+    fn leave(&self) {
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        self.published.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Four workers claiming 50 rows, each holding up to 100: one worker's window is 100 rows,
+/// all of theirs 400.
+fn config() -> DispatcherConfig {
+    DispatcherConfig::default().workers(4).batch(50).max_in_flight(100).poll_interval(Duration::from_millis(50))
+}
+
+/// Drains `rows` rows through `sink`, counting its concurrency; returns the peak.
+async fn drain(rows: usize, concurrency: Arc<Concurrency>, sink: impl actix_outbox::Publisher) -> usize {
+    let db = TestDb::new().await;
+    db.seed(rows, "a").await;
+    let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
+    eventually(Duration::from_secs(60), &format!("{rows} rows done"), || async {
+        db.count_status("done").await == rows as i64
+    })
+    .await;
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    dispatcher.send(Shutdown).await.unwrap();
+    assert_eq!((metrics.claimed, metrics.published, metrics.done), (rows as u64, rows as u64, rows as u64));
+    assert_eq!(concurrency.published.load(Ordering::SeqCst), rows, "each row published once");
+    concurrency.peak.load(Ordering::SeqCst)
+}
+
+/// A sink that takes one message at a time, a millisecond each (a broker's queue): every row in
+/// flight beyond what it is working on only waits. The window stays at one worker's window, 100
+/// rows, where without it the four workers would hold 400.
+#[actix_rt::test]
+async fn a_sink_whose_answers_queue_gets_one_workers_window_not_four() {
+    let concurrency = Arc::new(Concurrency::default());
+    let queue = Arc::new(tokio::sync::Mutex::new(()));
+    let seen = concurrency.clone();
+    let sink = publisher_fn(async move |_: Arc<OutboxMessage>| {
+        seen.enter();
+        {
+            let _turn = queue.lock().await;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        seen.leave();
+        Ok(())
+    });
+    let peak = drain(2_000, concurrency, sink).await;
+    assert!(peak <= 100, "at most one worker's window in flight in front of a queueing sink, saw {peak}");
+    assert!(peak >= 50, "at least a batch in flight, saw {peak}");
+}
+
+/// A sink that answers in 300 ms whatever the load (an HTTP endpoint serving in parallel): no
+/// queueing, so the window opens to every worker's, 400 rows.
+#[actix_rt::test]
+async fn a_sink_slow_in_parallel_gets_every_workers_window() {
+    let concurrency = Arc::new(Concurrency::default());
+    let seen = concurrency.clone();
+    let sink = publisher_fn(async move |_: Arc<OutboxMessage>| {
+        seen.enter();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        seen.leave();
+        Ok(())
+    });
+    let peak = drain(4_000, concurrency, sink).await;
+    assert_eq!(peak, 400, "every worker's window in flight");
+}
