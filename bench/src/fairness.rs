@@ -22,7 +22,9 @@ use std::time::{Duration, SystemTime};
 
 use actix_outbox::dispatcher::Shutdown;
 use actix_outbox::sink::{PublishFuture, QueueKind, RabbitConfig, RabbitSink, SinkState};
-use actix_outbox::{ConnectionString, DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PoolConfig, Publisher};
+use actix_outbox::{
+    ConnectionString, DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PoolConfig, Publisher,
+};
 use clap::Parser;
 use diesel::sql_types::Double;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
