@@ -1,16 +1,18 @@
 //! The window: how many claimed rows the dispatcher keeps in flight at once, all its workers
 //! together, found from how long the sink takes to answer.
 //!
-//! Rows in flight beyond what the sink works on in parallel only queue in front of it (a
-//! RabbitMQ queue takes one message after another): they add to the latency of every message
-//! behind them, and of every other publisher to that broker (another outbox of the same relay,
-//! another relay, another service), and nothing to the throughput. Too few starve a sink that
-//! answers slowly but in parallel (an HTTP endpoint). So the window is found by delay, as TCP
-//! Vegas finds its congestion window:
+//! A dispatcher alone in its actix system (one outbox a process) keeps every worker's window,
+//! `workers × max_in_flight`: in front of RabbitMQ, the deeper the pipeline, the larger the
+//! batches the broker writes and confirms, and the higher the throughput. Beside other
+//! dispatchers of the same system (the outboxes of one relay: `run --outbox a --outbox b`),
+//! those rows hurt: a RabbitMQ queue takes one message after another, so every row one outbox
+//! keeps in flight is one that another outbox's single message waits behind (a 200,000-row
+//! drain held another outbox's rows up to 170 ms). There the window is found by delay, as TCP
+//! Vegas finds its congestion window, kept where the sink's answers do not queue, while a sink
+//! that answers slowly but in parallel (an HTTP endpoint) still gets every worker's window:
 //!
 //! - It stays between one worker's window (`max_in_flight`, `2 × batch` by default: a claim
-//!   overlapping the publishing of the last) and all the workers' (`workers × max_in_flight`,
-//!   the most they could hold before), and starts at the floor.
+//!   overlapping the publishing of the last) and all the workers', and starts at the floor.
 //! - Every answer of the sink is a sample of the time the publish took. The least sample of the
 //!   last 10 to 20 seconds is the sink's own time (`base`); what a round of answers (from one
 //!   answer to the first [`ROUND`] after it) takes on average beyond it is time spent queueing.
@@ -23,11 +25,13 @@
 //!   A claim fits when the window has room for its batch, or when nothing is in flight. A worker
 //!   whose claim did not fit is woken when room opens.
 //!
-//! Against RabbitMQ on one host the window settles at its floor while a backlog drains: the
-//! broker's queue is then at most two batches deep, so a message published beside the drain
-//! (another outbox's) waits behind at most that.
+//! Against RabbitMQ on one host the window settles near its floor while a backlog drains: the
+//! broker's queue is then about two batches deep, so a message published beside the drain
+//! (another outbox's) waits behind about that.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use actix::Recipient;
@@ -41,10 +45,16 @@ pub(crate) const QUEUE_TARGET: Duration = Duration::from_millis(10);
 /// The sink's own time is the least sample of the last one or two of these spans.
 const BASE_SPAN: Duration = Duration::from_secs(10);
 
+/// Per actix system (by id; `usize::MAX` outside any), the dispatchers' windows alive in it.
+static SYSTEMS: LazyLock<Mutex<HashMap<usize, Arc<AtomicUsize>>>> = LazyLock::new(Mutex::default);
+
 /// The dispatcher's window, shared by its workers and their publishes.
 #[derive(Debug)]
 pub(crate) struct Window {
     state: Mutex<State>,
+    /// The actix system it was made in, and how many windows that system has.
+    system: usize,
+    dispatchers: Arc<AtomicUsize>,
 }
 
 #[derive(Debug)]
@@ -117,7 +127,16 @@ impl Window {
     pub(crate) fn new(workers: usize, per_worker: usize, batch: usize) -> Arc<Self> {
         let now = Instant::now();
         let floor = per_worker.max(1);
+        let system = actix::System::try_current().map_or(usize::MAX, |system| system.id());
+        let dispatchers = {
+            let mut systems = systems();
+            let dispatchers = systems.entry(system).or_default().clone();
+            dispatchers.fetch_add(1, Ordering::Relaxed);
+            dispatchers
+        };
         Arc::new(Self {
+            system,
+            dispatchers,
             state: Mutex::new(State {
                 floor,
                 ceiling: floor.saturating_mul(workers.max(1)),
@@ -137,6 +156,11 @@ impl Window {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// No other dispatcher runs in this one's actix system.
+    fn alone(&self) -> bool {
+        self.dispatchers.load(Ordering::Relaxed) <= 1
+    }
+
     /// Reserves `rows` for worker `worker`'s claim if they fit; if not, keeps `wake` to call
     /// that worker back when room opens.
     pub(crate) fn admit(
@@ -145,8 +169,9 @@ impl Window {
         worker: usize,
         wake: impl FnOnce() -> Recipient<Wake>,
     ) -> Option<Reservation> {
+        let alone = self.alone();
         let mut state = self.state();
-        if state.used == 0 || state.used + rows <= state.limit {
+        if state.used == 0 || state.used + rows <= state.limit(alone) {
             state.used += rows;
             return Some(Reservation { window: self.clone(), rows });
         }
@@ -165,26 +190,45 @@ impl Window {
 
     /// Counts an answer of the sink that took `took`.
     pub(crate) fn answered(&self, took: Duration) {
+        if self.alone() {
+            return;
+        }
         let mut state = self.state();
         let was = state.limit;
         state.answered(took, Instant::now());
-        let woken = if state.limit > was { state.to_wake() } else { Vec::new() };
+        let woken = if state.limit > was { state.to_wake(false) } else { Vec::new() };
         drop(state);
         wake(woken);
     }
 
     /// Rows in flight at most now.
     pub(crate) fn limit(&self) -> usize {
-        self.state().limit
+        let alone = self.alone();
+        self.state().limit(alone)
     }
 
     fn release(&self, rows: usize) {
+        let alone = self.alone();
         let mut state = self.state();
         state.used = state.used.saturating_sub(rows);
-        let woken = state.to_wake();
+        let woken = state.to_wake(alone);
         drop(state);
         wake(woken);
     }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        // Under the lock, so that a window made meanwhile in the same system finds the count.
+        let mut systems = systems();
+        if self.dispatchers.fetch_sub(1, Ordering::Relaxed) == 1 {
+            systems.remove(&self.system);
+        }
+    }
+}
+
+fn systems() -> MutexGuard<'static, HashMap<usize, Arc<AtomicUsize>>> {
+    SYSTEMS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn wake(woken: Vec<Recipient<Wake>>) {
@@ -194,9 +238,14 @@ fn wake(woken: Vec<Recipient<Wake>>) {
 }
 
 impl State {
+    /// Rows in flight at most now: every worker's window for a dispatcher `alone` in its system.
+    fn limit(&self, alone: bool) -> usize {
+        if alone { self.ceiling } else { self.limit }
+    }
+
     /// The waiting workers, taken, once a batch fits.
-    fn to_wake(&mut self) -> Vec<Recipient<Wake>> {
-        if self.used + self.batch > self.limit && self.used > 0 {
+    fn to_wake(&mut self, alone: bool) -> Vec<Recipient<Wake>> {
+        if self.used + self.batch > self.limit(alone) && self.used > 0 {
             return Vec::new();
         }
         self.waiting.iter_mut().filter_map(Option::take).collect()

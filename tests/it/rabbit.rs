@@ -209,11 +209,10 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     let sink = RabbitSink::connect(sink_config(proxy.amqp_url(), &broker.exchange)).await.unwrap();
     // The publish timeout is far above the time the test holds the confirms back, so that the
     // only failures are the cut's; three attempts: before outages were refunded, a cut this
-    // long sent rows dead. Two workers of 100, each holding up to 200: the shared window's
-    // floor, all a dispatcher holds while no confirm comes back, is 200.
+    // long sent rows dead.
     let config = dispatcher_config()
-        .workers(2)
-        .batch(100)
+        .workers(4)
+        .batch(50)
         .max_attempts(3)
         .lease(Duration::from_secs(60))
         .publish_timeout(Duration::from_secs(40));

@@ -1,12 +1,13 @@
-//! The dispatcher's in-flight window, shared by its workers: kept short in front of a sink whose
-//! answers queue, opened to every worker's window for a sink slow in parallel.
+//! The dispatcher's in-flight window, shared by its workers: every worker's window for a
+//! dispatcher alone in its actix system; beside another, kept short in front of a sink whose
+//! answers queue, and opened to every worker's window for a sink slow in parallel.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use actix_outbox::dispatcher::{GetMetrics, Shutdown};
-use actix_outbox::sink::publisher_fn;
+use actix_outbox::sink::{ChannelSink, publisher_fn};
 use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor};
 
 use actix_outbox_test_support::{TestDb, eventually};
@@ -37,10 +38,25 @@ fn config() -> DispatcherConfig {
     DispatcherConfig::default().workers(4).batch(50).max_in_flight(100).poll_interval(Duration::from_millis(50))
 }
 
+/// Whether another dispatcher (of another outbox, idle) runs in the same actix system.
+#[derive(Clone, Copy, PartialEq)]
+enum Beside {
+    Nothing,
+    AnotherOutbox,
+}
+
 /// Drains `rows` rows through `sink`, counting its concurrency; returns the peak.
-async fn drain(rows: usize, concurrency: Arc<Concurrency>, sink: impl actix_outbox::Publisher) -> usize {
+async fn drain(
+    rows: usize,
+    concurrency: Arc<Concurrency>,
+    sink: impl actix_outbox::Publisher,
+    beside: Beside,
+) -> usize {
     let db = TestDb::new().await;
     db.seed(rows, "a").await;
+    let other = TestDb::new().await;
+    let neighbour = (beside == Beside::AnotherOutbox)
+        .then(|| OutboxSupervisor::start(config(), other.pool.clone(), ChannelSink::new().0).unwrap());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     eventually(Duration::from_secs(60), &format!("{rows} rows done"), || async {
         db.count_status("done").await == rows as i64
@@ -48,20 +64,20 @@ async fn drain(rows: usize, concurrency: Arc<Concurrency>, sink: impl actix_outb
     .await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
+    if let Some(neighbour) = neighbour {
+        neighbour.send(Shutdown).await.unwrap();
+    }
     assert_eq!((metrics.claimed, metrics.published, metrics.done), (rows as u64, rows as u64, rows as u64));
     assert_eq!(concurrency.published.load(Ordering::SeqCst), rows, "each row published once");
     concurrency.peak.load(Ordering::SeqCst)
 }
 
 /// A sink that takes one message at a time, a millisecond each (a broker's queue): every row in
-/// flight beyond what it is working on only waits. The window stays at one worker's window, 100
-/// rows, where without it the four workers would hold 400.
-#[actix_rt::test]
-async fn a_sink_whose_answers_queue_gets_one_workers_window_not_four() {
-    let concurrency = Arc::new(Concurrency::default());
+/// flight beyond what it is working on only waits.
+fn queueing_sink(concurrency: &Arc<Concurrency>) -> impl actix_outbox::Publisher {
     let queue = Arc::new(tokio::sync::Mutex::new(()));
     let seen = concurrency.clone();
-    let sink = publisher_fn(async move |_: Arc<OutboxMessage>| {
+    publisher_fn(async move |_: Arc<OutboxMessage>| {
         seen.enter();
         {
             let _turn = queue.lock().await;
@@ -69,16 +85,35 @@ async fn a_sink_whose_answers_queue_gets_one_workers_window_not_four() {
         }
         seen.leave();
         Ok(())
-    });
-    let peak = drain(2_000, concurrency, sink).await;
+    })
+}
+
+/// Beside another outbox's dispatcher, in front of a queueing sink the window stays at one
+/// worker's window, 100 rows, where the four workers would hold 400: the other outbox's
+/// messages would wait behind them.
+#[actix_rt::test]
+async fn beside_another_outbox_a_sink_whose_answers_queue_gets_one_workers_window_not_four() {
+    let concurrency = Arc::new(Concurrency::default());
+    let peak = drain(2_000, concurrency.clone(), queueing_sink(&concurrency), Beside::AnotherOutbox).await;
     assert!(peak <= 100, "at most one worker's window in flight in front of a queueing sink, saw {peak}");
     assert!(peak >= 50, "at least a batch in flight, saw {peak}");
 }
 
-/// A sink that answers in 300 ms whatever the load (an HTTP endpoint serving in parallel): no
-/// queueing, so the window opens to every worker's, 400 rows.
+/// Alone in its actix system, the dispatcher keeps every worker's window whatever the sink's
+/// answer times: nobody else's messages wait behind its rows.
 #[actix_rt::test]
-async fn a_sink_slow_in_parallel_gets_every_workers_window() {
+async fn alone_a_dispatcher_keeps_every_workers_window() {
+    let concurrency = Arc::new(Concurrency::default());
+    let peak = drain(2_000, concurrency.clone(), queueing_sink(&concurrency), Beside::Nothing).await;
+    // Not exactly 400 at the sink: a row whose answer came is in flight until its finalize, while
+    // the sink already works on the next.
+    assert!(peak > 300, "more than three workers' windows in flight at once, saw {peak}");
+}
+
+/// A sink that answers in 300 ms whatever the load (an HTTP endpoint serving in parallel): no
+/// queueing, so even beside another outbox the window opens to every worker's, 400 rows.
+#[actix_rt::test]
+async fn beside_another_outbox_a_sink_slow_in_parallel_gets_every_workers_window() {
     let concurrency = Arc::new(Concurrency::default());
     let seen = concurrency.clone();
     let sink = publisher_fn(async move |_: Arc<OutboxMessage>| {
@@ -87,6 +122,6 @@ async fn a_sink_slow_in_parallel_gets_every_workers_window() {
         seen.leave();
         Ok(())
     });
-    let peak = drain(4_000, concurrency, sink).await;
+    let peak = drain(4_000, concurrency, sink, Beside::AnotherOutbox).await;
     assert_eq!(peak, 400, "every worker's window in flight");
 }
