@@ -62,14 +62,14 @@ pub struct DispatcherConfig {
     /// Rows one worker holds claimed at once (publishing or finalizing). The worker claims the
     /// next batch while the previous one publishes, up to this bound. Default `2 × batch`.
     ///
-    /// The workers together hold between one worker's window and all of theirs (`workers ×
-    /// max_in_flight`): the dispatcher finds where in between from the sink's answer times,
-    /// opening the window while answers stay quick and closing it when they start to queue (a
+    /// A dispatcher alone in its actix system holds up to all the workers' windows, `workers ×
+    /// max_in_flight`. Beside other dispatchers of the same system (the outboxes of one relay),
+    /// the workers together hold between one worker's window and all of theirs, found from the
+    /// sink's answer times: opened while answers stay quick, closed when they start to queue (a
     /// mean publish time over its least by more than 10 ms, or than the least itself). In front
-    /// of a RabbitMQ queue on one host that is about the floor while a backlog drains, so a
-    /// message published beside the drain (another outbox's, another service's) waits behind
-    /// two batches, not eight; a sink slow in parallel (an HTTP endpoint) gets every worker's
-    /// window. The gauge `outbox_in_flight_limit` shows where it is.
+    /// of a RabbitMQ queue on one host that is about the floor while a backlog drains, so the
+    /// other outboxes' messages wait behind two batches, not eight; a sink slow in parallel (an
+    /// HTTP endpoint) gets every worker's window. The gauge `outbox_in_flight_limit` shows it.
     pub max_in_flight: Option<usize>,
     /// Payload bytes (JSON text) the whole dispatcher holds claimed at once, split evenly
     /// between its workers: next to the row window, it bounds memory when rows are large.
