@@ -196,7 +196,7 @@ impl Window {
         let mut state = self.state();
         let was = state.limit;
         state.answered(took, Instant::now());
-        let woken = if state.limit > was { state.to_wake(false) } else { Vec::new() };
+        let woken = if state.limit > was { state.take_waiting(false) } else { Vec::new() };
         drop(state);
         wake(woken);
     }
@@ -211,7 +211,7 @@ impl Window {
         let alone = self.alone();
         let mut state = self.state();
         state.used = state.used.saturating_sub(rows);
-        let woken = state.to_wake(alone);
+        let woken = state.take_waiting(alone);
         drop(state);
         wake(woken);
     }
@@ -244,7 +244,7 @@ impl State {
     }
 
     /// The waiting workers, taken, once a batch fits.
-    fn to_wake(&mut self, alone: bool) -> Vec<Recipient<Wake>> {
+    fn take_waiting(&mut self, alone: bool) -> Vec<Recipient<Wake>> {
         if self.used + self.batch > self.limit(alone) && self.used > 0 {
             return Vec::new();
         }
