@@ -92,6 +92,8 @@ async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_
     assert_eq!(sample(&page, "outbox_rows{status=\"pending\"}"), Some(0.0), "{page}");
     assert_eq!(sample(&page, "outbox_in_flight"), Some(0.0), "{page}");
     assert_eq!(sample(&page, "outbox_sink_up"), Some(1.0), "{page}");
+    // One outbox alone in the process: every worker's window, 4 × 2 × 10.
+    assert_eq!(sample(&page, "outbox_in_flight_limit"), Some(80.0), "{page}");
     assert_eq!(sample(&page, "outbox_publish_seconds_count"), Some(done), "{page}");
     assert_eq!(sample(&page, "outbox_delivery_lag_seconds_count"), Some(done), "{page}");
     assert!(!page.contains("worker") && !page.contains("owner="), "no process-specific label: {page}");
@@ -313,6 +315,15 @@ async fn run_relays_the_outboxes_of_several_databases_and_its_console_picks_betw
     })
     .await;
     assert_eq!(sample(&page, "outbox_published_total"), None, "no unlabelled series: {page}");
+    // Two outboxes in one process share the broker: each one's window is one worker's (2 × 200)
+    // rather than all four workers' (1,600), which the first kept while it ran alone (the gauge
+    // follows within 100 ms); three rows never made a claim wait, so neither grew.
+    until("each outbox's window at one worker's", async || {
+        let page = http_get(&addr, "/metrics").await.1;
+        let window = |name: &str| sample(&page, &format!(r#"outbox_in_flight_limit{{outbox="{name}"}}"#));
+        (window(&name_one) == Some(400.0) && window(&name_two) == Some(400.0)).then_some(())
+    })
+    .await;
 
     let console = run
         .log()
