@@ -7,9 +7,8 @@
 //! jittered poll interval or until a [`Wake`] arrives. A window without room for a batch waits
 //! for publishes to finish (never a partial claim: see [`ClaimActor::claim`]); so does a claim
 //! that the dispatcher's window, shared by the workers, has no room for (see `window`): the
-//! window wakes the worker when a batch fits. Under the
-//! FIFO gate, a finished publish also triggers a claim, since it may have unblocked the next row
-//! of its aggregate.
+//! window wakes the worker when a batch fits. Under the FIFO gate, a finished publish also
+//! triggers a claim, since it may have unblocked the next row of its aggregate.
 //!
 //! The sink gate comes first: while the sink is unavailable the worker claims nothing, and
 //! when the supervisor asks it to [`Probe`], it claims a single row to try the sink with. A
