@@ -135,8 +135,9 @@ pub struct DispatcherConfig {
     /// state (sink down and up, an outage, a lost lease) logged as they happen. `None`: no
     /// summary. Default 60 s.
     pub summary_interval: Option<Duration>,
-    /// What becomes of a row once its message is confirmed: kept as `done` (the default) or
-    /// deleted by the same fenced statement. See [`Retention`] for the trade-off.
+    /// What becomes of a row once its message is confirmed: kept as `done` for a day and then
+    /// pruned by the dispatcher (the default, [`Retention::KeepFor`]), kept for good, or deleted
+    /// by the same fenced statement. See [`Retention`] for the trade-offs.
     pub retention: Retention,
     /// The outbox's name in every message ([`OutboxMessage::source`](crate::OutboxMessage::source),
     /// the RabbitMQ sink's `x-outbox-source` header), so that consumers of many outboxes tell
@@ -186,7 +187,7 @@ impl Default for DispatcherConfig {
     /// | [`sink_probe_interval`](DispatcherConfig::sink_probe_interval) | 500 ms |
     /// | [`table_metrics_interval`](DispatcherConfig::table_metrics_interval) | `Some(5 s)` |
     /// | [`summary_interval`](DispatcherConfig::summary_interval) | `Some(60 s)` |
-    /// | [`retention`](DispatcherConfig::retention) | [`Retention::Keep`] |
+    /// | [`retention`](DispatcherConfig::retention) | [`Retention::KeepFor`]`(24 h)` |
     /// | [`source`](DispatcherConfig::source) | `None`: derived from the database |
     /// | [`max_rate`](DispatcherConfig::max_rate) | `None`: not paced |
     /// | [`name`](DispatcherConfig::name) | `None`: no `outbox` label |
@@ -219,7 +220,7 @@ impl Default for DispatcherConfig {
             sink_probe_interval: DEFAULT_SINK_PROBE_INTERVAL,
             table_metrics_interval: Some(DEFAULT_TABLE_METRICS_INTERVAL),
             summary_interval: Some(DEFAULT_SUMMARY_INTERVAL),
-            retention: Retention::Keep,
+            retention: Retention::default(),
             source: None,
             max_rate: None,
             name: None,
@@ -421,6 +422,9 @@ impl DispatcherConfig {
         if let Some(rate) = self.max_rate {
             check_max_rate(rate)?;
         }
+        if self.retention == Retention::KeepFor(Duration::ZERO) {
+            return Err(ZeroRetention);
+        }
         Ok(())
     }
 }
@@ -434,6 +438,10 @@ pub(crate) fn check_max_rate(rate: f64) -> Result<(), ConfigError> {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
+    /// `retention` keeps `done` rows for no time: say [`Retention::Delete`] to delete them at
+    /// once.
+    #[error("retention must keep done rows for some time; to delete them as they are confirmed, use Retention::Delete")]
+    ZeroRetention,
     /// `max_rate` is not a number of messages a second above zero (given as written).
     #[error("max rate must be a number of messages a second above zero, not {0}")]
     BadMaxRate(String),
@@ -577,38 +585,54 @@ pub enum Fifo {
 
 /// What the dispatcher does with a row whose message the sink confirmed.
 ///
-/// Either way the write is fenced (it applies only while the claim that published the row still
-/// holds it) and only confirmed rows are touched: `dead` rows stay for inspection and replay,
-/// `pending` and `processing` rows are never deleted.
+/// Whichever is chosen, the write is fenced (it applies only while the claim that published the
+/// row still holds it) and only confirmed rows are touched: `dead` rows stay for inspection and
+/// replay until an operator retries or skips them, and `pending` and `processing` rows are never
+/// deleted.
 ///
-/// | | [`Retention::Keep`] (default) | [`Retention::Delete`] |
-/// | --- | --- | --- |
-/// | a confirmed row | becomes `done`, with `done_at` | is deleted |
-/// | audit trail in the table | every published row, until purged | none: only what is not yet sent, and `dead` rows |
-/// | `stats`, `outbox_rows{status="done"}` | count `done` rows | show 0 `done` (the dispatcher's `outbox_finalized_total{outcome="done"}` still counts) |
-/// | table size, `purge` | grows until `purge --older-than` runs | stays the size of the backlog; nothing to purge |
-/// | database work per message | an `UPDATE` writing a new row version and two index entries | a `DELETE` (no new row version, no index entry) |
+/// | | [`Retention::KeepFor`] (default, 24 h) | [`Retention::Keep`] | [`Retention::Delete`] |
+/// | --- | --- | --- | --- |
+/// | a confirmed row | becomes `done`, with `done_at`; deleted by the dispatcher once older than the window | becomes `done` for good | is deleted |
+/// | audit trail in the table | every row published within the window | every published row, until `purge --older-than` runs | none: only what is not yet sent, and `dead` rows |
+/// | `stats`, `outbox_rows{status="done"}` | count `done` rows | count `done` rows | show 0 `done` (the dispatcher's `outbox_finalized_total{outcome="done"}` still counts) |
+/// | table size | the window's rows (rate × window × about 600 bytes at a 200-byte payload) | grows until purged | the backlog |
+/// | database work per message | an `UPDATE` written beside the row (HOT: no index entry), and a share of a batched `DELETE` later | the `UPDATE` | a `DELETE` |
 ///
-/// `Delete` writes less WAL per message (docs/benchmarks.md): the finalize adds no row version
-/// nor index entries. Choose
-/// `Keep` when the table is your record of what was sent (or `purge` runs anyway); `Delete` when
-/// the broker, or the consumers, keep that record.
+/// **Why 24 hours.** The `done` rows answer an operator's questions about what was sent ("was
+/// order 42's event published, when, after how many attempts?"), and those come within a day of
+/// an incident: long enough to look at yesterday, short enough that the table stays the size of
+/// a day. River keeps completed jobs for 24 hours by default for the same reasons. Pruning runs
+/// in one process of a fleet at a time, in short batches off the claim path (see
+/// docs/operations.md, "Retention"); `purge --older-than` stays for one-off use.
 ///
 /// ```
+/// use std::time::Duration;
 /// use actix_outbox::{DispatcherConfig, Retention};
 ///
-/// let config = DispatcherConfig::default().retention(Retention::Delete);
-/// assert_eq!(config.retention, Retention::Delete);
-/// assert_eq!(DispatcherConfig::default().retention, Retention::Keep);
+/// assert_eq!(DispatcherConfig::default().retention, Retention::KeepFor(Duration::from_secs(24 * 3600)));
+/// let config = DispatcherConfig::default().retention(Retention::KeepFor(Duration::from_secs(600)));
+/// assert_eq!(config.retention, Retention::KeepFor(Duration::from_secs(600)));
 /// ```
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Retention {
-    /// Keep the row as `done` (with `done_at`), for `stats`, audits and `purge`.
-    #[default]
+    /// Keep the row as `done` (with `done_at`) for this long after it was finished, then delete
+    /// it (the dispatcher's pruner).
+    KeepFor(Duration),
+    /// Keep the row as `done` (with `done_at`) for good, for `stats`, audits and `purge`.
     Keep,
     /// Delete the row in the finalize statement.
     Delete,
+}
+
+/// How long `done` rows are kept by default.
+const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+impl Default for Retention {
+    /// [`Retention::KeepFor`] 24 hours.
+    fn default() -> Self {
+        Retention::KeepFor(DEFAULT_RETENTION)
+    }
 }
 
 impl Fifo {

@@ -16,7 +16,10 @@
 //! | `outbox_claimed_total` | counter | | rows leased by claims (a probe's row included) |
 //! | `outbox_published_total` | counter | | publishes the sink acknowledged |
 //! | `outbox_finalized_total` | counter | `outcome`: `done`, `retried`, `deferred`, `released`, `dead` | rows whose fenced outcome was written: `done`; back to pending after a retryable failure (`retried`), a deferral (`deferred`) or an outage, attempt refunded (`released`); `dead` (retries exhausted, permanent failure, deferred too long) |
-//! | `outbox_reaped_total` | counter | | rows the claim's reaper sent dead (lease expired with no attempt left) |
+//! | `outbox_reaped_total` | counter | | rows the sweep's reaper sent dead (lease expired with no attempt left) |
+//! | `outbox_leases_expired_total` | counter | | rows whose lease expired (a worker died or stalled), set by the sweep for a claim to take over |
+//! | `outbox_strays_total` | counter | | pending rows the claims had passed while another statement held them locked, set by the sweep for a claim to take |
+//! | `outbox_pruned_total` | counter | | `done` rows the pruner deleted once older than the retention |
 //! | `outbox_lost_leases_total` | counter | | fenced writes that found the row taken over or already finalized (nothing written) |
 //! | `outbox_publish_crashes_total` | counter | | publishes whose sink panicked; their rows wait for lease expiry |
 //! | `outbox_actor_restarts_total` | counter | | claim or finalize actors the supervisor replaced after they died |
@@ -127,8 +130,15 @@ counters! {
     released: counter("outbox_finalized_total", &[("outcome", "released")]),
     /// Rows finalized `dead` (retries exhausted, permanent failure, or deferred too long).
     dead: counter("outbox_finalized_total", &[("outcome", "dead")]),
-    /// Rows the claim's reaper sent dead (lease expired with no attempt left).
+    /// Rows the sweep's reaper sent dead (lease expired with no attempt left).
     reaped: counter("outbox_reaped_total", &[]),
+    /// Rows whose lease expired, set by the sweep for a claim to take over.
+    expired: counter("outbox_leases_expired_total", &[]),
+    /// Pending rows the claims had passed (held locked at the time by a claim that then
+    /// failed, or by another statement), set by the sweep for a claim to take.
+    strays: counter("outbox_strays_total", &[]),
+    /// `done` rows the pruner deleted once older than the retention.
+    pruned: counter("outbox_pruned_total", &[]),
     /// Fenced writes that found the row taken over (or already finalized).
     lost_leases: counter("outbox_lost_leases_total", &[]),
     /// Publishes that panicked; their rows wait for lease expiry.
@@ -264,6 +274,17 @@ const HELP: &[(&str, MetricKind, &str)] = &[
          refunded), dead.",
     ),
     ("outbox_reaped_total", MetricKind::Counter, "Rows the reaper sent dead: lease expired with no attempt left."),
+    (
+        "outbox_leases_expired_total",
+        MetricKind::Counter,
+        "Rows whose lease expired (a worker died or stalled), set by the sweep for a claim to take over.",
+    ),
+    (
+        "outbox_strays_total",
+        MetricKind::Counter,
+        "Pending rows the claims had passed while another statement held them locked, set for a claim to take.",
+    ),
+    ("outbox_pruned_total", MetricKind::Counter, "Done rows the pruner deleted once older than the retention."),
     (
         "outbox_lost_leases_total",
         MetricKind::Counter,

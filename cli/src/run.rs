@@ -186,33 +186,27 @@ pub struct RunArgs {
     /// Do not LISTEN for inserts; new rows wait for the poll (behind a transaction pooler without --direct-url, the listener is off anyway)
     #[arg(long)]
     pub no_listen: bool,
-    /// What becomes of a row once its message is confirmed: keep it as done (for stats, audits
-    /// and purge), or delete it in the same fenced statement (less database work, a table the
-    /// size of the backlog)
-    #[arg(long, value_name = "MODE", value_enum, default_value_t = RetentionArg::Keep)]
-    pub retention: RetentionArg,
+    /// What becomes of a row once its message is confirmed: a duration (`24h`, `10m`) keeps it as
+    /// done for that long, then `run` deletes it (in short batches, one process of a fleet);
+    /// `keep` keeps it for good (for audits, or a `purge` of your own); `delete` deletes it in
+    /// the same fenced statement (a table the size of the backlog). Dead rows always stay
+    #[arg(long, value_name = "DURATION|keep|delete", value_parser = parse_retention, default_value = "24h")]
+    pub retention: Retention,
     /// Log line format on stderr: text for humans, json (one object a line) for log shippers
     #[arg(long, value_name = "FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
 }
 
-/// `--retention`: [`Retention`] on the command line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-#[non_exhaustive]
-pub enum RetentionArg {
-    /// Keep confirmed rows as done, with done_at (the default)
-    #[default]
-    Keep,
-    /// Delete confirmed rows; dead rows stay
-    Delete,
-}
-
-impl From<RetentionArg> for Retention {
-    fn from(arg: RetentionArg) -> Self {
-        match arg {
-            RetentionArg::Keep => Retention::Keep,
-            RetentionArg::Delete => Retention::Delete,
-        }
+/// `--retention`: `keep`, `delete`, or how long to keep done rows (`24h`).
+fn parse_retention(value: &str) -> Result<Retention, String> {
+    match value {
+        "keep" => Ok(Retention::Keep),
+        "delete" => Ok(Retention::Delete),
+        other => match humantime::parse_duration(other) {
+            Ok(keep) if !keep.is_zero() => Ok(Retention::KeepFor(keep)),
+            Ok(_) => Err("a retention of 0 keeps nothing: say `delete` to delete rows as they are confirmed".into()),
+            Err(e) => Err(format!("expected `keep`, `delete` or a duration such as `24h` ({e})")),
+        },
     }
 }
 
@@ -301,7 +295,7 @@ impl RunArgs {
             .poll_interval(self.poll_interval.into())
             .listen_for_inserts(!self.no_listen)
             .summary_interval(Some(Duration::from(self.summary_interval)).filter(|d| !d.is_zero()))
-            .retention(self.retention.into());
+            .retention(self.retention);
         if let Some(owner) = &self.owner {
             config = config.owner(owner.clone());
         }

@@ -15,15 +15,12 @@
 //! claim that fails on the database backs off (100 ms doubling to 1 s, jittered), so a database
 //! outage costs a few cheap attempts a second and claiming resumes within a second of its end.
 //!
-//! Resuming: while the backlog is deep, each claim starts its walk of the pending rows where
-//! the worker's previous claim took its first one ([`ClaimParams::resume`]), so it does not
-//! step over the dead index entries of everything claimed since the last `VACUUM`. The walk
-//! starts from the oldest row again after a short claim and at least every
-//! [`FULL_WALK_EVERY`], which bounds how long a row the hint skips (one committed late with an
-//! old `available_at`) can wait. Under the FIFO gate every walk starts from the oldest row: the
-//! walk passes over blocked rows, and a hint would hide them once unblocked. Instead, under
-//! `Fifo::All`, the worker keeps where its last scan of aggregates for free heads stopped
-//! ([`ClaimParams::heads_after`]), so that its scans take turns over all the aggregates.
+//! New rows: the dispatcher's cursor (see `cursor`) is held by one claim at a time; a worker
+//! that finds it held waits until the holder hands it back and wakes it. A claim takes the due
+//! rows that wait (retries, releases, expired leases) first, then the new rows after the cursor,
+//! and moves the cursor on. Under `Fifo::All`, the worker keeps where its last scan of
+//! aggregates for free heads stopped ([`ClaimParams::heads_after`]), so that its scans take
+//! turns over all the aggregates.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -38,14 +35,10 @@ use super::gate::Claimable;
 use super::publish::{PublishActor, PublishFinished};
 use super::shared::Shared;
 use crate::backoff::jittered;
-use crate::config::Fifo;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
-use crate::store::{self, AggregateKey, ClaimParams, HeadsScan, ReadyPosition};
-
-/// A resumed walk of the pending rows goes back to the oldest one at least this often.
-pub(crate) const FULL_WALK_EVERY: Duration = Duration::from_secs(1);
+use crate::store::{self, AggregateKey, ClaimParams, HeadsScan};
 
 /// Claim now if idle (new rows were inserted).
 #[derive(Debug, Clone, Copy, Message)]
@@ -91,10 +84,6 @@ pub(crate) struct ClaimActor {
     woken: bool,
     /// The pending poll timer.
     timer: Option<SpawnHandle>,
-    /// Where the next claim may start its walk of pending rows (see the module docs).
-    resume: Option<ReadyPosition>,
-    /// When the next claim must walk from the oldest pending row.
-    full_walk_due: Instant,
     /// Under `Fifo::All`: the aggregate after which the next scan for free heads starts.
     heads_after: Option<AggregateKey>,
     /// The supervisor asked for a probe: the next claim takes one row, gate closed or not.
@@ -128,8 +117,6 @@ impl ClaimActor {
             backlog: false,
             woken: false,
             timer: None,
-            resume: None,
-            full_walk_due: Instant::now(),
             heads_after: None,
             probe: false,
             failures: 0,
@@ -228,15 +215,20 @@ impl ClaimActor {
                 }
             }
         };
+        // The cursor over new rows, held by one claim of the dispatcher at a time.
+        let Some(mut lease) = self.shared.cursor.take(self.worker, || ctx.address().recipient()) else {
+            // The holder wakes this worker when it hands the cursor back.
+            if probe {
+                self.probe = true;
+            } else {
+                self.shared.pace.refund(batch);
+            }
+            drop(reservation);
+            self.backlog = true;
+            return;
+        };
         if let Some(timer) = self.timer.take() {
             ctx.cancel_future(timer);
-        }
-        let resume = match config.fifo {
-            Fifo::Off if Instant::now() < self.full_walk_due => self.resume,
-            _ => None,
-        };
-        if resume.is_none() {
-            self.full_walk_due = Instant::now() + FULL_WALK_EVERY;
         }
         self.claiming = true;
         let shared = self.shared.clone();
@@ -272,23 +264,35 @@ impl ClaimActor {
             if let Err(e) = shared.fifo_index(&mut conn).await {
                 return (released, Err(e));
             }
-            let params = ClaimParams {
-                owner: &owner,
-                batch,
-                max_bytes: bytes_room,
-                lease: shared.config.lease,
-                max_attempts: shared.config.max_attempts,
-                fifo: &shared.config.fifo,
-                resume,
-                heads_after: heads_after.as_ref(),
-            };
-            let claimed =
-                store::unit(&mut conn, pooler, async |c| store::claim(c, &params).await).await.map(|mut claim| {
-                    for message in &mut claim.messages {
-                        message.source = source.clone();
-                    }
-                    claim
-                });
+            let claimed = store::unit(&mut conn, pooler, async |c| {
+                if lease.cursor().is_none() {
+                    lease.start_at(store::horizon(c).await?);
+                }
+                let params = ClaimParams {
+                    owner: &owner,
+                    batch,
+                    max_bytes: bytes_room,
+                    lease: shared.config.lease,
+                    max_attempts: shared.config.max_attempts,
+                    fifo: &shared.config.fifo,
+                    cursor: lease.cursor(),
+                    heads_after: heads_after.as_ref(),
+                };
+                store::claim(c, &params).await
+            })
+            .await
+            .map(|mut claim| {
+                if let Some((snapshot, taken)) = &claim.cursor {
+                    lease.advance(snapshot, taken);
+                }
+                for message in &mut claim.messages {
+                    message.source = source.clone();
+                }
+                claim
+            });
+            // The cursor goes back (moved on, or as it was if the claim failed) before the
+            // answer is handled.
+            drop(lease);
             (released, claimed)
         };
         ctx.spawn(query.into_actor(self).map(move |(released, result): (_, Result<_, StoreError>), act, ctx| {
@@ -311,12 +315,8 @@ impl ClaimActor {
                         act.shared.gate.delivered();
                     }
                     let metrics = &act.shared.metrics;
-                    if !claim.reaped.is_empty() {
-                        Metrics::add(&metrics.reaped, claim.reaped.len());
-                        for f in &claim.reaped {
-                            warn!(outbox_id = f.id, lease_version = f.lease_version, worker = %act.owner,
-                                "reaped: lease expired with no attempt left; the row is dead");
-                        }
+                    if claim.evicted > 0 {
+                        debug!(worker = %act.owner, rows = claim.evicted, "new rows held back by the FIFO gate now wait");
                     }
                     let n = claim.messages.len();
                     if !probe {
@@ -364,8 +364,6 @@ impl ClaimActor {
                         HeadsScan::StoppedAfter(key) => act.heads_after = Some(key),
                     }
                     act.backlog = (n == batch || claim.cut_by_budget > 0) && !probe;
-                    // A short claim reached the end of the pending rows: start over next time.
-                    act.resume = if act.backlog { claim.resume.or(resume) } else { None };
                     if act.backlog || std::mem::take(&mut act.woken) {
                         act.claim(ctx);
                     } else {

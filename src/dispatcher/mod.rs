@@ -18,7 +18,8 @@
 //!
 //! - `supervisor`: the `OutboxSupervisor`, which starts the others, replaces any that die and
 //!   owns the shutdown protocol;
-//! - `claim`: one claim actor per worker, which reaps, leases batches and paces itself;
+//! - `claim`: one claim actor per worker, which leases batches and paces itself;
+//! - `cursor`: the dispatcher's cursor over new rows, held by one claim at a time;
 //! - `publish`: one publish actor per claimed message, which calls the sink outside any
 //!   transaction;
 //! - `finalize`: the finalize actor, which applies the fenced writes in batches;
@@ -27,6 +28,9 @@
 //! - `pace`: the cap on messages a second, a token bucket the claims take from, slowed by the
 //!   broker's pushback;
 //! - `sampler`: the table sampler, which the supervisor runs for the table's gauges;
+//! - `sweeper`: the sweep, which the supervisor runs every second: expired leases to the
+//!   claims, reaping, the outbox's horizon;
+//! - `pruner`: deletes `done` rows past the retention, in short batches;
 //! - `window`: how many claimed rows are in flight at most, all workers together, found from
 //!   the sink's answer times (Vegas-like: kept where the sink's queue stays short);
 //! - `shared`: the state they all read (configuration, pool, sink, counters).
@@ -35,14 +39,17 @@
 //! messages are public.
 
 mod claim;
+mod cursor;
 mod finalize;
 mod gate;
 mod listener;
 mod pace;
+mod pruner;
 mod publish;
 mod sampler;
 mod shared;
 mod summary;
+mod sweeper;
 mod window;
 // `pub(crate)`: the crate root re-exports the supervisor, `testing` its crash hooks.
 pub(crate) mod supervisor;

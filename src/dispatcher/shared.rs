@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) pace: super::pace::Pace,
     /// The rows in flight at most, all workers together (see `window`).
     pub(crate) window: Arc<super::window::Window>,
+    /// The cursor over new rows, held by one claim at a time (see `cursor`).
+    pub(crate) cursor: Arc<super::cursor::CursorSlot>,
 }
 
 impl Shared {
@@ -76,6 +78,7 @@ impl Shared {
             fifo_index: AtomicBool::new(false),
             pace,
             window,
+            cursor: Arc::default(),
         }
     }
 

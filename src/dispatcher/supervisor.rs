@@ -13,7 +13,7 @@ use super::finalize::{FinalizeActor, FinalizerSlot, Flushed};
 use super::gate::{Check, Claimable};
 use super::pace::PaceReport;
 use super::shared::Shared;
-use crate::config::{ConfigError, DispatcherConfig};
+use crate::config::{ConfigError, DispatcherConfig, Retention};
 use crate::error::Error;
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::publisher::{Publisher, SinkState};
@@ -66,6 +66,12 @@ pub struct OutboxSupervisor {
     next_wake: usize,
     /// A table sample is running (the next one due skips).
     sampling: bool,
+    /// A sweep is running (the next one due skips).
+    sweeping: bool,
+    /// Where the pruner's passes start; `Some` while a pass runs is `pruning`.
+    pruner: super::pruner::Pruner,
+    /// A pruning pass is running (the next one due skips).
+    pruning: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +107,9 @@ impl OutboxSupervisor {
             listener: None,
             next_wake: 0,
             sampling: false,
+            sweeping: false,
+            pruner: Default::default(),
+            pruning: false,
         })
     }
 
@@ -150,6 +159,38 @@ impl OutboxSupervisor {
             act.sampling = false;
             if act.state != State::Stopped {
                 super::sampler::report(&act.shared, sampled);
+            }
+        }));
+    }
+
+    /// Starts a sweep unless one is running; one whose stretch was full runs again soon.
+    fn sweep(&mut self, ctx: &mut Context<Self>) {
+        if self.sweeping || self.state == State::Stopped || !self.shared.db.reachable() {
+            return;
+        }
+        self.sweeping = true;
+        let sweep = super::sweeper::sweep(self.shared.clone());
+        ctx.spawn(sweep.into_actor(self).map(|swept, act, ctx| {
+            act.sweeping = false;
+            if act.state != State::Stopped && super::sweeper::report(&act.shared, swept) {
+                ctx.run_later(super::sweeper::SWEEP_AGAIN, |act, ctx| act.sweep(ctx));
+            }
+        }));
+    }
+
+    /// Starts a pruning pass unless one is running.
+    fn prune(&mut self, ctx: &mut Context<Self>, keep: Duration) {
+        if self.pruning || self.state == State::Stopped || !self.shared.db.reachable() {
+            return;
+        }
+        self.pruning = true;
+        let from = self.pruner.start();
+        let pass = super::pruner::prune(self.shared.clone(), keep, from);
+        ctx.spawn(pass.into_actor(self).map(|pass, act, _| {
+            act.pruning = false;
+            super::pruner::report(&act.shared, &pass);
+            if let Ok(pass) = pass {
+                act.pruner.ended(&pass);
             }
         }));
     }
@@ -223,6 +264,10 @@ impl Actor for OutboxSupervisor {
         if let Some(every) = config.table_metrics_interval {
             self.sample_table(ctx);
             ctx.run_interval(every, |act, ctx| act.sample_table(ctx));
+        }
+        ctx.run_interval(super::sweeper::SWEEP_EVERY, |act, ctx| act.sweep(ctx));
+        if let Retention::KeepFor(keep) = config.retention {
+            ctx.run_interval(super::pruner::every(keep), move |act, ctx| act.prune(ctx, keep));
         }
         if config.listen_for_inserts && !self.shared.pool.has_session() {
             warn!(poll_interval = %humantime::format_duration(config.poll_interval),

@@ -17,7 +17,8 @@ use tracing::info;
 
 use super::claim::interval;
 use super::pool::in_transaction;
-use super::sql::{SAMPLE_SQL, SAMPLE_UNFINISHED_SQL, SOURCE_SQL};
+use super::finalize::never;
+use super::sql::{PRUNE_SQL, SAMPLE_SQL, SAMPLE_UNFINISHED_SQL, SOURCE_SQL};
 use crate::error::{EraseError, StoreError};
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
@@ -147,7 +148,7 @@ pub(crate) async fn sample_unfinished(conn: &mut AsyncPgConnection) -> Result<Sa
 pub async fn dead_list(conn: &mut AsyncPgConnection, limit: i64) -> Result<Vec<OutboxRow>, StoreError> {
     in_transaction(conn, async |conn| {
         Ok(outbox::table
-            .filter(outbox::status.eq(Status::Dead))
+            .filter(parked_dead())
             .order(outbox::id)
             .limit(limit)
             .select(OutboxRow::as_select())
@@ -161,7 +162,7 @@ pub async fn dead_list(conn: &mut AsyncPgConnection, limit: i64) -> Result<Vec<O
 /// changed; an id that is not a dead row is left alone and absent from the result.
 pub async fn dead_retry(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
     in_transaction(conn, async |conn| {
-        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
+        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(parked_dead()))
             .set(retry_changes())
             .returning(outbox::id)
             .get_results(conn)
@@ -173,13 +174,30 @@ pub async fn dead_retry(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec
 /// Sends every dead row back to `pending`; returns the ids changed.
 pub async fn dead_retry_all(conn: &mut AsyncPgConnection) -> Result<Vec<i64>, StoreError> {
     in_transaction(conn, async |conn| {
-        Ok(diesel::update(outbox::table.filter(outbox::status.eq(Status::Dead)))
+        Ok(diesel::update(outbox::table.filter(parked_dead()))
             .set(retry_changes())
             .returning(outbox::id)
             .get_results(conn)
             .await?)
     })
     .await
+}
+
+/// The dead rows, as the index `outbox_later` finds them: dead rows wait there at
+/// `available_at = 'infinity'` (the first test is the index's predicate, which the planner must
+/// see to use it), so listing and retrying them reads neither the history nor the backlog.
+#[allow(clippy::type_complexity)]
+fn parked_dead() -> diesel::dsl::And<
+    diesel::dsl::And<
+        diesel::dsl::Gt<outbox::available_at, outbox::created_at>,
+        diesel::dsl::Eq<outbox::available_at, diesel::expression::SqlLiteral<Timestamptz>>,
+    >,
+    diesel::dsl::Eq<outbox::status, Status>,
+> {
+    outbox::available_at
+        .gt(outbox::created_at)
+        .and(outbox::available_at.eq(never()))
+        .and(outbox::status.eq(Status::Dead))
 }
 
 #[allow(clippy::type_complexity)]
@@ -190,6 +208,7 @@ fn retry_changes() -> (
     diesel::dsl::Eq<outbox::lease_owner, Option<String>>,
     diesel::dsl::Eq<outbox::lease_until, Option<DateTime<Utc>>>,
 ) {
+    // `now()` is past the row's `created_at`: the row waits in `outbox_later`, due at once.
     (
         outbox::status.eq(Status::Pending),
         outbox::attempts.eq(0),
@@ -208,10 +227,12 @@ pub const SKIPPED_PREFIX: &str = "skipped by operator: ";
 pub async fn dead_skip(conn: &mut AsyncPgConnection, ids: &[i64], reason: &str) -> Result<Vec<i64>, StoreError> {
     in_transaction(conn, async |conn| {
         let was = " (was: ".into_sql::<Nullable<Text>>().concat(outbox::last_error).concat(")");
-        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
+        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(parked_dead()))
             .set((
                 outbox::status.eq(Status::Done),
                 outbox::done_at.eq(now),
+                // Out of `outbox_later`, as every done row.
+                outbox::available_at.eq(outbox::created_at),
                 outbox::last_error.eq(SKIPPED_PREFIX
                     .into_sql::<Text>()
                     .concat(reason)
@@ -233,27 +254,60 @@ extern "SQL" {
 
 /// Deletes `done` rows whose `done_at` is older than `older_than`, `batch` rows per statement
 /// so that no statement holds many locks for long. Returns how many it deleted.
+///
+/// No index reads `done_at` (every finalize would then write an entry in it): the purge walks
+/// the table by primary key, `batch` rows at a time, from the oldest, and deletes the expired
+/// `done` rows of each stretch. `run` prunes by itself (see
+/// [`Retention`](crate::Retention)); this is for one-off use.
 pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batch: i64) -> Result<u64, StoreError> {
     let mut total = 0u64;
-    let batch = batch.max(1);
-    // The subquery reads the table under an alias of its own, as a self-join needs.
-    let old = diesel::alias!(outbox as old);
+    let mut after = 0;
     loop {
-        // A batch at a time, locked, passing over rows another purge holds.
-        let purgeable = old
-            .select(old.field(outbox::id))
-            .filter(old.field(outbox::status).eq(Status::Done))
-            .filter(old.field(outbox::done_at).lt((now.into_sql::<Timestamptz>() - interval(older_than)).nullable()))
-            .limit(batch)
-            .for_update()
-            .skip_locked();
-        let delete = diesel::delete(outbox::table.filter(outbox::id.eq_any(purgeable)));
-        let n = in_transaction(conn, async |conn| Ok::<_, StoreError>(delete.execute(conn).await?)).await?;
-        total += n as u64;
-        if (n as i64) < batch {
-            return Ok(total);
+        let step = prune_step(conn, after, batch, older_than, false).await?;
+        total += u64::try_from(step.deleted).unwrap_or_default();
+        match step.last {
+            Some(last) => after = last,
+            None => return Ok(total),
         }
     }
+}
+
+/// One stretch of [`purge_done`] and of the dispatcher's pruner.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, QueryableByName)]
+pub(crate) struct PruneStep {
+    /// The last id of the stretch (`None`: the stretch was empty, the walk reached the end).
+    #[diesel(sql_type = Nullable<Int8>)]
+    pub(crate) last: Option<i64>,
+    /// Rows deleted.
+    #[diesel(sql_type = Int8)]
+    pub(crate) deleted: i64,
+    /// Whether the stretch held a `done` row finished within `older_than`: the walk has reached
+    /// the rows finished lately, and those after are younger still (rows finish roughly in id
+    /// order).
+    #[diesel(sql_type = diesel::sql_types::Bool)]
+    pub(crate) reached_recent: bool,
+}
+
+/// Deletes the expired `done` rows among the `batch` rows after id `after` (primary-key
+/// order), in a transaction of its own; when `exclusive`, only while no other process is
+/// pruning the table (else nothing, as at the table's end).
+pub(crate) async fn prune_step(
+    conn: &mut AsyncPgConnection,
+    after: i64,
+    batch: i64,
+    older_than: Duration,
+    exclusive: bool,
+) -> Result<PruneStep, StoreError> {
+    in_transaction(conn, async |conn| {
+        Ok(diesel::sql_query(PRUNE_SQL)
+            .bind::<Int8, _>(after)
+            .bind::<Int8, _>(batch.max(1))
+            .bind::<diesel::sql_types::Interval, _>(interval(older_than))
+            .bind::<diesel::sql_types::Bool, _>(exclusive)
+            .get_result(conn)
+            .await?)
+    })
+    .await
 }
 
 /// What [`erase`] deleted: the aggregate's `done` and `dead` rows.

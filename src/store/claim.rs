@@ -1,20 +1,19 @@
-//! The claim: one short statement (and so one transaction) that reaps, then leases a batch.
+//! The claim: one short statement (and so one transaction) that leases a batch.
 
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use diesel::pg::data_types::PgInterval;
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Nullable, Text, Timestamptz};
-use diesel::{ExpressionMethods, QueryableByName};
+use diesel::QueryableByName;
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 
-use super::fence::processing;
+use super::cursor::{Cursor, Snapshot, Taken};
 use super::prepared::{Prepared, prepared};
-use super::sql::{CLAIM_FIFO_SQL, CLAIM_FIFO_TYPES_SQL, CLAIM_SQL, EXPLAIN, EXPLAIN_ANALYZE};
+use super::sql::{CLAIM_FIFO_SQL, CLAIM_FIFO_TYPES_SQL, CLAIM_SQL, EXPLAIN, EXPLAIN_ANALYZE, RELEASE_UNANSWERED_SQL};
 use crate::config::Fifo;
 use crate::error::StoreError;
-use crate::model::{Fence, OutboxMessage, Status};
-use crate::schema::outbox;
+use crate::model::OutboxMessage;
 
 /// What one claim asks for.
 #[derive(Debug, Clone)]
@@ -29,23 +28,16 @@ pub struct ClaimParams<'a> {
     pub max_bytes: usize,
     /// `lease_until = now() + lease`.
     pub lease: Duration,
-    /// Rows whose lease expired at this many attempts are reaped instead of reclaimed.
+    /// Rows whose lease expired at this many attempts are left to the sweep, which reaps them,
+    /// instead of being claimed again.
     pub max_attempts: i32,
     /// The per-aggregate gate: which rows wait for the earlier rows of their aggregate.
     pub fifo: &'a Fifo,
-    /// Start the walk of pending rows here instead of at the oldest one: pass the
-    /// [`Claim::resume`] of this worker's previous claim while the backlog is deep.
-    ///
-    /// Every claimed row leaves a dead entry behind in the index of pending rows until
-    /// `VACUUM` removes it, and a claim from the start steps over all of them: hundreds of
-    /// index pages per claim after a hundred thousand claims. The position is a hint only: a
-    /// pending row before it (one committed late with an old `available_at`, or released by a
-    /// claim that rolled back) is not seen by a hinted claim, so callers must claim without it
-    /// now and then, and whenever a claim comes back short (the [`ClaimActor`] does so at
-    /// least once a second).
-    ///
-    /// [`ClaimActor`]: crate::OutboxSupervisor
-    pub resume: Option<ReadyPosition>,
+    /// The dispatcher's cursor over new rows, when this claim may take new rows (one claim of a
+    /// dispatcher at a time holds it). `None`: only rows that wait in `outbox_later` and are due.
+    /// The claim returns what it did with the cursor's rows ([`Claim::cursor`]) for
+    /// [`Cursor::advance`].
+    pub cursor: Option<&'a Cursor>,
     /// Under [`Fifo::All`]: where the scan of aggregates for free heads starts, the
     /// [`HeadsScan::StoppedAfter`] of this worker's previous claim (`None`: from the first
     /// aggregate). Each scan visits at most `4 × batch` aggregates, so successive claims take
@@ -63,7 +55,7 @@ pub struct AggregateKey {
 }
 
 /// How far a claim's scan of aggregates for free heads went (only under [`Fifo::All`], and only
-/// when the walk of the oldest pending rows came back short).
+/// when the other parts of the claim came back short).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum HeadsScan {
     /// The claim found enough rows without scanning aggregates.
@@ -75,115 +67,131 @@ pub enum HeadsScan {
     StoppedAfter(AggregateKey),
 }
 
-/// A place in the order in which pending rows are claimed: `(available_at, id)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct ReadyPosition {
-    /// The row's `available_at`.
-    pub available_at: DateTime<Utc>,
-    /// The row's id.
-    pub id: i64,
-}
-
 /// What one claim did.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Claim {
     /// Rows leased to the caller, in id order.
     pub messages: Vec<OutboxMessage>,
-    /// Rows sent dead because their lease expired with no attempt left (a message that keeps
-    /// killing its worker), as (id, fence at the time).
-    pub reaped: Vec<Fence>,
-    /// The earliest pending row this claim took (expired leases aside): where the next claim
-    /// may start its walk ([`ClaimParams::resume`]). `None` if it took no pending row.
-    pub resume: Option<ReadyPosition>,
     /// Where the scan of aggregates stopped, for [`ClaimParams::heads_after`].
     pub heads: HeadsScan,
     /// Claimable rows left for a later claim because they did not fit in
     /// [`ClaimParams::max_bytes`]: the backlog goes on even though the claim took fewer rows
     /// than the batch.
     pub cut_by_budget: usize,
+    /// New rows the FIFO gate held back, moved to wait in `outbox_later` (due at once) so that
+    /// the cursor can pass them.
+    pub evicted: usize,
+    /// When the claim held the cursor: the snapshot its statement ran on and what it did with
+    /// the cursor's rows, for [`Cursor::advance`].
+    pub cursor: Option<(Snapshot, Taken)>,
 }
 
-/// Reaps, then leases up to `batch` rows: pending rows whose `available_at` has passed, and
-/// processing rows whose lease expired with attempts left. Every leased row gets
-/// `lease_version + 1` and `attempts + 1`; rows other workers hold locked are skipped.
+/// Leases up to `batch` rows: rows that wait in `outbox_later` and are due (pending ones past
+/// their `available_at`, and processing ones whose lease expired with attempts left), then, when
+/// the claim holds the dispatcher's [`Cursor`], the new rows after it. Every leased row gets
+/// `lease_version + 1` and `attempts + 1`; rows other claims hold locked are skipped.
 ///
-/// The two kinds of candidate are read by two index-friendly branches (`outbox_ready` by
-/// `(available_at, id)`, `outbox_leased` by `lease_until`) rather than one `OR` predicate,
-/// which would match neither partial index and walk every done row by primary key.
+/// No index the claim reads names a column that the claim or a finalize changes: each update is
+/// HOT (written beside the row, no index entry), and no claim steps over the entries of rows
+/// that left the state it looks for, however long vacuum is held off. See `cursor.rs` for how
+/// new rows are found in commit order.
 ///
-/// With [`ClaimParams::fifo`] on, both branches also require that no earlier row of the same
-/// aggregate is unfinished (a `NOT EXISTS` probe of `outbox_fifo_gate` per candidate; see
-/// [`Fifo`] for the rule). The gate reads committed rows only, and `done` is final, so a row
-/// that passes it has every gated predecessor finished for good: the gate holds across
-/// concurrent claims, processes and lease takeovers without any lock beyond the claimed rows.
+/// With [`ClaimParams::fifo`] on, every candidate must also have no earlier unfinished row of
+/// its aggregate (a `NOT EXISTS` probe of `outbox_fifo_gate` per candidate; see [`Fifo`] for
+/// the rule). The gate reads committed rows only, and `done` is final, so a row that passes it
+/// has every gated predecessor finished for good: the gate holds across concurrent claims,
+/// processes and lease takeovers without any lock beyond the claimed rows.
 pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Result<Claim, StoreError> {
-    let rows: Vec<ClaimRow> = claim_query(claim_sql(params.fifo), params).load(conn).await?;
+    let rows: Vec<ClaimRow> = claim_query(claim_sql(params.fifo), params)?.load(conn).await?;
     let mut claim = Claim::default();
+    let mut taken = Taken::default();
+    let mut snapshot = None;
     for row in rows {
         match row.kind {
-            KIND_REAPED => {
-                claim.reaped.push(Fence { id: row.id, lease_version: row.lease_version });
-                continue;
-            }
-            KIND_CUT => {
-                claim.cut_by_budget = usize::try_from(row.id).unwrap_or_default();
-                continue;
+            KIND_EVICTED => {
+                claim.evicted += 1;
+                taken.push(row.part, row.txid.as_deref(), row.id)?;
             }
             KIND_HEADS_END => {
-                claim.heads = match row.heads_bounded {
+                claim.heads = match row.bounded {
                     Some(true) => HeadsScan::StoppedAfter(AggregateKey {
                         aggregate_type: row.aggregate_type,
                         aggregate_id: row.aggregate_id,
                     }),
                     _ => HeadsScan::ReachedEnd,
                 };
-                continue;
             }
-            _ => {}
+            KIND_FOUND => {
+                let count = |n: Option<i64>| usize::try_from(n.unwrap_or_default()).unwrap_or_default();
+                taken.found = count(row.fresh_found);
+                taken.wanted = count(row.fresh_wanted);
+                taken.cut = count(row.fresh_cut);
+                claim.cut_by_budget = count(row.cut);
+                snapshot = row.snapshot.as_deref().map(Snapshot::parse).transpose().map_err(bad_row)?;
+            }
+            _ => {
+                taken.push(row.part, row.txid.as_deref(), row.id)?;
+                claim.messages.push(row.into_message()?);
+            }
         }
-        if let Some(available_at) = row.ready_at {
-            let here = ReadyPosition { available_at, id: row.id };
-            claim.resume = Some(claim.resume.map_or(here, |r| r.min(here)));
-        }
-        claim.messages.push(row.into_message()?);
+    }
+    if params.cursor.is_some() {
+        let snapshot = snapshot.ok_or_else(|| bad_row("the claim returned no snapshot"))?;
+        claim.cursor = Some((snapshot, taken));
     }
     // RETURNING order is unspecified.
     claim.messages.sort_by_key(|m| m.id);
-    claim.reaped.sort_by_key(|f| f.id);
     Ok(claim)
+}
+
+impl Taken {
+    /// Records a row of the cursor's that the claim took or moved (`part` 1: late, 2: next).
+    fn push(&mut self, part: Option<i32>, txid: Option<&str>, id: i64) -> Result<(), StoreError> {
+        let list = match part {
+            Some(PART_LATE) => &mut self.late,
+            Some(PART_NEXT) => &mut self.next,
+            _ => return Ok(()),
+        };
+        let txid = txid.ok_or_else(|| bad_row("a new row without its txid"))?;
+        list.push((txid.parse().map_err(|_| bad_row(format!("not a transaction id: {txid:?}")))?, id));
+        Ok(())
+    }
+}
+
+fn bad_row(e: impl std::fmt::Display) -> StoreError {
+    StoreError::Query(diesel::result::Error::DeserializationError(e.to_string().into()))
 }
 
 /// Hands back to `pending` the rows a claim of `owner` leased but whose answer never reached
 /// it, and returns their ids: every row still `processing` under `owner` whose id is not in
-/// `in_flight` (the rows that worker is publishing). Their claim's attempt is refunded and
-/// their `lease_version` moves on, so no write of that lost claim can land; their
-/// `available_at` is untouched, so they keep their place in the claim order.
+/// `in_flight` (the rows that worker is publishing). Their claim's attempt is refunded, their
+/// `lease_version` moves on, so no write of that lost claim can land, and they wait in
+/// `outbox_later`, due at once, where the next claim finds them.
 ///
 /// A claim statement whose connection breaks after it was sent may have committed: its rows
 /// are leased, and nobody will publish them until the lease expires. The claim actor runs this
 /// before its next claim after such a failure. `owner` names one worker of one process (see
 /// [`DispatcherConfig::worker_owner`](crate::DispatcherConfig::worker_owner)), so only that
 /// worker's rows match, and a row another worker reclaimed after its lease expired, or the
-/// reaper sent dead, no longer does.
+/// sweep sent dead, no longer does. The rows a claim can lease are either new ones, which lie
+/// after the outbox's horizon (the sweep moves it past a row only once it is finished), or due
+/// waiting ones: the statement reads those two sets, not the history.
 pub async fn release_unanswered(
     conn: &mut AsyncPgConnection,
     owner: &str,
     in_flight: &[i64],
 ) -> Result<Vec<i64>, StoreError> {
-    Ok(diesel::update(outbox::table)
-        .filter(processing())
-        .filter(outbox::lease_owner.eq(owner))
-        .filter(outbox::id.ne_all(in_flight))
-        .set((
-            outbox::status.eq(Status::Pending),
-            outbox::lease_version.eq(outbox::lease_version + 1),
-            outbox::attempts.eq(outbox::attempts - 1),
-            outbox::lease_owner.eq(None::<String>),
-            outbox::lease_until.eq(None::<DateTime<Utc>>),
-        ))
-        .returning(outbox::id)
-        .get_results(conn)
-        .await?)
+    #[derive(QueryableByName)]
+    struct Released {
+        #[diesel(sql_type = Int8)]
+        id: i64,
+    }
+    let rows: Vec<Released> = diesel::sql_query(RELEASE_UNANSWERED_SQL)
+        .bind::<Text, _>(owner)
+        .bind::<Array<Int8>, _>(in_flight)
+        .load(conn)
+        .await?;
+    Ok(rows.into_iter().map(|r| r.id).collect())
 }
 
 /// The plan PostgreSQL picks for [`claim`] with `params`, one line per row of `EXPLAIN`
@@ -205,7 +213,7 @@ pub async fn release_unanswered(
 ///     lease: std::time::Duration::from_secs(60),
 ///     max_attempts: 12,
 ///     fifo: &Fifo::All,
-///     resume: None,
+///     cursor: None,
 ///     heads_after: None,
 /// };
 /// for line in explain_claim(conn, &params, true).await? {
@@ -230,7 +238,7 @@ pub async fn explain_claim(
     if analyze {
         AnsiTransactionManager::begin_transaction(conn).await?;
     }
-    let lines: Result<Vec<PlanLine>, _> = claim_query(&sql, params).load(conn).await;
+    let lines: Result<Vec<PlanLine>, _> = claim_query(&sql, params)?.load(conn).await;
     if analyze {
         AnsiTransactionManager::rollback_transaction(conn).await?;
     }
@@ -245,25 +253,35 @@ fn claim_sql(fifo: &Fifo) -> &'static str {
     }
 }
 
-fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Prepared<'a> {
+fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Result<Prepared<'a>, StoreError> {
+    // A claim that does not hold the cursor binds a cursor that is never read ($10 is false).
+    let origin = Cursor::at(Snapshot::origin());
+    let cursor = params.cursor.unwrap_or(&origin);
+    let (late_txids, late_after): (Vec<String>, Vec<i64>) = cursor.late().map(|(t, id)| (t.to_string(), id)).unzip();
+    let (from_txid, from_id) = cursor.from();
     let query = prepared(sql)
-        .bind::<Int4, _>(params.max_attempts)
-        .bind::<BigInt, _>(i64::try_from(params.batch).unwrap_or(i64::MAX))
         .bind::<Text, _>(params.owner)
+        .bind::<BigInt, _>(i64::try_from(params.batch).unwrap_or(i64::MAX))
         .bind::<Interval, _>(interval(params.lease))
-        .bind::<Nullable<Timestamptz>, _>(params.resume.map(|r| r.available_at))
-        .bind::<Nullable<Int8>, _>(params.resume.map(|r| r.id));
-    // $7 and $8 depend on the gate; a statement that does not use them binds placeholders that
-    // never reach the text. $9 is the byte budget.
-    let no_text = None::<&str>;
-    let query = match params.fifo {
-        Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types).bind::<Nullable<Text>, _>(no_text),
+        .bind::<Int4, _>(params.max_attempts)
+        .bind::<Array<Text>, _>(late_txids)
+        .bind::<Array<Int8>, _>(late_after)
+        .bind::<Text, _>(from_txid.to_string())
+        .bind::<BigInt, _>(from_id)
+        .bind::<BigInt, _>(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
+        .bind::<Bool, _>(params.cursor.is_some())
+        .bind::<Timestamptz, _>(DateTime::<Utc>::UNIX_EPOCH);
+    // $12 and $13 depend on the gate: the gated event types, or the aggregate after which the
+    // scan of heads starts. A statement that does not use them binds placeholders that never
+    // reach the text.
+    let no_text = None::<String>;
+    Ok(match params.fifo {
+        Fifo::EventTypes(types) => query.bind::<Array<Text>, _>(types.clone()).bind::<Nullable<Text>, _>(no_text),
         Fifo::All => query
-            .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_type.as_str()))
-            .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_id.as_str())),
-        Fifo::Off => query.bind::<Nullable<Text>, _>(no_text).bind::<Nullable<Text>, _>(no_text),
-    };
-    query.bind::<BigInt, _>(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
+            .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_type.clone()))
+            .bind::<Nullable<Text>, _>(params.heads_after.map(|k| k.aggregate_id.clone())),
+        Fifo::Off => query.bind::<Nullable<Text>, _>(no_text.clone()).bind::<Nullable<Text>, _>(no_text),
+    })
 }
 
 pub(crate) fn interval(d: Duration) -> PgInterval {
@@ -272,7 +290,7 @@ pub(crate) fn interval(d: Duration) -> PgInterval {
 
 #[derive(QueryableByName)]
 struct ClaimRow {
-    /// 0: a claimed row; `KIND_REAPED`; `KIND_HEADS_END`.
+    /// 0: a claimed row; `KIND_EVICTED`; `KIND_HEADS_END`; `KIND_FOUND`.
     #[diesel(sql_type = Int4)]
     kind: i32,
     #[diesel(sql_type = Int8)]
@@ -294,20 +312,36 @@ struct ClaimRow {
     lease_version: i64,
     #[diesel(sql_type = Nullable<Timestamptz>)]
     lease_until: Option<DateTime<Utc>>,
-    /// `available_at` of a row taken from the pending ones (not an expired lease).
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    ready_at: Option<DateTime<Utc>>,
-    /// For the heads-scan row: whether the scan stopped at its bound (else it reached the end).
-    #[diesel(sql_type = Nullable<Bool>)]
-    heads_bounded: Option<bool>,
     /// The `headers` column's JSON text (`headers::text`; NULL when the column is).
     #[diesel(sql_type = Nullable<Text>)]
     headers: Option<String>,
+    /// Where a claimed or evicted row came from: 0 later, 1 late, 2 next, 3 heads.
+    #[diesel(sql_type = Nullable<Int4>)]
+    part: Option<i32>,
+    /// Its `txid`, for rows of the cursor.
+    #[diesel(sql_type = Nullable<Text>)]
+    txid: Option<String>,
+    /// For the heads-scan row: whether the scan stopped at its bound (else it reached the end).
+    #[diesel(sql_type = Nullable<Bool>)]
+    bounded: Option<bool>,
+    #[diesel(sql_type = Nullable<Int8>)]
+    fresh_found: Option<i64>,
+    #[diesel(sql_type = Nullable<Int8>)]
+    fresh_wanted: Option<i64>,
+    #[diesel(sql_type = Nullable<Int8>)]
+    fresh_cut: Option<i64>,
+    #[diesel(sql_type = Nullable<Int8>)]
+    cut: Option<i64>,
+    /// The statement's snapshot, on the `KIND_FOUND` row.
+    #[diesel(sql_type = Nullable<Text>)]
+    snapshot: Option<String>,
 }
 
-const KIND_REAPED: i32 = 1;
+const KIND_EVICTED: i32 = 1;
 const KIND_HEADS_END: i32 = 2;
-const KIND_CUT: i32 = 3;
+const KIND_FOUND: i32 = 3;
+const PART_LATE: i32 = 1;
+const PART_NEXT: i32 = 2;
 
 impl ClaimRow {
     fn into_message(self) -> Result<OutboxMessage, StoreError> {

@@ -35,26 +35,12 @@ use diesel::{ExpressionMethods, QueryResult};
 use crate::model::{Fence, Status};
 use crate::schema::outbox;
 
-/// The filter `status = 'processing'`: the rows some claim holds. It lets the planner use the
-/// partial index `outbox_leased`, which holds those rows.
-pub(crate) fn processing() -> diesel::dsl::Eq<outbox::status, Status> {
-    outbox::status.eq(Status::Processing)
-}
-
 /// The filter every fenced batch write carries beside [`Batch::fenced`]: the row is still
 /// `processing`, so a row that was reaped or finalized already is not written again, even at
-/// its version.
-///
-/// It reads `status IS NOT DISTINCT FROM 'processing'` (the same test: `status` is never
-/// `NULL`) so that the planner cannot answer it from the partial index `outbox_leased`: a
-/// batch write finds its rows by primary key. With `status = 'processing'` the planner
-/// believes, from statistics taken while the rows were pending, that almost none are
-/// processing, and scans `outbox_leased` whole, every row in flight and the dead entries of
-/// those finalized since the last vacuum, which costs more per row than the primary key
-/// (docs/benchmarks.md).
-pub(crate) fn held() -> diesel::dsl::IsNotDistinctFrom<outbox::status, Status> {
-    use diesel::PgExpressionMethods;
-    outbox::status.is_not_distinct_from(Status::Processing)
+/// its version. The batch's rows are found by primary key ([`Batch::fenced`]); no index reads
+/// `status`.
+pub(crate) fn held() -> diesel::dsl::Eq<outbox::status, Status> {
+    outbox::status.eq(Status::Processing)
 }
 
 /// The rows of one fenced write, sorted by id, one claim per row: the binds of [`Fenced`] and

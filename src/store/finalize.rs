@@ -32,12 +32,30 @@ const MAX_ERROR_CHARS: usize = 2000;
 /// Before the last error of a row that a deferral sends dead ([`Reschedule::dead_if_older_than`]).
 const DEFERRED_TOO_LONG: &str = "deferred past the maximum deferral age; last: ";
 
+#[diesel::declare_sql_function]
+extern "SQL" {
+    /// SQL `least` of two timestamps.
+    fn least(a: Timestamptz, b: Timestamptz) -> Timestamptz;
+    /// SQL `greatest` of two timestamps.
+    fn greatest(a: Timestamptz, b: Timestamptz) -> Timestamptz;
+}
+
+/// `'infinity'`: the `available_at` of a dead row, which waits in `outbox_later` and is never
+/// due. A constant, so the statement's text still depends on its types alone.
+pub(crate) fn never() -> diesel::expression::SqlLiteral<Timestamptz> {
+    diesel::dsl::sql::<Timestamptz>("'infinity'::timestamptz")
+}
+
 fn clip(error: &str) -> String {
     error.chars().take(MAX_ERROR_CHARS).collect()
 }
 
 /// Marks each row `done` (clearing the lease; `last_error` stays, so that a row delivered after
 /// failures still says what failed last), fenced; returns the ids won.
+///
+/// A row that waited (`available_at` past `created_at`) leaves `outbox_later` (its
+/// `available_at` goes back to `created_at`); for any other row no indexed value changes, so the
+/// update is HOT: a new version beside the old one on its page, no index entry.
 pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result<Vec<i64>, StoreError> {
     if fences.is_empty() {
         return Ok(Vec::new());
@@ -52,6 +70,7 @@ pub async fn mark_done(conn: &mut AsyncPgConnection, fences: &[Fence]) -> Result
                 outbox::done_at.eq(now),
                 outbox::lease_owner.eq(None::<String>),
                 outbox::lease_until.eq(None::<DateTime<Utc>>),
+                outbox::available_at.eq(least(outbox::available_at, outbox::created_at)),
             ))
             .returning(outbox::id),
     )
@@ -80,7 +99,8 @@ pub struct Bury {
     pub error: String,
 }
 
-/// Marks each row `dead` with its error, fenced; returns the ids won.
+/// Marks each row `dead` with its error, fenced; returns the ids won. Dead rows wait in
+/// `outbox_later` at `available_at = 'infinity'`: listed from there, never due.
 pub async fn mark_dead(conn: &mut AsyncPgConnection, rows: &[Bury]) -> Result<Vec<i64>, StoreError> {
     if rows.is_empty() {
         return Ok(Vec::new());
@@ -96,6 +116,7 @@ pub async fn mark_dead(conn: &mut AsyncPgConnection, rows: &[Bury]) -> Result<Ve
                 outbox::last_error.eq(batch.per_row::<Text, _>(&errors).nullable()),
                 outbox::lease_owner.eq(None::<String>),
                 outbox::lease_until.eq(None::<DateTime<Utc>>),
+                outbox::available_at.eq(never()),
             ))
             .returning(outbox::id),
     )
@@ -130,6 +151,9 @@ pub struct Rescheduled {
 
 /// Puts each row back to `pending` after its delay (or `dead`, see
 /// [`Reschedule::dead_if_older_than`]), fenced; returns the rows won with their new status.
+///
+/// A pending row waits in `outbox_later` until `now() + delay` (at least a microsecond past its
+/// `created_at`, which is what places it there even with no delay); a dead one at `'infinity'`.
 pub async fn reschedule(conn: &mut AsyncPgConnection, rows: &[Reschedule]) -> Result<Vec<Rescheduled>, StoreError> {
     if rows.is_empty() {
         return Ok(Vec::new());
@@ -154,7 +178,10 @@ pub async fn reschedule(conn: &mut AsyncPgConnection, rows: &[Reschedule]) -> Re
                     .otherwise("")
                     .concat(batch.per_row::<Text, _>(&errors))
                     .nullable()),
-                outbox::available_at.eq(now.into_sql::<Timestamptz>() + batch.per_row::<Interval, _>(&delays)),
+                outbox::available_at.eq(case_when::<_, _, Timestamptz>(too_old, never()).otherwise(greatest(
+                    now.into_sql::<Timestamptz>() + batch.per_row::<Interval, _>(&delays),
+                    outbox::created_at + interval(Duration::from_micros(1)),
+                ))),
                 outbox::attempts.eq(outbox::attempts - batch.per_row::<Int4, _>(&refunds)),
                 outbox::lease_owner.eq(None::<String>),
                 outbox::lease_until.eq(None::<DateTime<Utc>>),

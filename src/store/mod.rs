@@ -13,6 +13,8 @@ mod admin;
 // `test-util` feature's `testing` module.
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod claim;
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
+mod cursor;
 mod fence;
 mod fifo;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
@@ -22,6 +24,8 @@ mod pool;
 mod prepared;
 mod producer;
 mod sql;
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
+mod sweep;
 
 use std::time::Duration;
 
@@ -34,11 +38,15 @@ pub use admin::{
     Erasure, SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, erase, outbox_source, purge_done,
     stats,
 };
-pub(crate) use admin::{Sample, sample_unfinished};
+pub(crate) use admin::{Sample, prune_step, sample_unfinished};
 #[cfg(feature = "testkit")]
 pub(crate) use admin::{Unsettled, unsettled};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
-pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
+pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, claim, explain_claim, release_unanswered};
+#[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
+pub use cursor::{BadSnapshot, Cursor, Position, Snapshot, Taken};
+#[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
+pub use sweep::{SweepParams, Swept, horizon, sweep};
 pub(crate) use fifo::fifo_index_valid;
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, ensure_fifo_index};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]

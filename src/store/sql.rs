@@ -29,146 +29,208 @@
 //! The claim runs through [`Prepared`](super::prepared::Prepared) (prepared once per
 //! connection); the others through `diesel::sql_query`.
 
-// The claim statement. `$gate` is appended to the expired-lease branch (the candidate row is
-// `o`); `$ready` is the CTE list that defines `ready`, the pending rows to lease. $1
-// max_attempts, $2 batch, $3 owner, $4 lease, $5 and $6 the resume position (both NULL for a
-// walk from the start), then either $7 the gated event types (when the gate names them) or $7
-// and $8 the aggregate after which the scan of heads starts (gate on all types), and $9 the
-// byte budget: `picked` takes the candidates in id order while their payloads (as JSON text)
-// fit in it, and the first whatever its size. `$tail` adds rows to the result. Each result row
-// is claimed (kind 0), reaped (1), where the heads scan ended (2), or how many candidates the
-// byte budget left out (3, only when some were).
+// The claim statement, assembled from parts. Each candidate comes from one of:
 //
-// The reaper runs first in the same statement; its rows (attempts >= max) and the claim's
-// (attempts < max) are disjoint, so no row is written twice. It is not gated: a dead row blocks
-// its aggregate as well as a processing one does.
+// - `later` (part 0): rows that wait in `outbox_later` (`available_at > created_at`) and are due:
+//   pending ones, and processing ones whose lease ran out with attempts left (their worker died
+//   or stalled: the sweep moved them here, or they were claimed from here);
+// - `late` (part 1): rows of the transactions the cursor still probes ($5, each with the last id
+//   of it passed, $6), by `(txid, id)`;
+// - `next` (part 2): rows of later transactions in `(txid, id)` order after $7/$8, through
+//   `outbox_txid`. The upper bound (the statement's own snapshot's `xmax`, beyond which nothing is
+//   visible anyway) makes both ends of the range expressions, so that the plan PostgreSQL keeps
+//   for the prepared statement is an ordered index scan whatever the statistics say (with one
+//   end open it may pick a bitmap scan and a sort of everything after the cursor);
+// - `heads` (part 3, under `Fifo::All` only, when the others came back short): see
+//   `CLAIM_FIFO_SQL`.
+//
+// $1 owner, $2 batch, $3 lease, $4 max_attempts, $5/$6 the late transactions and their last
+// ids, $7/$8 the position after which `next` starts, $9 the byte budget, $10 whether this claim
+// holds the dispatcher's cursor (when it does not, `late` and `next` take nothing), $11 the lower
+// bound of `later` (always '-infinity': a bound that is a parameter keeps its plan an ordered
+// index scan, as for `next`), then $12/$13 per gate (see each statement).
+//
+// `picked` takes the candidates that pass the gate in (part, txid, id) order while their
+// payloads (as JSON text) fit in $9, and the first whatever its size. Under the gate, a row of
+// the cursor that does not pass it is moved to `outbox_later` (`evicted`), due at once, so that
+// the cursor can pass it and the later part finds it once its aggregate's earlier rows are done;
+// none is moved when the budget left a row out (the cursor stays before that row anyway).
+//
+// Each result row is claimed (kind 0), evicted (1), where the heads scan ended (2) or, once,
+// what the claim found (3): `fresh_found` (late + next, locked for it), `fresh_wanted`,
+// `fresh_cut` (of those, passing the gate but left out by the budget), `cut` (the same over
+// every part) and the statement's snapshot.
 macro_rules! claim_sql {
-    ($gate:literal) => {
-        claim_sql!($gate, ready_walk!($gate), "")
-    };
-    ($gate:literal, $ready:expr, $tail:expr) => {
+    (gate: $gate:tt, later_bound: $later_bound:tt, heads: $heads:tt, heads_tail: $heads_tail:tt) => {
         concat!(
             r#"
-WITH reaped AS (
-    UPDATE outbox
-    SET status = 'dead',
-        lease_version = lease_version + 1,
-        last_error = 'reaped: lease expired after ' || attempts || ' of ' || $1::int
-                     || ' attempts (the worker died or stalled mid-publish)'
-                     || coalesce('; last error: ' || last_error, ''),
-        lease_owner = NULL,
-        lease_until = NULL
-    WHERE id IN (
-        SELECT id FROM outbox
-        WHERE status = 'processing' AND lease_until < now() AND attempts >= $1
-        ORDER BY lease_until
-        LIMIT 1000
-        FOR UPDATE SKIP LOCKED)
-    -- The fence of the claim that died; the row's own version moved past it, so that no
-    -- late write of that claim (nor a read-back of one) can count the reaped row as its own.
-    RETURNING id, lease_version - 1 AS lease_version
-), expired AS (
-    SELECT o.id FROM outbox AS o
-    WHERE o.status = 'processing' AND o.lease_until < now() AND o.attempts < $1"#,
+WITH "#,
+            $later_bound,
+            r#"later AS (
+    SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS body FROM outbox AS o
+    WHERE o.available_at > o.created_at AND o.available_at > $11 AND o.available_at <= now()
+      AND (o.status = 'pending' OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < $4))"#,
+            later_window!($later_bound),
+            "\n      AND ",
             $gate,
             r#"
-    ORDER BY o.lease_until
+    ORDER BY o.available_at, o.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
-), "#,
-            $ready,
-            r#"
+), late AS (
+    SELECT f.id, f.txid, f.aggregate_type, f.aggregate_id, f.event_type, f.body
+    FROM unnest($5::text[]::xid8[], $6::int8[]) AS l(txid, after)
+    CROSS JOIN LATERAL (
+        SELECT o.id, o.txid, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS body FROM outbox AS o
+        WHERE o.txid = l.txid AND (o.txid, o.id) > (l.txid, l.after)
+          AND o.available_at <= o.created_at AND o.status = 'pending'
+        ORDER BY o.txid, o.id
+        LIMIT $2
+        FOR UPDATE SKIP LOCKED) AS f
+    ORDER BY f.txid, f.id
+    LIMIT CASE WHEN $10 THEN $2 - (SELECT count(*) FROM later) ELSE 0 END
+), next AS (
+    SELECT o.id, o.txid, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS body FROM outbox AS o
+    WHERE o.txid >= $7::xid8 AND o.txid < pg_snapshot_xmax(pg_current_snapshot())
+      AND (o.txid, o.id) > ($7::xid8, $8)
+      AND o.available_at <= o.created_at AND o.status = 'pending'
+    ORDER BY o.txid, o.id
+    LIMIT CASE WHEN $10 THEN $2 - (SELECT count(*) FROM later) - (SELECT count(*) FROM late) ELSE 0 END
+    FOR UPDATE SKIP LOCKED
 ), candidates AS (
-    -- The payload is rendered as text once, here: measured for the budget, returned as is.
-    SELECT c.id, c.from_ready, o.payload::text AS body
-    FROM (SELECT id, false AS from_ready FROM expired UNION ALL SELECT id, true FROM ready) AS c
-    JOIN outbox AS o ON o.id = c.id
-    ORDER BY c.id
-    LIMIT $2
-), picked AS (
-    SELECT id, from_ready, body
-    FROM (SELECT id, from_ready, body, octet_length(body) AS bytes,
-                 sum(octet_length(body)) OVER (ORDER BY id) - octet_length(body) AS before
-          FROM candidates) AS w
+    SELECT o.id, o.part, o.txid, o.body, o.part = 0 OR "#,
+            gate_on!($gate),
+            r#" AS open
+    FROM (SELECT id, 0 AS part, NULL::xid8 AS txid, aggregate_type, aggregate_id, event_type, body FROM later
+          UNION ALL SELECT id, 1, txid, aggregate_type, aggregate_id, event_type, body FROM late
+          UNION ALL SELECT id, 2, txid, aggregate_type, aggregate_id, event_type, body FROM next) AS o
+), "#,
+            $heads,
+            r#"picked AS (
+    SELECT id, part, txid, body
+    FROM (SELECT id, part, txid, body, octet_length(body) AS bytes,
+                 sum(octet_length(body)) OVER (ORDER BY part, txid, id) - octet_length(body) AS before
+          FROM (SELECT id, part, txid, body FROM candidates WHERE open"#,
+            heads_rows!($heads),
+            r#") AS o) AS w
     WHERE before = 0 OR before + bytes <= $9
+), evicted AS (
+    UPDATE outbox AS o
+    SET available_at = o.created_at + interval '1 microsecond'
+    FROM candidates AS c
+    WHERE o.id = c.id AND c.part > 0 AND NOT c.open
+      AND NOT EXISTS (SELECT 1 FROM candidates AS k WHERE k.open AND k.part > 0 AND k.id NOT IN (SELECT id FROM picked))
+    RETURNING o.id, c.part, c.txid
 ), claimed AS (
     UPDATE outbox AS o
     SET status = 'processing',
-        lease_owner = $3,
-        lease_until = now() + $4,
+        lease_owner = $1,
+        lease_until = now() + $3,
         lease_version = o.lease_version + 1,
         attempts = o.attempts + 1
     FROM picked
     WHERE o.id = picked.id
     RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, picked.body AS payload, o.created_at,
-              o.attempts, o.lease_version, o.lease_until,
-              CASE WHEN picked.from_ready THEN o.available_at END AS ready_at,
-              o.headers::text AS headers
+              o.attempts, o.lease_version, o.lease_until, o.headers::text AS headers, picked.part, picked.txid
 )
-SELECT 0 AS kind, id, aggregate_type, aggregate_id, event_type, payload, created_at,
-       attempts, lease_version, lease_until, ready_at, NULL::bool AS heads_bounded, headers
+SELECT 0 AS kind, id, aggregate_type, aggregate_id, event_type, payload, created_at, attempts, lease_version,
+       lease_until, headers, part, txid::text AS txid, NULL::bool AS bounded,
+       NULL::int8 AS fresh_found, NULL::int8 AS fresh_wanted, NULL::int8 AS fresh_cut, NULL::int8 AS cut,
+       NULL::text AS snapshot
 FROM claimed
 UNION ALL
-SELECT 1, id, '', '', '', 'null', now(), 0, lease_version, NULL, NULL, NULL, NULL
-FROM reaped
+SELECT 1, id, '', '', '', 'null', now(), 0, 0, NULL, NULL, part, txid::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM evicted
 UNION ALL
-SELECT 3, cut, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL, NULL
-FROM (SELECT (SELECT count(*) FROM candidates) - (SELECT count(*) FROM picked) AS cut) AS budget
-WHERE cut > 0"#,
-            $tail,
+SELECT 3, 0, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL, NULL, NULL,
+       (SELECT count(*) FROM late) + (SELECT count(*) FROM next),
+       CASE WHEN $10 THEN $2 - (SELECT count(*) FROM later) ELSE 0 END,
+       (SELECT count(*) FROM candidates WHERE open AND part > 0) - (SELECT count(*) FROM picked WHERE part > 0),
+       (SELECT count(*) FROM candidates WHERE open)"#,
+            heads_count!($heads),
+            r#" - (SELECT count(*) FROM picked),
+       pg_current_snapshot()::text"#,
+            $heads_tail,
             "\n"
         )
     };
 }
 
-// `ready` as a walk of the pending rows in claim order from the resume position, each
-// candidate passing `$gate`.
-macro_rules! ready_walk {
-    ($gate:literal) => {
-        concat!(
-            r#"ready AS (
-    SELECT o.id FROM outbox AS o
-    WHERE o.status = 'pending' AND o.available_at <= now()
-      AND (o.available_at, o.id) >= (coalesce($5, '-infinity'), coalesce($6, -9223372036854775808))"#,
-            $gate,
-            r#"
-    ORDER BY o.available_at, o.id
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED"#
-        )
+// The gate as a test of a candidate `c` (the rows of the cursor: late and next), or `true`.
+macro_rules! gate_on {
+    ("true") => {
+        "true"
+    };
+    ($gate:tt) => {
+        concat!("(", $gate, ")")
     };
 }
 
-// `ready` under the FIFO gate (see `CLAIM_FIFO_SQL`): a walk of the oldest pending rows, each
-// `o` passing `$gate`, that stops at the batch or at the end of a window of `4 × batch` rows;
-// then, only when it came back short, the first unfinished row of each of up to `4 × batch`
-// aggregates after $7/$8 (`heads_end` reports where that scan stopped). Both lock as they go
-// (`SKIP LOCKED`), so concurrent claims pass over each other's rows.
-macro_rules! fifo_ready {
-    ($gate:literal) => {
-        concat!(
-            r#"window_end AS (
-    SELECT available_at, id FROM outbox
-    WHERE status = 'pending' AND available_at <= now()
-    ORDER BY available_at, id
+// Under `Fifo::All`, `later` walks at most `4 × batch` due rows: the end of that window.
+macro_rules! later_window {
+    ("") => {
+        ""
+    };
+    ($bound:tt) => {
+        r#"
+      AND (o.available_at, o.id) <= (coalesce((SELECT available_at FROM window_end), 'infinity'),
+                                     coalesce((SELECT id FROM window_end), 9223372036854775807))"#
+    };
+}
+
+// The heads scan's rows, counted among the candidates the budget may cut.
+macro_rules! heads_count {
+    ("") => {
+        ""
+    };
+    ($heads:tt) => {
+        " + (SELECT count(*) FROM heads_ready)"
+    };
+}
+
+// The heads scan's rows among those `picked` takes from.
+macro_rules! heads_rows {
+    ("") => {
+        ""
+    };
+    ($heads:tt) => {
+        "\n                UNION ALL SELECT id, 3, NULL, body FROM heads_ready"
+    };
+}
+
+/// No gate: any due or new row.
+pub(super) const CLAIM_SQL: &str = claim_sql!(gate: "true", later_bound: "", heads: "", heads_tail: "");
+
+/// Every row waits for the earlier unfinished rows of its aggregate.
+///
+/// Candidates are found three ways, the third only when the first two come back short:
+///
+/// - `later`: the due rows that wait, each probed by the gate, within a window of the first
+///   `4 × batch` of them (rows of a blocked aggregate wait here, and a walk of all of them on
+///   every claim would grow with the blocked backlog);
+/// - `late` and `next`: the cursor's new rows, each probed by the gate; those that do not pass
+///   are moved to `outbox_later` (see `claim_sql!`);
+/// - `heads`: a skip scan of `outbox_fifo_gate` that visits aggregates with unfinished rows in
+///   key order, one index descent each, and takes each one's first unfinished row: claimable if
+///   pending and due. It starts after [`ClaimParams::heads_after`](super::ClaimParams::heads_after)
+///   ($12, $13) and stops after `4 × batch` aggregates ([`Claim::heads`](super::Claim::heads) says
+///   where), so its cost is bounded however many aggregates there are, and successive claims take
+///   turns over all of them.
+pub(super) const CLAIM_FIFO_SQL: &str = claim_sql!(
+    gate: "NOT EXISTS (SELECT 1 FROM outbox AS prev WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))",
+    later_bound: r#"window_end AS (
+    SELECT o.available_at, o.id FROM outbox AS o
+    WHERE o.available_at > o.created_at AND o.available_at > $11 AND o.available_at <= now()
+      AND (o.status = 'pending' OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < $4))
+    ORDER BY o.available_at, o.id
     OFFSET $2 * 4 - 1
     LIMIT 1
-), walk AS (
-    SELECT o.id FROM outbox AS o
-    WHERE o.status = 'pending' AND o.available_at <= now()
-      AND o.available_at <= coalesce((SELECT available_at FROM window_end), 'infinity')
-      AND (o.available_at, o.id) <= (coalesce((SELECT available_at FROM window_end), 'infinity'),
-                                     coalesce((SELECT id FROM window_end), 9223372036854775807))"#,
-            $gate,
-            r#"
-    ORDER BY o.available_at, o.id
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-), heads AS (
+), "#,
+    heads: r#"heads AS (
     WITH RECURSIVE first_unfinished (aggregate_type, aggregate_id, id, step) AS (
         (SELECT aggregate_type, aggregate_id, id, 1 FROM outbox
          WHERE status IN ('pending', 'processing', 'dead')
-           AND ($7::text IS NULL OR (aggregate_type, aggregate_id) > ($7, $8))
+           AND ($12::text IS NULL OR (aggregate_type, aggregate_id) > ($12, $13))
          ORDER BY aggregate_type, aggregate_id, id
          LIMIT 1)
         UNION ALL
@@ -182,88 +244,150 @@ macro_rules! fifo_ready {
             LIMIT 1) AS next
         WHERE f.step < $2 * 4
     )
-    SELECT * FROM first_unfinished WHERE (SELECT count(*) FROM walk) < $2
+    SELECT * FROM first_unfinished WHERE (SELECT count(*) FROM candidates WHERE open) < $2
 ), heads_ready AS (
-    SELECT o.id FROM heads AS h JOIN outbox AS o ON o.id = h.id
+    SELECT o.id, o.payload::text AS body FROM heads AS h JOIN outbox AS o ON o.id = h.id
     WHERE o.status = 'pending' AND o.available_at <= now()
-      AND o.id NOT IN (SELECT id FROM walk)
+      AND o.id NOT IN (SELECT id FROM candidates)
     ORDER BY o.available_at, o.id
-    LIMIT (SELECT $2 - count(*) FROM walk)
+    LIMIT (SELECT $2 - count(*) FROM candidates WHERE open)
     FOR UPDATE OF o SKIP LOCKED
 ), heads_end AS (
     SELECT last.aggregate_type, last.aggregate_id, coalesce(last.step >= $2 * 4, false) AS bounded
     FROM (SELECT 1) AS one
     LEFT JOIN LATERAL (SELECT * FROM heads ORDER BY step DESC LIMIT 1) AS last ON true
-    WHERE (SELECT count(*) FROM walk) < $2
-), ready AS (
-    SELECT id FROM walk
-    UNION ALL
-    SELECT id FROM heads_ready"#
-        )
-    };
-}
-
-/// No gate: any ready row.
-pub(super) const CLAIM_SQL: &str = claim_sql!("");
-
-/// Every row waits for the earlier unfinished rows of its aggregate. The probe is a range scan
-/// of the partial index `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, whose predicate
-/// is exactly the unfinished statuses.
-///
-/// Pending rows are found two ways, the second only when the first comes back short:
-///
-/// - `walk`: the oldest pending rows in claim order, each probed by the gate, until the batch
-///   is full or `4 × batch` rows have been seen. Cheap when most pending rows head their
-///   aggregate (many aggregates, short backlogs each).
-/// - `heads`: a skip scan of `outbox_fifo_gate` that visits aggregates with unfinished rows in
-///   key order, one index descent each, and takes each one's first unfinished row: claimable if
-///   pending. It starts after [`ClaimParams::heads_after`](super::ClaimParams::heads_after) and stops after `4 × batch`
-///   aggregates ([`Claim::heads`](super::Claim::heads) says where), so its cost is bounded however many aggregates
-///   there are, and successive claims take turns over all of them.
-///
-/// A walk of rows alone degrades when the free heads are fewer than the batch (few aggregates,
-/// or every aggregate's head in flight): it then walks every pending row, a probe each, to find
-/// them: about a second per claim at 100,000 pending rows in 1,000 aggregates, against 22–27 ms
-/// for both parts; 25 ms with one aggregate's 1,000 rows ahead of 10,000 others (`EXPLAIN
-/// ANALYZE`, batch 200). The resume position does not apply: a walk passes over
-/// blocked rows, and a hint would hide them once they are unblocked.
-pub(super) const CLAIM_FIFO_SQL: &str = claim_sql!(
-    r#"
-      AND NOT EXISTS (
-          SELECT 1 FROM outbox AS prev
-          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
-            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#,
-    fifo_ready!(
-        r#"
-      AND NOT EXISTS (
-          SELECT 1 FROM outbox AS prev
-          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
-            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))"#
-    ),
-    r#"
+    WHERE (SELECT count(*) FROM candidates WHERE open) < $2
+), "#,
+    heads_tail: r#"
 UNION ALL
-SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null', now(), 0, 0, NULL, NULL,
-       bounded, NULL
+SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null', now(), 0, 0, NULL, NULL, NULL,
+       NULL, bounded, NULL, NULL, NULL, NULL, NULL
 FROM heads_end"#
 );
 
-/// Rows of the types in $7 wait for the earlier unfinished rows of those types of their
+/// Rows of the types in $12 wait for the earlier unfinished rows of those types of their
 /// aggregate; other rows pass without a probe. The `OR` keeps the probe a per-row subplan that
 /// runs only for gated rows and stops at the first match; written as an anti-join with the
 /// outer test inside, PostgreSQL evaluates that test as a join filter after the probe, and an
 /// unlisted row behind a long backlog of its aggregate then walks the whole backlog.
 ///
-/// This variant walks rows only, without the bound and the skip scan of [`CLAIM_FIFO_SQL`]: a
-/// bounded walk could leave unlisted rows (which never wait) stuck behind a window of blocked
-/// listed ones. Its cost grows with the pending rows it passes over when the free rows are
-/// fewer than the batch.
+/// This variant walks the due waiting rows without the bound and the skip scan of
+/// [`CLAIM_FIFO_SQL`]: a bounded walk could leave unlisted rows (which never wait) stuck behind
+/// a window of blocked listed ones. Its cost grows with the blocked rows of the listed types it
+/// passes over.
 pub(super) const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
-    r#"
-      AND (o.event_type <> ALL($7) OR NOT EXISTS (
-          SELECT 1 FROM outbox AS prev
-          WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id
-            AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead')
-            AND prev.event_type = ANY($7)))"#
+    gate: "(o.event_type <> ALL($12::text[]) OR NOT EXISTS (SELECT 1 FROM outbox AS prev WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead') AND prev.event_type = ANY($12::text[])))",
+    later_bound: "",
+    heads: "",
+    heads_tail: ""
+);
+
+/// The rows a lost claim of worker $1 leased, but for those its publishes hold ($2), back to
+/// pending (see [`super::release_unanswered`]): among the rows after the outbox's horizon (the
+/// new rows, not yet all finished) and the due rows that wait, which are every row a claim can
+/// have leased. They wait in `outbox_later`, due at once.
+pub(super) const RELEASE_UNANSWERED_SQL: &str = "
+UPDATE outbox SET status = 'pending', lease_version = lease_version + 1, attempts = attempts - 1,
+                  lease_owner = NULL, lease_until = NULL,
+                  available_at = greatest(now(), created_at + interval '1 microsecond')
+WHERE id IN (SELECT o.id FROM outbox_horizon AS h, outbox AS o
+             WHERE (o.txid >= pg_snapshot_xmax(h.horizon) OR o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(h.horizon))))
+               AND o.status = 'processing' AND o.lease_owner = $1 AND o.id <> ALL($2)
+             UNION ALL
+             SELECT o.id FROM outbox AS o
+             WHERE o.available_at > o.created_at AND o.available_at <= now()
+               AND o.status = 'processing' AND o.lease_owner = $1 AND o.id <> ALL($2))
+  AND status = 'processing' AND lease_owner = $1
+RETURNING id";
+
+/// The outbox's horizon (see `sweep.rs`).
+pub(super) const HORIZON_SQL: &str = "SELECT horizon::text AS horizon FROM outbox_horizon";
+
+/// The sweep's state, locked for the sweep's transaction (another process sweeping: no row),
+/// and the snapshot of now.
+pub(super) const SWEEP_LOCK_SQL: &str = "
+SELECT horizon::text AS horizon, candidate::text AS candidate, pass_txid::text AS pass_txid, pass_id, pass_clean,
+       pg_current_snapshot()::text AS now
+FROM outbox_horizon
+FOR UPDATE SKIP LOCKED";
+
+/// The sweep's state after a run. $1 horizon, $2 candidate, $3/$4 where the pass resumes, $5
+/// whether it is clean so far.
+pub(super) const SWEEP_SAVE_SQL: &str = "
+UPDATE outbox_horizon
+SET horizon = $1::pg_snapshot, candidate = $2::pg_snapshot, pass_txid = $3::xid8, pass_id = $4, pass_clean = $5,
+    swept_at = now()";
+
+/// A stretch of the new rows after the horizon, read without locks: the rows of the
+/// transactions in $1 (at a pass's start: those in progress at the horizon), then up to $4 rows
+/// after $2/$3 in `(txid, id)` order (an ordered index scan, as the claim's `next`). Each row's
+/// state: 0 pending, 1 processing with its lease running, 2 processing with its lease expired,
+/// 3 finished; and whether it is older than $5.
+pub(super) const SWEEP_STRETCH_SQL: &str = "
+SELECT id, txid::text AS txid,
+       CASE WHEN status = 'pending' THEN 0
+            WHEN status = 'processing' AND lease_until >= now() THEN 1
+            WHEN status = 'processing' THEN 2
+            ELSE 3 END AS state,
+       attempts, created_at < now() - $5 AS old
+FROM ((SELECT id, txid, status, lease_until, attempts, created_at FROM outbox
+       WHERE txid = ANY($1::text[]::xid8[]) AND available_at <= created_at)
+      UNION ALL
+      (SELECT id, txid, status, lease_until, attempts, created_at FROM outbox
+       WHERE txid >= $2::xid8 AND txid < pg_snapshot_xmax(pg_current_snapshot()) AND (txid, id) > ($2::xid8, $3)
+         AND available_at <= created_at
+       ORDER BY txid, id
+       LIMIT $4)) AS o
+ORDER BY txid, id";
+
+/// Moves new rows ($1) to `outbox_later`, due at once: those still pending, and those whose
+/// lease expired (a claim then takes them over). A row a claim took meanwhile is left alone.
+pub(super) const SWEEP_EVICT_SQL: &str = "
+UPDATE outbox SET available_at = greatest(now(), created_at + interval '1 microsecond')
+WHERE id = ANY($1) AND available_at <= created_at
+  AND (status = 'pending' OR (status = 'processing' AND lease_until < now()))
+RETURNING id";
+
+// What the reaper writes: the row `dead` at 'infinity' (listed through `outbox_later`, never
+// due), its version moved past the fence of the claim that died so that no late write of that
+// claim (nor a read-back of one) can count the row as its own, the reason in `last_error`.
+macro_rules! reap_set {
+    () => {
+        "
+UPDATE outbox
+SET status = 'dead',
+    lease_version = lease_version + 1,
+    last_error = 'reaped: lease expired after ' || attempts || ' of ' || $2::int
+                 || ' attempts (the worker died or stalled mid-publish)'
+                 || coalesce('; last error: ' || last_error, ''),
+    lease_owner = NULL,
+    lease_until = NULL,
+    available_at = 'infinity'"
+    };
+}
+
+/// Reaps new rows ($1) whose lease expired with no attempt left ($2 max_attempts); returns each
+/// with the fence of the claim that died.
+pub(super) const SWEEP_REAP_SQL: &str = concat!(
+    reap_set!(),
+    "
+WHERE id = ANY($1) AND status = 'processing' AND lease_until < now() AND attempts >= $2
+RETURNING id, lease_version - 1 AS lease_version"
+);
+
+/// Reaps up to 1,000 rows waiting in `outbox_later` whose lease expired with no attempt left
+/// ($2 max_attempts; $1 is unused, and bound to keep the numbering of [`SWEEP_REAP_SQL`]).
+pub(super) const SWEEP_REAP_LATER_SQL: &str = concat!(
+    reap_set!(),
+    "
+WHERE id IN (SELECT id FROM outbox
+             WHERE available_at > created_at AND available_at <= now()
+               AND status = 'processing' AND lease_until < now() AND attempts >= $2
+             ORDER BY available_at, id
+             LIMIT 1000
+             FOR UPDATE SKIP LOCKED)
+  AND status = 'processing'
+RETURNING id, lease_version - 1 AS lease_version"
 );
 
 /// `FROM ... WHERE` selecting the dead heads of blocked aggregates, as `d`: shared, as text, by
@@ -326,18 +450,52 @@ SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
 FROM outbox";
 
 /// The same for the dispatcher's gauges ([`super::sample_unfinished`]), every few seconds: it
-/// reads only the unfinished rows, one status at a time through that status's partial index
-/// (`outbox_ready`, `outbox_leased`, `outbox_dead`), so its cost follows the backlog, not the
-/// history. The `done` count is the statistics collector's estimate of the table's live rows
-/// less the unfinished ones (0 rather than negative).
+/// reads only the rows that can be unfinished, so its cost follows the backlog, not the
+/// history: the new rows after the outbox's horizon (through `outbox_txid`) and the rows that
+/// wait in `outbox_later` (dead ones included). The `done` count is the statistics
+/// collector's estimate of the table's live rows less the others (0 rather than negative).
 pub(super) const SAMPLE_UNFINISHED_SQL: &str = "
-SELECT pending, processing, dead, extract(epoch FROM now() - least(p.oldest, l.oldest))::float8 AS oldest, expired,
+WITH h AS (SELECT horizon FROM outbox_horizon),
+rows AS (
+    SELECT o.status, o.created_at, o.lease_until FROM h, outbox AS o
+    WHERE (o.txid >= pg_snapshot_xmax(h.horizon) OR o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(h.horizon))))
+      AND o.available_at <= o.created_at AND o.status IN ('pending', 'processing')
+    UNION ALL
+    SELECT o.status, o.created_at, o.lease_until FROM outbox AS o
+    WHERE o.available_at > o.created_at AND o.status <> 'done'
+), counts AS (
+    SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE status = 'processing') AS processing,
+           count(*) FILTER (WHERE status = 'dead') AS dead,
+           extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
+               AS oldest,
+           count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
+    FROM rows
+)
+SELECT pending, processing, dead, oldest, expired,
        greatest(pg_stat_get_live_tuples('outbox'::regclass) - pending - processing - dead, 0) AS done
-FROM (SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE status = 'pending') AS p,
-     (SELECT count(*) AS processing, min(created_at) AS oldest,
-             count(*) FILTER (WHERE lease_until < now()) AS expired
-      FROM outbox WHERE status = 'processing') AS l,
-     (SELECT count(*) AS dead FROM outbox WHERE status = 'dead') AS d";
+FROM counts";
+
+/// One stretch of the prune ([`super::prune_step`]): of the $2 rows after id $1 in primary-key
+/// order, deletes the `done` ones finished more than $3 ago, and says where the stretch ended,
+/// how many it deleted, and whether it held a `done` row finished more recently. With $4, only
+/// while it gets the table's pruning lock (a transaction-scoped advisory lock: one pruner of a
+/// fleet at a time); without it, the stretch is empty. `DELETE ... USING` a stretch of the
+/// primary key has no form in Diesel's DSL.
+pub(super) const PRUNE_SQL: &str = "
+WITH lock AS (
+    SELECT NOT $4 OR pg_try_advisory_xact_lock(hashtextextended('actix-outbox:prune:' || 'outbox'::regclass::oid, 0))
+        AS held
+), stretch AS (
+    SELECT id, status, done_at FROM outbox WHERE (SELECT held FROM lock) AND id > $1 ORDER BY id LIMIT $2
+), gone AS (
+    DELETE FROM outbox AS o USING stretch AS s
+    WHERE o.id = s.id AND o.status = 'done' AND o.done_at < now() - $3
+    RETURNING o.id
+)
+SELECT (SELECT max(id) FROM stretch) AS last,
+       (SELECT count(*) FROM gone) AS deleted,
+       EXISTS (SELECT 1 FROM stretch WHERE status = 'done' AND done_at >= now() - $3) AS reached_recent";
 
 /// Whether the FIFO gate's index exists, and is valid (a `CREATE INDEX CONCURRENTLY` that
 /// failed leaves an invalid one behind): one row, `NULL` when there is none.

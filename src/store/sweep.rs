@@ -1,0 +1,250 @@
+//! The sweep: what keeps the new rows' part of the table small and nothing in it stranded. One
+//! process of a fleet at a time runs it (the first to lock `outbox_horizon`'s row; the others
+//! skip their turn), every second or so.
+//!
+//! The rows after the outbox's horizon are the ones a claim can still meet as new (see
+//! `cursor.rs`). The sweep walks them in `(txid, id)` order, a stretch per run, and:
+//!
+//! - moves a row whose lease expired to `outbox_later` (due at once), where the next claim
+//!   takes it over with the next `lease_version`; or, with no attempt left, sends it `dead`
+//!   (reaped: a message that keeps killing its worker);
+//! - moves a stray to `outbox_later`: a pending row that every cursor passed, which is known by
+//!   rows after it that were claimed while it was not, and by its age (a claim that held it
+//!   locked and then failed, a row an operator's statement held locked, a process killed
+//!   mid-claim);
+//! - moves the horizon forward: once a whole pass found every row visible in its *candidate*
+//!   snapshot finished (or moved), the candidate becomes the horizon and the snapshot of now the
+//!   next candidate. Starting cursors begin at the horizon, and the rows before it are read by
+//!   nobody again.
+//!
+//! It also reaps the rows waiting in `outbox_later` whose lease expired with no attempt left
+//! (claims take over those with attempts left directly).
+//!
+//! Its cost per run is bounded by the stretch (`chunk` rows), whatever the backlog; a run that
+//! filled its stretch asks to be run again soon.
+
+use std::time::Duration;
+
+use diesel::QueryableByName;
+use diesel::sql_types::{Array, Bool, Int4, Int8, Interval, Nullable, Text};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
+
+use super::claim::interval;
+use super::cursor::{Position, Snapshot};
+use super::pool::in_transaction;
+use super::sql::{
+    HORIZON_SQL, SWEEP_EVICT_SQL, SWEEP_LOCK_SQL, SWEEP_REAP_LATER_SQL, SWEEP_REAP_SQL, SWEEP_SAVE_SQL, SWEEP_STRETCH_SQL,
+};
+use crate::error::StoreError;
+use crate::model::Fence;
+
+/// What one sweep may do.
+#[derive(Debug, Clone, Copy)]
+pub struct SweepParams {
+    /// Rows whose lease expired at this many attempts are reaped.
+    pub max_attempts: i32,
+    /// Rows read per run at most.
+    pub chunk: usize,
+    /// A pending row passed by the claims is moved only once it is this old.
+    pub stray_after: Duration,
+}
+
+/// What one sweep did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Rows whose lease expired, moved to `outbox_later` for a claim to take over.
+    pub expired: usize,
+    /// Pending rows the cursors had passed, moved to `outbox_later`.
+    pub strays: usize,
+    /// Rows reaped (lease expired, no attempt left), as (id, fence at the time).
+    pub reaped: Vec<Fence>,
+    /// The stretch was full: run again soon.
+    pub more: bool,
+    /// The horizon after the run.
+    pub horizon: Option<Snapshot>,
+    /// Whether this run moved it.
+    pub moved: bool,
+}
+
+#[derive(QueryableByName)]
+struct State {
+    #[diesel(sql_type = Text)]
+    horizon: String,
+    #[diesel(sql_type = Text)]
+    candidate: String,
+    #[diesel(sql_type = Nullable<Text>)]
+    pass_txid: Option<String>,
+    #[diesel(sql_type = Nullable<Int8>)]
+    pass_id: Option<i64>,
+    #[diesel(sql_type = Bool)]
+    pass_clean: bool,
+    #[diesel(sql_type = Text)]
+    now: String,
+}
+
+#[derive(QueryableByName, Debug)]
+struct Row {
+    #[diesel(sql_type = Int8)]
+    id: i64,
+    #[diesel(sql_type = Text)]
+    txid: String,
+    /// [`PENDING`], 1 (processing, its lease running), [`EXPIRED`] or [`FINISHED`].
+    #[diesel(sql_type = Int4)]
+    state: i32,
+    #[diesel(sql_type = Int4)]
+    attempts: i32,
+    /// Older than the stray age.
+    #[diesel(sql_type = Bool)]
+    old: bool,
+}
+
+/// A stretch row that is pending.
+const PENDING: i32 = 0;
+/// Processing, its lease expired.
+const EXPIRED: i32 = 2;
+/// Done, dead or deleted.
+const FINISHED: i32 = 3;
+
+#[derive(QueryableByName)]
+struct Id {
+    #[diesel(sql_type = Int8)]
+    id: i64,
+}
+
+#[derive(QueryableByName)]
+struct Reaped {
+    #[diesel(sql_type = Int8)]
+    id: i64,
+    #[diesel(sql_type = Int8)]
+    lease_version: i64,
+}
+
+/// The outbox's horizon: every row whose transaction is visible in it is finished or waits in
+/// `outbox_later`. Where a starting dispatcher's cursor begins.
+pub async fn horizon(conn: &mut AsyncPgConnection) -> Result<Snapshot, StoreError> {
+    #[derive(QueryableByName)]
+    struct Horizon {
+        #[diesel(sql_type = Text)]
+        horizon: String,
+    }
+    let row: Horizon = diesel::sql_query(HORIZON_SQL).get_result(conn).await?;
+    Snapshot::parse(&row.horizon).map_err(|e| StoreError::Query(diesel::result::Error::DeserializationError(e.into())))
+}
+
+/// Runs one sweep (see the module docs) in a transaction of its own; `None` when another
+/// process is sweeping.
+pub async fn sweep(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<Option<Swept>, StoreError> {
+    in_transaction(conn, async |conn| sweep_in(conn, params).await).await
+}
+
+async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<Option<Swept>, StoreError> {
+    let bad = |e: super::cursor::BadSnapshot| StoreError::Query(diesel::result::Error::DeserializationError(e.into()));
+    let Some(state) = diesel::sql_query(SWEEP_LOCK_SQL).get_results::<State>(conn).await?.pop() else {
+        return Ok(None);
+    };
+    let now = Snapshot::parse(&state.now).map_err(bad)?;
+    let (mut horizon, mut candidate) = (Snapshot::parse(&state.horizon).map_err(bad)?, Snapshot::parse(&state.candidate).map_err(bad)?);
+    let mut pass = state.pass_txid.as_deref().zip(state.pass_id).and_then(|(t, id)| t.parse::<u64>().ok().map(|t| (t, id)));
+    let mut clean = state.pass_clean;
+    if horizon.xmax() > now.xmax() || candidate.xmax() > now.xmax() {
+        // Transaction ids from another cluster (the table was restored from a dump): start over.
+        (horizon, candidate, pass, clean) = (Snapshot::origin(), Snapshot::origin(), None, true);
+    }
+    // A pass begins with the rows of the transactions in progress at the horizon, then walks
+    // those after it, a stretch per run.
+    let at_start = pass.is_none();
+    let from: Position = pass.unwrap_or((horizon.xmax(), 0));
+    let late: Vec<String> =
+        if at_start { horizon.in_progress().iter().map(u64::to_string).collect() } else { Vec::new() };
+    let chunk = i64::try_from(params.chunk).unwrap_or(i64::MAX).max(1);
+    let rows: Vec<Row> = diesel::sql_query(SWEEP_STRETCH_SQL)
+        .bind::<Array<Text>, _>(&late)
+        .bind::<Text, _>(from.0.to_string())
+        .bind::<Int8, _>(from.1)
+        .bind::<Int8, _>(chunk)
+        .bind::<Interval, _>(interval(params.stray_after))
+        .load(conn)
+        .await?;
+    let walked = rows.iter().filter(|r| r.txid.parse::<u64>().is_ok_and(|t| t >= horizon.xmax())).count();
+    let more = walked as i64 >= chunk;
+
+    // A pending row that is followed by a claimed one was passed by the claims.
+    let mut expired = Vec::new();
+    let mut strays = Vec::new();
+    let mut reap = Vec::new();
+    let mut claimed_after = false;
+    for row in rows.iter().rev() {
+        match row.state {
+            EXPIRED if row.attempts >= params.max_attempts => reap.push(row.id),
+            EXPIRED => expired.push(row.id),
+            PENDING if claimed_after && row.old => strays.push(row.id),
+            _ => {}
+        }
+        if row.state != PENDING {
+            claimed_after = true;
+        }
+    }
+    let evict: Vec<i64> = expired.iter().chain(&strays).copied().collect();
+    let moved: Vec<i64> = if evict.is_empty() {
+        Vec::new()
+    } else {
+        diesel::sql_query(SWEEP_EVICT_SQL).bind::<Array<Int8>, _>(&evict).load::<Id>(conn).await?.into_iter().map(|r| r.id).collect()
+    };
+    let mut reaped: Vec<Fence> = if reap.is_empty() {
+        Vec::new()
+    } else {
+        diesel::sql_query(SWEEP_REAP_SQL)
+            .bind::<Array<Int8>, _>(&reap)
+            .bind::<Int4, _>(params.max_attempts)
+            .load::<Reaped>(conn)
+            .await?
+            .into_iter()
+            .map(|r| Fence { id: r.id, lease_version: r.lease_version })
+            .collect()
+    };
+    reaped.extend(
+        diesel::sql_query(SWEEP_REAP_LATER_SQL)
+            .bind::<Array<Int8>, _>(Vec::<i64>::new())
+            .bind::<Int4, _>(params.max_attempts)
+            .load::<Reaped>(conn)
+            .await?
+            .into_iter()
+            .map(|r| Fence { id: r.id, lease_version: r.lease_version }),
+    );
+    // Rows visible in the candidate that are still new and unfinished keep the horizon where it
+    // is for this pass.
+    let gone = |id: i64| moved.contains(&id) || reaped.iter().any(|f| f.id == id);
+    let dirty = rows.iter().any(|r| {
+        r.state != FINISHED && !gone(r.id) && r.txid.parse::<u64>().is_ok_and(|t| candidate.visible(t))
+    });
+    clean &= !dirty;
+    let mut advanced = false;
+    if more {
+        pass = rows.iter().filter_map(|r| r.txid.parse::<u64>().ok().map(|t| (t, r.id))).max();
+    } else {
+        if clean {
+            horizon = candidate;
+            candidate = now;
+            advanced = true;
+        }
+        pass = None;
+        clean = true;
+    }
+    diesel::sql_query(SWEEP_SAVE_SQL)
+        .bind::<Text, _>(horizon.to_string())
+        .bind::<Text, _>(candidate.to_string())
+        .bind::<Nullable<Text>, _>(pass.map(|(t, _)| t.to_string()))
+        .bind::<Nullable<Int8>, _>(pass.map(|(_, id)| id))
+        .bind::<Bool, _>(clean)
+        .execute(conn)
+        .await?;
+    reaped.sort_by_key(|f| f.id);
+    Ok(Some(Swept {
+        expired: moved.iter().filter(|id| expired.contains(id)).count(),
+        strays: moved.iter().filter(|id| strays.contains(id)).count(),
+        reaped,
+        more,
+        horizon: Some(horizon),
+        moved: advanced,
+    }))
+}
