@@ -282,8 +282,12 @@ impl ClaimActor {
             })
             .await
             .map(|mut claim| {
-                if let Some((snapshot, taken)) = &claim.cursor {
-                    lease.advance(snapshot, taken);
+                if let Some((snapshot, taken)) = &claim.cursor
+                    && !lease.advance(snapshot, taken)
+                {
+                    warn!(snapshot = %snapshot,
+                        "the database's transaction ids went back (a failover to a standby that had not received \
+                         everything, or a restore): new rows are looked for again from the outbox's horizon");
                 }
                 for message in &mut claim.messages {
                     message.source = source.clone();
@@ -382,6 +386,8 @@ impl ClaimActor {
                     if e.is_transient() {
                         // The statement may have committed before the connection broke.
                         act.unanswered = true;
+                        // What answers next may be another server.
+                        act.shared.cursor.forget();
                         act.shared.db.failed("claim", &e);
                         act.failures += 1;
                         let ceiling = CLAIM_RETRY_MIN.saturating_mul(1 << act.failures.min(10)).min(CLAIM_RETRY_MAX);

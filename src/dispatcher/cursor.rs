@@ -40,6 +40,8 @@ pub(crate) struct CursorLease {
     slot: Arc<CursorSlot>,
     /// What goes back into the slot.
     cursor: Option<Cursor>,
+    /// Whether to put `None` back (the cursor was forgotten).
+    forgotten: bool,
 }
 
 impl CursorSlot {
@@ -58,7 +60,7 @@ impl CursorSlot {
             return None;
         }
         state.held = true;
-        Some(CursorLease { slot: self.clone(), cursor: state.cursor.clone() })
+        Some(CursorLease { slot: self.clone(), cursor: state.cursor.clone(), forgotten: false })
     }
 
     /// Moves the cursor to the outbox's horizon when that is ahead of it: every row visible in
@@ -78,6 +80,18 @@ impl CursorSlot {
     }
 }
 
+impl CursorSlot {
+    /// Forgets the cursor, unless a claim holds it: the next claim starts it again at the
+    /// outbox's horizon. After the database failed a claim: what answers next may be another
+    /// server (a failover), whose transaction ids need not follow the cursor's.
+    pub(crate) fn forget(&self) {
+        let mut state = self.state();
+        if !state.held {
+            state.cursor = None;
+        }
+    }
+}
+
 impl CursorLease {
     /// The cursor; `None` before the first claim started it.
     pub(crate) fn cursor(&self) -> Option<&Cursor> {
@@ -87,13 +101,27 @@ impl CursorLease {
     /// Starts the cursor at `horizon` (the first claim's).
     pub(crate) fn start_at(&mut self, horizon: Snapshot) {
         self.cursor = Some(Cursor::at(horizon));
+        self.forgotten = false;
     }
 
     /// Moves the cursor on after a claim that succeeded: its statement ran on `snapshot` and did
-    /// `taken` with the cursor's rows.
-    pub(crate) fn advance(&mut self, snapshot: &Snapshot, taken: &Taken) {
-        if let Some(cursor) = &mut self.cursor {
-            cursor.advance(snapshot, taken);
+    /// `taken` with the cursor's rows. Returns false, and forgets the cursor (the next claim
+    /// starts it again at the outbox's horizon), when `snapshot` is not later than the cursor's:
+    /// the database's transaction ids went back, as after a failover to a standby that had not
+    /// received everything, or a restore, and the ids the cursor took for finished may be
+    /// handed out again.
+    pub(crate) fn advance(&mut self, snapshot: &Snapshot, taken: &Taken) -> bool {
+        match &mut self.cursor {
+            Some(cursor) if snapshot.covers(cursor.seen()) => {
+                cursor.advance(snapshot, taken);
+                true
+            }
+            Some(_) => {
+                self.cursor = None;
+                self.forgotten = true;
+                false
+            }
+            None => true,
         }
     }
 }
@@ -103,7 +131,7 @@ impl Drop for CursorLease {
         let waiting = {
             let mut state = self.slot.state();
             state.held = false;
-            if self.cursor.is_some() {
+            if self.cursor.is_some() || self.forgotten {
                 state.cursor = self.cursor.take();
             }
             std::mem::take(&mut state.waiting)

@@ -184,7 +184,7 @@ pub async fn dead_retry_all(conn: &mut AsyncPgConnection) -> Result<Vec<i64>, St
 }
 
 /// The dead rows, as the index `outbox_later` finds them: dead rows wait there at
-/// `available_at = 'infinity'` (the first test is the index's predicate, which the planner must
+/// `available_at = 9999-12-31` (the first test is the index's predicate, which the planner must
 /// see to use it), so listing and retrying them reads neither the history nor the backlog.
 #[allow(clippy::type_complexity)]
 fn parked_dead() -> diesel::dsl::And<

@@ -33,10 +33,10 @@ pub struct ClaimParams<'a> {
     pub max_attempts: i32,
     /// The per-aggregate gate: which rows wait for the earlier rows of their aggregate.
     pub fifo: &'a Fifo,
-    /// The dispatcher's cursor over new rows, when this claim may take new rows (one claim of a
-    /// dispatcher at a time holds it). `None`: only rows that wait in `outbox_later` and are due.
-    /// The claim returns what it did with the cursor's rows ([`Claim::cursor`]) for
-    /// [`Cursor::advance`].
+    /// The dispatcher's cursor over new rows (one claim of a dispatcher at a time holds it). The
+    /// claim returns what it did with the cursor's rows ([`Claim::cursor`]) for
+    /// [`Cursor::advance`]. `None`, for tools and tests: every new row from the oldest, as a
+    /// cursor at its start would, and nothing to move on.
     pub cursor: Option<&'a Cursor>,
     /// Under [`Fifo::All`]: where the scan of aggregates for free heads starts, the
     /// [`HeadsScan::StoppedAfter`] of this worker's previous claim (`None`: from the first
@@ -87,8 +87,8 @@ pub struct Claim {
 }
 
 /// Leases up to `batch` rows: rows that wait in `outbox_later` and are due (pending ones past
-/// their `available_at`, and processing ones whose lease expired with attempts left), then, when
-/// the claim holds the dispatcher's [`Cursor`], the new rows after it. Every leased row gets
+/// their `available_at`, and processing ones whose lease expired with attempts left), then the
+/// new rows after the dispatcher's [`Cursor`]. Every leased row gets
 /// `lease_version + 1` and `attempts + 1`; rows other claims hold locked are skipped.
 ///
 /// No index the claim reads names a column that the claim or a finalize changes: each update is
@@ -245,6 +245,44 @@ pub async fn explain_claim(
     Ok(lines?.into_iter().map(|l| l.line).collect())
 }
 
+/// The plan PostgreSQL keeps for the claim under `fifo` on a connection of a
+/// [`PgPool`](crate::PgPool) (`plan_cache_mode = force_generic_plan`: planned once, for any
+/// values), one line per row of `EXPLAIN` output. Nothing runs; the statement is prepared under a
+/// name of its own and deallocated, in a transaction that is rolled back.
+pub async fn generic_claim_plan(conn: &mut AsyncPgConnection, fifo: &Fifo) -> Result<Vec<String>, StoreError> {
+    use diesel_async::SimpleAsyncConnection;
+    #[derive(QueryableByName)]
+    struct PlanLine {
+        #[diesel(sql_type = Text, column_name = "QUERY PLAN")]
+        line: String,
+    }
+    let (gate_type, gate_value) = match fifo {
+        Fifo::EventTypes(_) => ("text[]", "'{}'"),
+        Fifo::All | Fifo::Off => ("text", "NULL"),
+    };
+    AnsiTransactionManager::begin_transaction(conn).await?;
+    let plan = async {
+        conn.batch_execute(&format!(
+            "SET LOCAL plan_cache_mode = force_generic_plan;
+             PREPARE actix_outbox_claim_plan(text, int8, interval, int4, text[], int8[], text, int8, int8, timestamptz, \
+             {gate_type}, text) AS {}",
+            claim_sql(fifo)
+        ))
+        .await?;
+        let lines: Vec<PlanLine> = diesel::sql_query(format!(
+            "EXPLAIN EXECUTE actix_outbox_claim_plan('explain', 200, '60s', 12, '{{}}', '{{}}', '3', 0, \
+             9223372036854775807, '1970-01-01', {gate_value}, NULL)"
+        ))
+        .load(conn)
+        .await?;
+        conn.batch_execute("DEALLOCATE actix_outbox_claim_plan").await?;
+        Ok::<_, StoreError>(lines.into_iter().map(|l| l.line).collect())
+    }
+    .await;
+    AnsiTransactionManager::rollback_transaction(conn).await?;
+    plan
+}
+
 fn claim_sql(fifo: &Fifo) -> &'static str {
     match fifo {
         Fifo::Off => CLAIM_SQL,
@@ -254,7 +292,6 @@ fn claim_sql(fifo: &Fifo) -> &'static str {
 }
 
 fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Result<Prepared<'a>, StoreError> {
-    // A claim that does not hold the cursor binds a cursor that is never read ($10 is false).
     let origin = Cursor::at(Snapshot::origin());
     let cursor = params.cursor.unwrap_or(&origin);
     let (late_txids, late_after): (Vec<String>, Vec<i64>) = cursor.late().map(|(t, id)| (t.to_string(), id)).unzip();
@@ -269,9 +306,8 @@ fn claim_query<'a>(sql: &'a str, params: &'a ClaimParams<'a>) -> Result<Prepared
         .bind::<Text, _>(from_txid.to_string())
         .bind::<BigInt, _>(from_id)
         .bind::<BigInt, _>(i64::try_from(params.max_bytes).unwrap_or(i64::MAX))
-        .bind::<Bool, _>(params.cursor.is_some())
         .bind::<Timestamptz, _>(DateTime::<Utc>::UNIX_EPOCH);
-    // $12 and $13 depend on the gate: the gated event types, or the aggregate after which the
+    // $11 and $12 depend on the gate: the gated event types, or the aggregate after which the
     // scan of heads starts. A statement that does not use them binds placeholders that never
     // reach the text.
     let no_text = None::<String>;
@@ -362,5 +398,14 @@ impl ClaimRow {
             // The dispatcher stamps its own.
             source: crate::model::no_source(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    #[ignore = "prints the claim statements"]
+    fn print_claim_statements() {
+        println!("{}\n----\n{}\n----\n{}", super::CLAIM_SQL, super::CLAIM_FIFO_SQL, super::CLAIM_FIFO_TYPES_SQL);
     }
 }

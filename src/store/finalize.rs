@@ -40,10 +40,10 @@ extern "SQL" {
     fn greatest(a: Timestamptz, b: Timestamptz) -> Timestamptz;
 }
 
-/// `'infinity'`: the `available_at` of a dead row, which waits in `outbox_later` and is never
-/// due. A constant, so the statement's text still depends on its types alone.
+/// `9999-12-31`: the `available_at` of a dead row, which waits in `outbox_later` and is never
+/// due (not `'infinity'`, which clients such as chrono cannot read). A constant, so the statement's text still depends on its types alone.
 pub(crate) fn never() -> diesel::expression::SqlLiteral<Timestamptz> {
-    diesel::dsl::sql::<Timestamptz>("'infinity'::timestamptz")
+    diesel::dsl::sql::<Timestamptz>("'9999-12-31 00:00:00+00'::timestamptz")
 }
 
 fn clip(error: &str) -> String {
@@ -100,7 +100,7 @@ pub struct Bury {
 }
 
 /// Marks each row `dead` with its error, fenced; returns the ids won. Dead rows wait in
-/// `outbox_later` at `available_at = 'infinity'`: listed from there, never due.
+/// `outbox_later` at `available_at = 9999-12-31`: listed from there, never due.
 pub async fn mark_dead(conn: &mut AsyncPgConnection, rows: &[Bury]) -> Result<Vec<i64>, StoreError> {
     if rows.is_empty() {
         return Ok(Vec::new());
@@ -153,7 +153,7 @@ pub struct Rescheduled {
 /// [`Reschedule::dead_if_older_than`]), fenced; returns the rows won with their new status.
 ///
 /// A pending row waits in `outbox_later` until `now() + delay` (at least a microsecond past its
-/// `created_at`, which is what places it there even with no delay); a dead one at `'infinity'`.
+/// `created_at`, which is what places it there even with no delay); a dead one at `9999-12-31`.
 pub async fn reschedule(conn: &mut AsyncPgConnection, rows: &[Reschedule]) -> Result<Vec<Rescheduled>, StoreError> {
     if rows.is_empty() {
         return Ok(Vec::new());

@@ -42,7 +42,9 @@ pub(crate) use admin::{Sample, prune_step, sample_unfinished};
 #[cfg(feature = "testkit")]
 pub(crate) use admin::{Unsettled, unsettled};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
-pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, claim, explain_claim, release_unanswered};
+pub use claim::{
+    AggregateKey, Claim, ClaimParams, HeadsScan, claim, explain_claim, generic_claim_plan, release_unanswered,
+};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use cursor::{BadSnapshot, Cursor, Position, Snapshot, Taken};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
@@ -173,7 +175,28 @@ pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
 /// # Ok(()) }
 /// ```
 pub async fn migrate(database_url: &str) -> Result<Vec<String>, StoreError> {
+    drop_failed_index_builds(database_url).await?;
     apply_migrations(database_url, MIGRATIONS).await
+}
+
+/// Drops what a migration that builds an index concurrently left behind when it failed midway
+/// (an invalid index, which `CREATE INDEX CONCURRENTLY IF NOT EXISTS` would take for done), so
+/// that the run builds it again. Only the migrations' own indexes, by name.
+async fn drop_failed_index_builds(database_url: &str) -> Result<(), StoreError> {
+    #[derive(diesel::QueryableByName)]
+    struct Invalid {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+    }
+    // A database that cannot be reached is the migrations' to report, in their words.
+    let Ok(mut conn) = connect(database_url).await else { return Ok(()) };
+    let invalid: Vec<Invalid> = diesel::sql_query(sql::INVALID_MIGRATION_INDEXES_SQL).load(&mut conn).await?;
+    for index in invalid {
+        // One of the names in the statement above, never input.
+        conn.batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {}", index.name)).await?;
+        tracing::info!(index = %index.name, "dropped an index a failed migration left invalid; building it again");
+    }
+    Ok(())
 }
 
 /// Applies the pending migrations of `set` (the outbox's or the inbox's) and returns the
@@ -234,16 +257,18 @@ pub(crate) async fn pending_in(database_url: &str, set: EmbeddedMigrations) -> R
 
 /// Runs `f` with `conn` (opened by [`open_uncached`]) as diesel's synchronous migration harness,
 /// on a blocking thread of the current runtime (the one `conn` was opened on, which keeps
-/// driving it). All of `f` runs in one transaction (each migration in a savepoint of it), so
-/// that a run of migrations applies whole or not at all, and stays on one server connection
-/// behind a transaction pooler.
+/// driving it). Each migration runs in a transaction of its own (and so on one server
+/// connection behind a transaction pooler), but for those that build an index without blocking
+/// writers (`CREATE INDEX CONCURRENTLY`, which no transaction may hold), each a single statement:
+/// a run that fails keeps the migrations before the failed one, and the next run goes on from
+/// there.
 async fn with_harness<T: Send + 'static>(
     conn: AsyncPgConnection,
     f: impl FnOnce(&mut AsyncConnectionWrapper<AsyncPgConnection>) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
     tokio::task::spawn_blocking(move || {
         let mut harness = AsyncConnectionWrapper::from(conn);
-        diesel::Connection::transaction(&mut harness, f)
+        f(&mut harness)
     })
     .await
     .map_err(|e| StoreError::Migration(Box::new(e)))?

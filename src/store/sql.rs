@@ -45,10 +45,14 @@
 //   `CLAIM_FIFO_SQL`.
 //
 // $1 owner, $2 batch, $3 lease, $4 max_attempts, $5/$6 the late transactions and their last
-// ids, $7/$8 the position after which `next` starts, $9 the byte budget, $10 whether this claim
-// holds the dispatcher's cursor (when it does not, `late` and `next` take nothing), $11 the lower
-// bound of `later` (always '-infinity': a bound that is a parameter keeps its plan an ordered
-// index scan, as for `next`), then $12/$13 per gate (see each statement).
+// ids, $7/$8 the position after which `next` starts, $9 the byte budget, $10 the lower bound of
+// `later` (1970, before any row: a bound that is a parameter keeps its plan an ordered index scan,
+// as for `next`), then $11/$12 per gate (see each statement).
+//
+// Statuses are tested as `status IS NOT DISTINCT FROM 'pending'` (the same test: `status` is never
+// NULL) so that the planner cannot answer them from the FIFO gate's partial index, whose
+// predicate they would imply: the plan is made once per connection, and with statistics taken
+// when no row was unfinished it would scan that index whole, and sort, on every claim after.
 //
 // `picked` takes the candidates that pass the gate in (part, txid, id) order while their
 // payloads (as JSON text) fit in $9, and the first whatever its size. Under the gate, a row of
@@ -68,8 +72,9 @@ WITH "#,
             $later_bound,
             r#"later AS (
     SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS body FROM outbox AS o
-    WHERE o.available_at > o.created_at AND o.available_at > $11 AND o.available_at <= now()
-      AND (o.status = 'pending' OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < $4))"#,
+    WHERE o.available_at > o.created_at AND o.available_at > $10 AND o.available_at <= now()
+      AND (o.status IS NOT DISTINCT FROM 'pending'
+           OR (o.status IS NOT DISTINCT FROM 'processing' AND o.lease_until < now() AND o.attempts < $4))"#,
             later_window!($later_bound),
             "\n      AND ",
             $gate,
@@ -83,19 +88,19 @@ WITH "#,
     CROSS JOIN LATERAL (
         SELECT o.id, o.txid, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS body FROM outbox AS o
         WHERE o.txid = l.txid AND (o.txid, o.id) > (l.txid, l.after)
-          AND o.available_at <= o.created_at AND o.status = 'pending'
+          AND o.available_at <= o.created_at AND o.status IS NOT DISTINCT FROM 'pending'
         ORDER BY o.txid, o.id
         LIMIT $2
         FOR UPDATE SKIP LOCKED) AS f
     ORDER BY f.txid, f.id
-    LIMIT CASE WHEN $10 THEN $2 - (SELECT count(*) FROM later) ELSE 0 END
+    LIMIT $2 - (SELECT count(*) FROM later)
 ), next AS (
     SELECT o.id, o.txid, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS body FROM outbox AS o
     WHERE o.txid >= $7::xid8 AND o.txid < pg_snapshot_xmax(pg_current_snapshot())
       AND (o.txid, o.id) > ($7::xid8, $8)
-      AND o.available_at <= o.created_at AND o.status = 'pending'
+      AND o.available_at <= o.created_at AND o.status IS NOT DISTINCT FROM 'pending'
     ORDER BY o.txid, o.id
-    LIMIT CASE WHEN $10 THEN $2 - (SELECT count(*) FROM later) - (SELECT count(*) FROM late) ELSE 0 END
+    LIMIT $2 - (SELECT count(*) FROM later) - (SELECT count(*) FROM late)
     FOR UPDATE SKIP LOCKED
 ), candidates AS (
     SELECT o.id, o.part, o.txid, o.body, o.part = 0 OR "#,
@@ -144,7 +149,7 @@ FROM evicted
 UNION ALL
 SELECT 3, 0, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL, NULL, NULL,
        (SELECT count(*) FROM late) + (SELECT count(*) FROM next),
-       CASE WHEN $10 THEN $2 - (SELECT count(*) FROM later) ELSE 0 END,
+       $2 - (SELECT count(*) FROM later),
        (SELECT count(*) FROM candidates WHERE open AND part > 0) - (SELECT count(*) FROM picked WHERE part > 0),
        (SELECT count(*) FROM candidates WHERE open)"#,
             heads_count!($heads),
@@ -201,7 +206,11 @@ macro_rules! heads_rows {
 /// No gate: any due or new row.
 pub(super) const CLAIM_SQL: &str = claim_sql!(gate: "true", later_bound: "", heads: "", heads_tail: "");
 
-/// Every row waits for the earlier unfinished rows of its aggregate.
+/// Every row waits for the earlier unfinished rows of its aggregate: the probe is the first such
+/// row in the order of `outbox_fifo_gate (aggregate_type, aggregate_id, id)`, whose predicate is
+/// exactly the unfinished statuses (written as `ORDER BY ... LIMIT 1` rather than `NOT EXISTS`, so
+/// that the plan made once per connection is a probe of that index whatever the statistics: with
+/// every row in one aggregate, `NOT EXISTS` was planned as a scan of the table).
 ///
 /// Candidates are found three ways, the third only when the first two come back short:
 ///
@@ -213,15 +222,16 @@ pub(super) const CLAIM_SQL: &str = claim_sql!(gate: "true", later_bound: "", hea
 /// - `heads`: a skip scan of `outbox_fifo_gate` that visits aggregates with unfinished rows in
 ///   key order, one index descent each, and takes each one's first unfinished row: claimable if
 ///   pending and due. It starts after [`ClaimParams::heads_after`](super::ClaimParams::heads_after)
-///   ($12, $13) and stops after `4 × batch` aggregates ([`Claim::heads`](super::Claim::heads) says
+///   ($11, $12) and stops after `4 × batch` aggregates ([`Claim::heads`](super::Claim::heads) says
 ///   where), so its cost is bounded however many aggregates there are, and successive claims take
 ///   turns over all of them.
 pub(super) const CLAIM_FIFO_SQL: &str = claim_sql!(
-    gate: "NOT EXISTS (SELECT 1 FROM outbox AS prev WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead'))",
+    gate: "(SELECT prev.id FROM outbox AS prev WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead') ORDER BY prev.aggregate_type, prev.aggregate_id, prev.id LIMIT 1) IS NULL",
     later_bound: r#"window_end AS (
     SELECT o.available_at, o.id FROM outbox AS o
-    WHERE o.available_at > o.created_at AND o.available_at > $11 AND o.available_at <= now()
-      AND (o.status = 'pending' OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < $4))
+    WHERE o.available_at > o.created_at AND o.available_at > $10 AND o.available_at <= now()
+      AND (o.status IS NOT DISTINCT FROM 'pending'
+           OR (o.status IS NOT DISTINCT FROM 'processing' AND o.lease_until < now() AND o.attempts < $4))
     ORDER BY o.available_at, o.id
     OFFSET $2 * 4 - 1
     LIMIT 1
@@ -230,7 +240,7 @@ pub(super) const CLAIM_FIFO_SQL: &str = claim_sql!(
     WITH RECURSIVE first_unfinished (aggregate_type, aggregate_id, id, step) AS (
         (SELECT aggregate_type, aggregate_id, id, 1 FROM outbox
          WHERE status IN ('pending', 'processing', 'dead')
-           AND ($12::text IS NULL OR (aggregate_type, aggregate_id) > ($12, $13))
+           AND ($11::text IS NULL OR (aggregate_type, aggregate_id) > ($11, $12))
          ORDER BY aggregate_type, aggregate_id, id
          LIMIT 1)
         UNION ALL
@@ -265,7 +275,7 @@ SELECT 2, 0, coalesce(aggregate_type, ''), coalesce(aggregate_id, ''), '', 'null
 FROM heads_end"#
 );
 
-/// Rows of the types in $12 wait for the earlier unfinished rows of those types of their
+/// Rows of the types in $11 wait for the earlier unfinished rows of those types of their
 /// aggregate; other rows pass without a probe. The `OR` keeps the probe a per-row subplan that
 /// runs only for gated rows and stops at the first match; written as an anti-join with the
 /// outer test inside, PostgreSQL evaluates that test as a join filter after the probe, and an
@@ -276,7 +286,7 @@ FROM heads_end"#
 /// a window of blocked listed ones. Its cost grows with the blocked rows of the listed types it
 /// passes over.
 pub(super) const CLAIM_FIFO_TYPES_SQL: &str = claim_sql!(
-    gate: "(o.event_type <> ALL($12::text[]) OR NOT EXISTS (SELECT 1 FROM outbox AS prev WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead') AND prev.event_type = ANY($12::text[])))",
+    gate: "(o.event_type <> ALL($11::text[]) OR (SELECT prev.id FROM outbox AS prev WHERE prev.aggregate_type = o.aggregate_type AND prev.aggregate_id = o.aggregate_id AND prev.id < o.id AND prev.status IN ('pending', 'processing', 'dead') AND prev.event_type = ANY($11::text[]) ORDER BY prev.aggregate_type, prev.aggregate_id, prev.id LIMIT 1) IS NULL)",
     later_bound: "",
     heads: "",
     heads_tail: ""
@@ -299,6 +309,11 @@ WHERE id IN (SELECT o.id FROM outbox_horizon AS h, outbox AS o
                AND o.status = 'processing' AND o.lease_owner = $1 AND o.id <> ALL($2))
   AND status = 'processing' AND lease_owner = $1
 RETURNING id";
+
+/// The indexes the migrations build concurrently that a failed build left invalid, by name.
+pub(super) const INVALID_MIGRATION_INDEXES_SQL: &str = "
+SELECT c.relname::text AS name FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = to_regclass('outbox') AND NOT i.indisvalid AND c.relname IN ('outbox_txid', 'outbox_later')";
 
 /// The outbox's horizon (see `sweep.rs`).
 pub(super) const HORIZON_SQL: &str = "SELECT horizon::text AS horizon FROM outbox_horizon";
@@ -348,7 +363,7 @@ WHERE id = ANY($1) AND available_at <= created_at
   AND (status = 'pending' OR (status = 'processing' AND lease_until < now()))
 RETURNING id";
 
-// What the reaper writes: the row `dead` at 'infinity' (listed through `outbox_later`, never
+// What the reaper writes: the row `dead` at 9999-12-31 (listed through `outbox_later`, never
 // due), its version moved past the fence of the claim that died so that no late write of that
 // claim (nor a read-back of one) can count the row as its own, the reason in `last_error`.
 macro_rules! reap_set {
@@ -362,7 +377,7 @@ SET status = 'dead',
                  || coalesce('; last error: ' || last_error, ''),
     lease_owner = NULL,
     lease_until = NULL,
-    available_at = 'infinity'"
+    available_at = '9999-12-31 00:00:00+00'"
     };
 }
 

@@ -110,11 +110,14 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
         "outbox_finalized_total{outcome=done}",
         "outbox_finalized_total{outcome=released}",
         "outbox_finalized_total{outcome=retried}",
+        "outbox_leases_expired_total",
         "outbox_lost_leases_total",
+        "outbox_pruned_total",
         "outbox_publish_crashes_total",
         "outbox_published_total",
         "outbox_reaped_total",
         "outbox_sink_outages_total",
+        "outbox_strays_total",
         "outbox_table_sample_errors_total",
     ];
     assert_eq!(counters, expected.map(|name| (name, 0)), "every counter, at 0");
@@ -255,11 +258,12 @@ async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
     for (agg, event) in [("A", "a.1"), ("A", "a.2"), ("B", "b.1"), ("C", "c.1")] {
         actix_outbox::enqueue(&mut conn, &NewEvent::new("order", agg, event, serde_json::json!({}))).await.unwrap();
     }
-    // A's head is dead (A's second row waits behind it); B's row is processing with a lease
+    // A's head is dead (A's second row waits behind it; a dead row waits in `outbox_later`, never
+    // due, as the dispatcher leaves it); B's row is processing with a lease
     // that ran out an hour ago; C's row is pending, created two minutes ago and not yet
     // available (so the dispatcher leaves it alone).
     conn.batch_execute(
-        "UPDATE outbox SET status = 'dead', attempts = 3 WHERE event_type = 'a.1';
+        "UPDATE outbox SET status = 'dead', attempts = 3, available_at = '9999-12-31 00:00:00+00' WHERE event_type = 'a.1';
          UPDATE outbox SET available_at = now() + interval '1 hour' WHERE event_type IN ('a.2', 'c.1');
          UPDATE outbox SET status = 'processing', attempts = 1, lease_version = 1, lease_owner = 'gone:1:worker-0',
                 lease_until = now() - interval '1 hour', created_at = now() - interval '1 minute'

@@ -25,8 +25,8 @@ async fn tenants(db: &TestDb, names: &[&str]) -> Vec<ConnectionString> {
         assert!(!actix_outbox::admin::ensure_schema(&db.url, name).await.unwrap(), "{name} there already");
         let tenant = url.in_schema(name).unwrap();
         let applied = actix_outbox::migrate(tenant.expose()).await.unwrap();
-        assert_eq!(applied.len(), 8, "{name}: every migration, in its schema: {applied:?}");
-        assert_eq!(applied.last().map(String::as_str), Some("20261204000009"), "{name}");
+        assert_eq!(applied.len(), 13, "{name}: every migration, in its schema: {applied:?}");
+        assert_eq!(applied.last().map(String::as_str), Some("20261205000014"), "{name}");
         assert_eq!(actix_outbox::admin::pending_migrations(tenant.expose()).await.unwrap(), Vec::<String>::new());
         urls.push(tenant);
     }

@@ -1,7 +1,7 @@
 -- Rows from before the `txid` column, placed where the new claim finds them, ten thousand at a
 -- time, each batch committed on its own (so producers and dispatchers are never held up):
 -- - unfinished ones get the txid of their batch's transaction: the next cursor takes them;
--- - dead ones are parked at available_at 'infinity' (listed through outbox_later, never due);
+-- - dead ones are parked at available_at 9999-12-31 (listed through outbox_later, never due);
 -- - done ones that once waited leave outbox_later (available_at back to created_at).
 -- Each kind is walked in the order of an index that finds it without reading the history (the
 -- old partial indexes still exist here), from where the last batch stopped.
@@ -35,7 +35,7 @@ BEGIN
         WITH batch AS (
             SELECT id FROM outbox WHERE status = 'dead' AND id > last_id ORDER BY id LIMIT 10000
         ), parked AS (
-            UPDATE outbox o SET available_at = 'infinity' FROM batch WHERE o.id = batch.id
+            UPDATE outbox o SET available_at = '9999-12-31 00:00:00+00' FROM batch WHERE o.id = batch.id
         )
         SELECT count(*), max(id) FROM batch INTO n, last_id;
         EXIT WHEN n = 0;
