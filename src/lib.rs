@@ -151,9 +151,8 @@ pub mod testing {
     pub use crate::step::{Step, decide};
     pub use crate::store::{
         AggregateKey, BadSnapshot, Bury, Claim, ClaimParams, Cursor, HeadsScan, Position, Reschedule, Rescheduled,
-        Snapshot, SweepParams, Swept, Taken, claim, delete_done, explain_claim, extend_leases, generic_claim_plan, horizon,
-        mark_dead,
-        mark_done, release_unanswered, reschedule, settled, sweep,
+        Snapshot, SweepParams, Swept, Taken, claim, claim_plan, delete_done, explain_claim, extend_leases, horizon,
+        mark_dead, mark_done, release_unanswered, reschedule, settled, sweep,
     };
 
     /// The inbox's crash hook and its SQL (recording a message, the per-aggregate high-water

@@ -327,7 +327,7 @@ impl ClaimActor {
                         act.shared.pace.refund(batch - n);
                     }
                     if !probe {
-                        act.shared.wakeups.claimed(n, n == batch);
+                        act.shared.wakeups.claimed(n, batch, act.shared.config.batch);
                     }
                     Metrics::add(&metrics.claimed, n);
                     Metrics::add(&metrics.in_flight, n);

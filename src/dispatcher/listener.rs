@@ -13,8 +13,9 @@
 //!
 //! The listener arms when the dispatcher has drained the table (two claims in a row came back
 //! empty) and disarms at the first notification. Disarmed (busy), it wakes a worker every
-//! [`BUSY_TICK`] instead, doubling the pause while claims come back empty, up to
-//! [`BUSY_TICK_MAX`]. No row can fall between the two modes: arming succeeds only once every
+//! [`LINGER`] instead while rows trickle in, so that each claim gathers what arrived meanwhile
+//! (every [`BUSY_TICK`] once claims come back with a quarter of a batch), doubling the pause while claims come back
+//! empty, up to [`BUSY_TICK_MAX`]. No row can fall between the two modes: arming succeeds only once every
 //! producer transaction that saw the lock free has committed (each held the lock in shared mode
 //! until then), and arming is followed by one more claim, which sees their rows.
 //! A producer that started after arming finds the lock taken and notifies.
@@ -65,8 +66,16 @@ FROM (SELECT (SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_names
 /// How often a following listener tries to lead.
 pub(crate) const FOLLOW_CHECK: Duration = Duration::from_secs(1);
 
-/// While disarmed, the first pause between two wake-ups.
+/// While disarmed, the first pause between two wake-ups, and the pause while claims come back
+/// with a quarter of a batch or more (rows arrive faster than lingering would gather them).
 pub(crate) const BUSY_TICK: Duration = Duration::from_millis(2);
+
+/// While disarmed and rows trickle in (claims come back with rows, but under a quarter of a
+/// batch), the
+/// pause between two wake-ups: each claim then takes what arrived in this time, in one
+/// statement, one round of publishes and one finalize, instead of a statement for every few
+/// rows. At 2,000 rows a second that is 20 rows a claim; a row waits at most this long more.
+pub(crate) const LINGER: Duration = Duration::from_millis(10);
 /// While disarmed, the longest pause between two wake-ups (claims keep coming back empty and
 /// arming keeps failing: another dispatcher is armed, or a producer transaction is open).
 pub(crate) const BUSY_TICK_MAX: Duration = Duration::from_millis(100);
@@ -111,6 +120,9 @@ pub(crate) struct Wakeups {
     full_claims: AtomicU64,
     /// Claims that came back with a whole batch (a backlog).
     whole_batches: AtomicU64,
+    /// Claims that came back with a quarter of a batch or more: rows arrive fast enough that
+    /// waiting for more would only add latency.
+    ample_claims: AtomicU64,
     /// The listener holds the armed lock.
     armed: AtomicBool,
     /// Another dispatcher's listener leads: this one's workers poll less often.
@@ -118,12 +130,16 @@ pub(crate) struct Wakeups {
 }
 
 impl Wakeups {
-    /// A claim came back with `rows` rows, a whole batch if `whole`.
-    pub(crate) fn claimed(&self, rows: usize, whole: bool) {
+    /// A claim that asked for `asked` rows (the dispatcher's batch being `batch`) came back with
+    /// `rows`.
+    pub(crate) fn claimed(&self, rows: usize, asked: usize, batch: usize) {
         let counter = if rows == 0 { &self.empty_claims } else { &self.full_claims };
         counter.fetch_add(1, Relaxed);
-        if whole {
+        if rows == asked {
             self.whole_batches.fetch_add(1, Relaxed);
+        }
+        if rows > 0 && rows * 4 >= batch {
+            self.ample_claims.fetch_add(1, Relaxed);
         }
     }
 
@@ -330,6 +346,7 @@ async fn listen_once(
     let mut seen = wakeups.counts();
     let mut try_now = true;
     let mut whole_seen = AtomicU64::load(&wakeups.whole_batches, Relaxed);
+    let mut ample_at_tick = AtomicU64::load(&wakeups.ample_claims, Relaxed);
     let mut help_sent: Option<std::time::Instant> = None;
     loop {
         if wakeups.armed() {
@@ -356,15 +373,19 @@ async fn listen_once(
             try_now = false;
             continue;
         }
-        // Disarmed: arm once the table is drained, else wake a worker every tick.
+        // Disarmed: arm once the table is drained, else wake a worker every tick: often while
+        // claims come back with a quarter of a batch or more, every `LINGER` while they come back
+        // with fewer rows.
         let now = wakeups.counts();
         let drained = now.0 > seen.0;
+        let ample_now = AtomicU64::load(&wakeups.ample_claims, Relaxed);
         if now.1 > seen.1 {
-            tick = BUSY_TICK;
+            tick = if ample_now > ample_at_tick { BUSY_TICK } else { LINGER };
         } else if drained {
             tick = (tick * 2).min(BUSY_TICK_MAX);
         }
         seen = now;
+        ample_at_tick = ample_now;
         // Arm after a few empty claims in a row (the pause has doubled twice), not after the
         // first: a producer committing row after row would otherwise find it armed between
         // two rows, and notify.

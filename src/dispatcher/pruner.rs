@@ -1,7 +1,7 @@
 //! The pruner: deletes `done` rows once they are older than the retention
 //! ([`Retention::KeepFor`](crate::Retention::KeepFor)), so that the table stays the size of
-//! that window without a cron job. The supervisor runs a pass every [`PRUNE_EVERY`] (or a tenth
-//! of the retention when that is shorter).
+//! that window without a cron job. The supervisor runs a pass a second after it starts, then
+//! every [`PRUNE_EVERY`] (or a tenth of the retention when that is shorter).
 //!
 //! A pass walks the table by primary key from where the last one found young rows, a stretch
 //! of [`STRETCH`] rows per transaction, deleting the expired `done` rows of each (`dead`,
@@ -21,6 +21,10 @@ use tracing::{debug, warn};
 use super::shared::Shared;
 use crate::metrics::Metrics;
 use crate::store;
+
+/// The first pass starts this long after the dispatcher, the next ones every
+/// [`PRUNE_EVERY`] (or a tenth of the retention).
+pub(crate) const FIRST_PASS_AFTER: Duration = Duration::from_secs(1);
 
 /// How often the pruner starts a pass, at most.
 pub(crate) const PRUNE_EVERY: Duration = Duration::from_secs(60);

@@ -267,6 +267,7 @@ impl Actor for OutboxSupervisor {
         }
         ctx.run_interval(super::sweeper::SWEEP_EVERY, |act, ctx| act.sweep(ctx));
         if let Retention::KeepFor(keep) = config.retention {
+            ctx.run_later(super::pruner::FIRST_PASS_AFTER, move |act, ctx| act.prune(ctx, keep));
             ctx.run_interval(super::pruner::every(keep), move |act, ctx| act.prune(ctx, keep));
         }
         if config.listen_for_inserts && !self.shared.pool.has_session() {

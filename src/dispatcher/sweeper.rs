@@ -34,8 +34,7 @@ pub(crate) type SweepResult = Result<Option<Swept>, crate::StoreError>;
 /// Sweeps once; [`report`] logs and counts it.
 pub(crate) async fn sweep(shared: Arc<Shared>) -> SweepResult {
     let mut conn = shared.pool.get().await?;
-    let params =
-        SweepParams { max_attempts: shared.config.max_attempts, chunk: CHUNK, stray_after: STRAY_AFTER };
+    let params = SweepParams { max_attempts: shared.config.max_attempts, chunk: CHUNK, stray_after: STRAY_AFTER };
     store::sweep(&mut conn, params).await
 }
 
@@ -49,19 +48,29 @@ pub(crate) fn report(shared: &Shared, result: SweepResult) -> bool {
             let metrics = &shared.metrics;
             if swept.expired > 0 {
                 Metrics::add(&metrics.expired, swept.expired);
-                info!(outbox, rows = swept.expired,
-                    "leases ran out (a worker died or stalled): the rows go to the next claim, which takes them over");
+                info!(
+                    outbox,
+                    rows = swept.expired,
+                    "leases ran out (a worker died or stalled): the rows go to the next claim, which takes them over"
+                );
             }
             if swept.strays > 0 {
                 Metrics::add(&metrics.strays, swept.strays);
-                warn!(outbox, rows = swept.strays,
-                    "pending rows the claims had passed while another statement held them locked: they go to the next claim");
+                warn!(
+                    outbox,
+                    rows = swept.strays,
+                    "pending rows the claims had passed while another statement held them locked: they go to the next claim"
+                );
             }
             if !swept.reaped.is_empty() {
                 Metrics::add(&metrics.reaped, swept.reaped.len());
                 for f in &swept.reaped {
-                    warn!(outbox, outbox_id = f.id, lease_version = f.lease_version,
-                        "reaped: lease expired with no attempt left; the row is dead");
+                    warn!(
+                        outbox,
+                        outbox_id = f.id,
+                        lease_version = f.lease_version,
+                        "reaped: lease expired with no attempt left; the row is dead"
+                    );
                 }
             }
             if let Some(horizon) = &swept.horizon {

@@ -16,8 +16,8 @@ use serde::Serialize;
 use tracing::info;
 
 use super::claim::interval;
-use super::pool::in_transaction;
 use super::finalize::never;
+use super::pool::{in_transaction, through_indexes};
 use super::sql::{PRUNE_SQL, SAMPLE_SQL, SAMPLE_UNFINISHED_SQL, SOURCE_SQL};
 use crate::error::{EraseError, StoreError};
 use crate::model::{OutboxRow, Status};
@@ -141,7 +141,7 @@ pub(crate) async fn sample(conn: &mut AsyncPgConnection) -> Result<Sample, Store
 /// Reads a [`Sample`] from the unfinished rows only, its `done` count estimated: for the
 /// dispatcher's gauges, whose cost must not grow with the history a table keeps.
 pub(crate) async fn sample_unfinished(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
-    in_transaction(conn, async |conn| Ok(diesel::sql_query(SAMPLE_UNFINISHED_SQL).get_result(conn).await?)).await
+    through_indexes(conn, async |conn| Ok(diesel::sql_query(SAMPLE_UNFINISHED_SQL).get_result(conn).await?)).await
 }
 
 /// Dead rows, oldest first, at most `limit`.
@@ -298,7 +298,7 @@ pub(crate) async fn prune_step(
     older_than: Duration,
     exclusive: bool,
 ) -> Result<PruneStep, StoreError> {
-    in_transaction(conn, async |conn| {
+    through_indexes(conn, async |conn| {
         Ok(diesel::sql_query(PRUNE_SQL)
             .bind::<Int8, _>(after)
             .bind::<Int8, _>(batch.max(1))

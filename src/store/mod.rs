@@ -42,13 +42,9 @@ pub(crate) use admin::{Sample, prune_step, sample_unfinished};
 #[cfg(feature = "testkit")]
 pub(crate) use admin::{Unsettled, unsettled};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
-pub use claim::{
-    AggregateKey, Claim, ClaimParams, HeadsScan, claim, explain_claim, generic_claim_plan, release_unanswered,
-};
+pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, claim, claim_plan, explain_claim, release_unanswered};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use cursor::{BadSnapshot, Cursor, Position, Snapshot, Taken};
-#[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
-pub use sweep::{SweepParams, Swept, horizon, sweep};
 pub(crate) use fifo::fifo_index_valid;
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, ensure_fifo_index};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
@@ -59,6 +55,8 @@ pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
 pub(crate) use pool::{in_transaction, unit};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
+#[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
+pub use sweep::{SweepParams, Swept, horizon, sweep};
 
 use crate::error::StoreError;
 use crate::url::{ConnectionString, InvalidConnectionString};

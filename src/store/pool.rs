@@ -14,7 +14,7 @@
 //!   all of it stays on one server connection;
 //! - nothing relies on the session: no `SET` when a connection opens (a statement that is
 //!   never reused is always planned with its real values, which is what
-//!   a direct connection's prepared statements save), no session advisory lock,
+//!   `plan_cache_mode = force_custom_plan` buys a direct connection), no session advisory lock,
 //!   no `LISTEN`. What needs a session (the insert listener, the FIFO gate's index build) gets a
 //!   connection of its own to [`PoolConfig::direct_url`], or is done without.
 
@@ -30,16 +30,16 @@ use crate::url::{ConnectionString, with_causes};
 
 /// Session settings applied to every pooled connection of a direct pool.
 ///
-/// `plan_cache_mode = force_generic_plan`: the claim and the finalizes stay prepared and are
-/// planned once per connection. Planning the claim, a statement of a dozen parts, cost PostgreSQL
-/// more than running it (0.18 ms against 0.01 ms for an empty claim, measured with
-/// `pg_stat_statements`), and the default mode plans each execution anew whenever a generic plan
-/// looks costlier than the custom ones, which it does for ours. Every statement of the store is
-/// written so that its generic plan is the plan it needs whatever the statistics say (see the
-/// claim's `next` part in `sql.rs`), and a test reads each plan. An application that runs prepared
-/// queries of its own whose best plan depends on their values should give them a pool of its
-/// own.
-const SESSION_SETUP: &str = "SET plan_cache_mode = force_generic_plan";
+/// `plan_cache_mode = force_custom_plan`: the claim and the finalizes stay prepared, and after
+/// five runs PostgreSQL may switch a prepared statement to a generic plan, made once and kept for
+/// the connection's life. A generic plan made while the table was small (a new outbox, a test)
+/// reads it whole, and goes on reading it whole once it holds millions of rows (measured: a
+/// batched finalize at 35 ms a run instead of 0.1 ms, after a few minutes of traffic on a new
+/// table); the pool's connections also carry the producers' business statements, whose plans
+/// may depend on their values. Custom plans see the real values on every run; their cost, the
+/// planning of every run, is spread over the rows of a statement (claims wait a few milliseconds
+/// to gather rows while traffic flows: see `listener`).
+const SESSION_SETUP: &str = "SET plan_cache_mode = force_custom_plan";
 
 /// How long a checkout waits for a connection (see [`connect_pool`]).
 const CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
@@ -312,6 +312,29 @@ where
         Pooler::None => f(conn).await,
         Pooler::Transaction => in_transaction(conn, f).await,
     }
+}
+
+/// Runs `f` on `conn` in a transaction of its own (as [`in_transaction`]) whose statements read
+/// the table through indexes only: for the dispatcher's maintenance (the sweep, the table
+/// sample, the prune, the hand-back of a lost claim's rows), each of which reads a part of the
+/// table that an index bounds. Their plans depend on statistics, and statistics can say that a
+/// scan of the whole table is cheaper (right after a bulk load in one transaction, `txid` has one
+/// value) when the part read is a thousandth of it; `enable_seqscan = off` for the transaction
+/// alone keeps every plan on its index, and `jit = off` keeps the estimate of such a scan from
+/// compiling code for a statement that reads a few rows. Neither setting outlives the
+/// transaction, so the producers' statements on the same connections are planned as usual.
+pub(crate) async fn through_indexes<T, E>(
+    conn: &mut AsyncPgConnection,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
+    in_transaction(conn, async |conn| {
+        conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL jit = off").await?;
+        f(conn).await
+    })
+    .await
 }
 
 /// Runs `f` on `conn` in a transaction of its own (committed when `f` succeeds, rolled back

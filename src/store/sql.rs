@@ -119,14 +119,9 @@ WITH "#,
             heads_rows!($heads),
             r#") AS o) AS w
     WHERE before = 0 OR before + bytes <= $9
-), evicted AS (
-    UPDATE outbox AS o
-    SET available_at = o.created_at + interval '1 microsecond'
-    FROM candidates AS c
-    WHERE o.id = c.id AND c.part > 0 AND NOT c.open
-      AND NOT EXISTS (SELECT 1 FROM candidates AS k WHERE k.open AND k.part > 0 AND k.id NOT IN (SELECT id FROM picked))
-    RETURNING o.id, c.part, c.txid
-), claimed AS (
+), "#,
+            evicted!($gate),
+            r#"claimed AS (
     UPDATE outbox AS o
     SET status = 'processing',
         lease_owner = $1,
@@ -143,9 +138,9 @@ SELECT 0 AS kind, id, aggregate_type, aggregate_id, event_type, payload, created
        NULL::int8 AS fresh_found, NULL::int8 AS fresh_wanted, NULL::int8 AS fresh_cut, NULL::int8 AS cut,
        NULL::text AS snapshot
 FROM claimed
-UNION ALL
-SELECT 1, id, '', '', '', 'null', now(), 0, 0, NULL, NULL, part, txid::text, NULL, NULL, NULL, NULL, NULL, NULL
-FROM evicted
+"#,
+            evicted_rows!($gate),
+            r#"
 UNION ALL
 SELECT 3, 0, '', '', '', 'null', now(), 0, 0, NULL, NULL, NULL, NULL, NULL,
        (SELECT count(*) FROM late) + (SELECT count(*) FROM next),
@@ -180,6 +175,36 @@ macro_rules! later_window {
         r#"
       AND (o.available_at, o.id) <= (coalesce((SELECT available_at FROM window_end), 'infinity'),
                                      coalesce((SELECT id FROM window_end), 9223372036854775807))"#
+    };
+}
+
+// Under the gate, the cursor's rows that do not pass it move to `outbox_later` (see above).
+macro_rules! evicted {
+    ("true") => {
+        ""
+    };
+    ($gate:tt) => {
+        r#"evicted AS (
+    UPDATE outbox AS o
+    SET available_at = o.created_at + interval '1 microsecond'
+    FROM candidates AS c
+    WHERE o.id = c.id AND c.part > 0 AND NOT c.open
+      AND NOT EXISTS (SELECT 1 FROM candidates AS k WHERE k.open AND k.part > 0 AND k.id NOT IN (SELECT id FROM picked))
+    RETURNING o.id, c.part, c.txid
+), "#
+    };
+}
+
+// The rows `evicted` reports.
+macro_rules! evicted_rows {
+    ("true") => {
+        ""
+    };
+    ($gate:tt) => {
+        "
+UNION ALL
+SELECT 1, id, '', '', '', 'null', now(), 0, 0, NULL, NULL, part, txid::text, NULL, NULL, NULL, NULL, NULL, NULL
+FROM evicted"
     };
 }
 
@@ -300,9 +325,17 @@ pub(super) const RELEASE_UNANSWERED_SQL: &str = "
 UPDATE outbox SET status = 'pending', lease_version = lease_version + 1, attempts = attempts - 1,
                   lease_owner = NULL, lease_until = NULL,
                   available_at = greatest(now(), created_at + interval '1 microsecond')
-WHERE id IN (SELECT o.id FROM outbox_horizon AS h, outbox AS o
-             WHERE (o.txid >= pg_snapshot_xmax(h.horizon) OR o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(h.horizon))))
+WHERE id IN (SELECT o.id FROM outbox AS o
+             WHERE o.txid >= (SELECT pg_snapshot_xmax(horizon) FROM outbox_horizon LIMIT 1)
                AND o.status = 'processing' AND o.lease_owner = $1 AND o.id <> ALL($2)
+             UNION ALL
+             SELECT o.id
+             FROM (SELECT horizon FROM outbox_horizon LIMIT 1) AS h
+             CROSS JOIN LATERAL pg_snapshot_xip(h.horizon) AS x(txid)
+             CROSS JOIN LATERAL (SELECT id FROM outbox
+                                 WHERE txid = x.txid AND status = 'processing' AND lease_owner = $1
+                                   AND id <> ALL($2)
+                                 OFFSET 0) AS o
              UNION ALL
              SELECT o.id FROM outbox AS o
              WHERE o.available_at > o.created_at AND o.available_at <= now()
@@ -466,15 +499,24 @@ FROM outbox";
 
 /// The same for the dispatcher's gauges ([`super::sample_unfinished`]), every few seconds: it
 /// reads only the rows that can be unfinished, so its cost follows the backlog, not the
-/// history: the new rows after the outbox's horizon (through `outbox_txid`) and the rows that
-/// wait in `outbox_later` (dead ones included). The `done` count is the statistics
+/// history: the new rows after the outbox's horizon (through `outbox_txid`: those of later
+/// transactions as a range, those of the transactions in progress at the horizon one probe each,
+/// as a lateral subquery that `OFFSET 0` keeps from being flattened into a join, so that no
+/// statistics can turn it into a scan of the table) and the rows
+/// that wait in `outbox_later` (dead ones included). The `done` count is the statistics
 /// collector's estimate of the table's live rows less the others (0 rather than negative).
 pub(super) const SAMPLE_UNFINISHED_SQL: &str = "
-WITH h AS (SELECT horizon FROM outbox_horizon),
-rows AS (
-    SELECT o.status, o.created_at, o.lease_until FROM h, outbox AS o
-    WHERE (o.txid >= pg_snapshot_xmax(h.horizon) OR o.txid = ANY(ARRAY(SELECT pg_snapshot_xip(h.horizon))))
+WITH rows AS (
+    SELECT o.status, o.created_at, o.lease_until FROM outbox AS o
+    WHERE o.txid >= (SELECT pg_snapshot_xmax(horizon) FROM outbox_horizon LIMIT 1)
       AND o.available_at <= o.created_at AND o.status IN ('pending', 'processing')
+    UNION ALL
+    SELECT o.status, o.created_at, o.lease_until
+    FROM (SELECT horizon FROM outbox_horizon LIMIT 1) AS h
+    CROSS JOIN LATERAL pg_snapshot_xip(h.horizon) AS x(txid)
+    CROSS JOIN LATERAL (SELECT status, created_at, lease_until FROM outbox
+                        WHERE txid = x.txid AND available_at <= created_at AND status IN ('pending', 'processing')
+                        OFFSET 0) AS o
     UNION ALL
     SELECT o.status, o.created_at, o.lease_until FROM outbox AS o
     WHERE o.available_at > o.created_at AND o.status <> 'done'

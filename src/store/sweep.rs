@@ -31,9 +31,10 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl};
 
 use super::claim::interval;
 use super::cursor::{Position, Snapshot};
-use super::pool::in_transaction;
+use super::pool::through_indexes;
 use super::sql::{
-    HORIZON_SQL, SWEEP_EVICT_SQL, SWEEP_LOCK_SQL, SWEEP_REAP_LATER_SQL, SWEEP_REAP_SQL, SWEEP_SAVE_SQL, SWEEP_STRETCH_SQL,
+    HORIZON_SQL, SWEEP_EVICT_SQL, SWEEP_LOCK_SQL, SWEEP_REAP_LATER_SQL, SWEEP_REAP_SQL, SWEEP_SAVE_SQL,
+    SWEEP_STRETCH_SQL,
 };
 use crate::error::StoreError;
 use crate::model::Fence;
@@ -131,10 +132,10 @@ pub async fn horizon(conn: &mut AsyncPgConnection) -> Result<Snapshot, StoreErro
     Snapshot::parse(&row.horizon).map_err(|e| StoreError::Query(diesel::result::Error::DeserializationError(e.into())))
 }
 
-/// Runs one sweep (see the module docs) in a transaction of its own; `None` when another
-/// process is sweeping.
+/// Runs one sweep (see the module docs) in a transaction of its own that reads through indexes
+/// only; `None` when another process is sweeping.
 pub async fn sweep(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<Option<Swept>, StoreError> {
-    in_transaction(conn, async |conn| sweep_in(conn, params).await).await
+    through_indexes(conn, async |conn| sweep_in(conn, params).await).await
 }
 
 async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<Option<Swept>, StoreError> {
@@ -143,8 +144,10 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
         return Ok(None);
     };
     let now = Snapshot::parse(&state.now).map_err(bad)?;
-    let (mut horizon, mut candidate) = (Snapshot::parse(&state.horizon).map_err(bad)?, Snapshot::parse(&state.candidate).map_err(bad)?);
-    let mut pass = state.pass_txid.as_deref().zip(state.pass_id).and_then(|(t, id)| t.parse::<u64>().ok().map(|t| (t, id)));
+    let (mut horizon, mut candidate) =
+        (Snapshot::parse(&state.horizon).map_err(bad)?, Snapshot::parse(&state.candidate).map_err(bad)?);
+    let mut pass =
+        state.pass_txid.as_deref().zip(state.pass_id).and_then(|(t, id)| t.parse::<u64>().ok().map(|t| (t, id)));
     let mut clean = state.pass_clean;
     if horizon.xmax() > now.xmax() || candidate.xmax() > now.xmax() {
         // Transaction ids from another cluster (the table was restored from a dump): start over.
@@ -188,7 +191,13 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
     let moved: Vec<i64> = if evict.is_empty() {
         Vec::new()
     } else {
-        diesel::sql_query(SWEEP_EVICT_SQL).bind::<Array<Int8>, _>(&evict).load::<Id>(conn).await?.into_iter().map(|r| r.id).collect()
+        diesel::sql_query(SWEEP_EVICT_SQL)
+            .bind::<Array<Int8>, _>(&evict)
+            .load::<Id>(conn)
+            .await?
+            .into_iter()
+            .map(|r| r.id)
+            .collect()
     };
     let mut reaped: Vec<Fence> = if reap.is_empty() {
         Vec::new()
@@ -214,9 +223,9 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
     // Rows visible in the candidate that are still new and unfinished keep the horizon where it
     // is for this pass.
     let gone = |id: i64| moved.contains(&id) || reaped.iter().any(|f| f.id == id);
-    let dirty = rows.iter().any(|r| {
-        r.state != FINISHED && !gone(r.id) && r.txid.parse::<u64>().is_ok_and(|t| candidate.visible(t))
-    });
+    let dirty = rows
+        .iter()
+        .any(|r| r.state != FINISHED && !gone(r.id) && r.txid.parse::<u64>().is_ok_and(|t| candidate.visible(t)));
     clean &= !dirty;
     let mut advanced = false;
     if more {

@@ -659,9 +659,10 @@ async fn a_row_committed_after_a_thousand_later_rows_were_published_is_published
 
     let mut late_tx = db.conn().await;
     late_tx.batch_execute("BEGIN").await.unwrap();
-    let late = actix_outbox::enqueue(&mut late_tx, &actix_outbox::NewEvent::new("t", "late", "late", serde_json::json!({})))
-        .await
-        .unwrap();
+    let late =
+        actix_outbox::enqueue(&mut late_tx, &actix_outbox::NewEvent::new("t", "late", "late", serde_json::json!({})))
+            .await
+            .unwrap();
     let mut later = Vec::new();
     for _ in 0..10 {
         later.extend(db.seed(100, "a").await);

@@ -1,0 +1,154 @@
+//! The sweep and the outbox's horizon: expired leases of new rows handed to the claims, rows the
+//! claims passed while something else held them, and the horizon that starting cursors begin at.
+
+use std::time::Duration;
+
+use actix_outbox::admin::Status;
+use actix_outbox::testing::{Claim, ClaimParams, Cursor, Snapshot, SweepParams, Swept};
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
+
+use actix_outbox_test_support::{TestDb, eventually};
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn params<'a>(cursor: Option<&'a Cursor>, lease: Duration) -> ClaimParams<'a> {
+    ClaimParams {
+        owner: "A",
+        batch: 100,
+        max_bytes: usize::MAX,
+        lease,
+        max_attempts: 12,
+        fifo: &actix_outbox::Fifo::Off,
+        cursor,
+        heads_after: None,
+    }
+}
+
+/// One claim with `cursor`, which it moves on as a dispatcher's claim would.
+async fn claim_with(conn: &mut AsyncPgConnection, cursor: &mut Cursor) -> Vec<i64> {
+    let claim = actix_outbox::testing::claim(conn, &params(Some(cursor), LONG)).await.unwrap();
+    let (snapshot, taken) = claim.cursor.clone().unwrap();
+    cursor.advance(&snapshot, &taken);
+    ids(&claim)
+}
+
+fn ids(claim: &Claim) -> Vec<i64> {
+    claim.messages.iter().map(|m| m.id).collect()
+}
+
+async fn sweep(conn: &mut AsyncPgConnection, stray_after: Duration) -> Swept {
+    let params = SweepParams { max_attempts: 12, chunk: 10_000, stray_after };
+    actix_outbox::testing::sweep(conn, params).await.unwrap().expect("no other sweep runs")
+}
+
+async fn horizon(conn: &mut AsyncPgConnection) -> Snapshot {
+    actix_outbox::testing::horizon(conn).await.unwrap()
+}
+
+/// The horizon moves past rows only once they are finished: the first sweep takes the snapshot
+/// of now as its candidate, the next finds every row visible in it done and makes it the
+/// horizon. A pending row keeps it where it is. A cursor that starts at the horizon finds
+/// nothing it would have to pass again, and takes the next row.
+#[tokio::test]
+async fn the_horizon_moves_past_finished_rows_only_and_a_cursor_starts_there() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    assert_eq!(horizon(&mut conn).await, Snapshot::origin());
+    let ids10 = db.seed(10, "a").await;
+    let held = db.seed(1, "b").await[0];
+    let everything = Cursor::at(Snapshot::origin());
+    // Take the ten, leave the eleventh pending.
+    let claimed =
+        actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 10, ..params(Some(&everything), LONG) })
+            .await
+            .unwrap();
+    assert_eq!(ids(&claimed), ids10);
+    let fences: Vec<_> = claimed.messages.iter().map(|m| m.fence()).collect();
+    actix_outbox::testing::mark_done(&mut conn, &fences).await.unwrap();
+
+    for _ in 0..3 {
+        let swept = sweep(&mut conn, LONG).await;
+        assert_eq!((swept.expired, swept.strays, swept.reaped.len()), (0, 0, 0));
+    }
+    assert_eq!(horizon(&mut conn).await, Snapshot::origin(), "the pending row keeps the horizon");
+
+    let rest = actix_outbox::testing::claim(&mut conn, &params(Some(&everything), LONG)).await.unwrap();
+    assert_eq!(ids(&rest), vec![held]);
+    actix_outbox::testing::mark_done(&mut conn, &[rest.messages[0].fence()]).await.unwrap();
+    let first = sweep(&mut conn, LONG).await;
+    let second = sweep(&mut conn, LONG).await;
+    assert!(first.moved || second.moved, "{first:?} {second:?}");
+    let h = horizon(&mut conn).await;
+    assert_ne!(h, Snapshot::origin());
+
+    let mut fresh = Cursor::at(h.clone());
+    assert_eq!(fresh.from(), (h.xmax(), 0), "it starts after everything the horizon shows");
+    assert_eq!(claim_with(&mut conn, &mut fresh).await, Vec::<i64>::new());
+    let next = db.seed(1, "c").await;
+    assert_eq!(claim_with(&mut conn, &mut fresh).await, next);
+}
+
+/// A new row whose worker died mid-publish: once its lease runs out, the sweep moves it to wait
+/// in `outbox_later`, due at once, and the next claim takes it over with the next fence and
+/// attempt. With no attempt left the sweep reaps it instead.
+#[tokio::test]
+async fn an_expired_lease_is_handed_to_the_next_claim_or_reaped() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let [first, second] = db.seed(2, "a").await[..] else { unreachable!() };
+    let crashed = actix_outbox::testing::claim(&mut conn, &params(None, Duration::from_millis(100))).await.unwrap();
+    assert_eq!(ids(&crashed), vec![first, second]);
+    // The second row is on its last attempt.
+    conn.batch_execute(&format!("UPDATE outbox SET attempts = 12 WHERE id = {second}")).await.unwrap();
+    eventually(Duration::from_secs(10), "both leases run out", || async {
+        db.scalar("SELECT count(*) AS n FROM outbox WHERE status = 'processing' AND lease_until < now()").await == 2
+    })
+    .await;
+    assert!(ids(&actix_outbox::testing::claim(&mut conn, &params(None, LONG)).await.unwrap()).is_empty());
+
+    let swept = sweep(&mut conn, LONG).await;
+    assert_eq!(swept.expired, 1);
+    assert_eq!(swept.reaped.iter().map(|f| (f.id, f.lease_version)).collect::<Vec<_>>(), vec![(second, 1)]);
+    let reaped = db.row(second).await;
+    assert_eq!((reaped.status, reaped.lease_version), (Status::Dead, 2));
+    let waiting = db.row(first).await;
+    assert_eq!(waiting.status, Status::Processing, "still its crashed worker's until taken over");
+    assert!(waiting.available_at > waiting.created_at, "it waits in outbox_later: {waiting:?}");
+
+    let taken = actix_outbox::testing::claim(&mut conn, &params(None, LONG)).await.unwrap();
+    assert_eq!(ids(&taken), vec![first]);
+    assert_eq!((taken.messages[0].lease_version, taken.messages[0].attempts), (2, 2));
+    // The crashed worker's late write is fenced off.
+    let won = actix_outbox::testing::mark_done(&mut conn, &[crashed.messages[0].fence()]).await.unwrap();
+    assert!(won.is_empty());
+    assert_eq!(
+        actix_outbox::admin::dead_list(&mut conn, 10).await.unwrap().iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![second]
+    );
+}
+
+/// A row that a claim found locked by another statement (here an operator's `SELECT ... FOR
+/// UPDATE` that then rolls back) is passed by the cursor. The sweep finds it pending behind
+/// claimed rows and, once it is older than the stray age, moves it to `outbox_later`, where the
+/// next claim takes it.
+#[tokio::test]
+async fn a_row_the_claims_passed_while_it_was_locked_is_moved_by_the_sweep() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut cursor = Cursor::at(horizon(&mut conn).await);
+    let [a, b, c] = db.seed(3, "a").await[..] else { unreachable!() };
+    let mut locker = db.conn().await;
+    locker.batch_execute(&format!("BEGIN; SELECT 1 FROM outbox WHERE id = {b} FOR UPDATE")).await.unwrap();
+    assert_eq!(claim_with(&mut conn, &mut cursor).await, vec![a, c]);
+    locker.batch_execute("ROLLBACK").await.unwrap();
+    assert_eq!(claim_with(&mut conn, &mut cursor).await, Vec::<i64>::new(), "the cursor passed it");
+
+    // Younger than the stray age: left alone (a claim may still hold it).
+    assert_eq!(sweep(&mut conn, LONG).await.strays, 0);
+    assert_eq!(db.row(b).await.status, Status::Pending);
+    let swept = sweep(&mut conn, Duration::ZERO).await;
+    assert_eq!((swept.strays, swept.expired), (1, 0));
+    assert_eq!(claim_with(&mut conn, &mut cursor).await, vec![b], "the next claim takes it from outbox_later");
+    let row = db.row(b).await;
+    assert_eq!((row.status, row.lease_version, row.attempts), (Status::Processing, 1, 1));
+}
