@@ -188,16 +188,48 @@ struct Opts {
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
     latency_interval: Duration,
-    /// Loaded latency: rows per second the bench's producer commits, one row per transaction.
-    #[arg(long, default_value_t = 1000)]
-    rate: u32,
-    /// Loaded latency: how long the producer runs, in seconds.
-    #[arg(long, default_value_t = 10)]
-    seconds: u32,
-    /// Loaded latency: connections the producer commits on (each row's slot goes to the next
-    /// free one, so a slow commit does not hold the rows behind it).
+    /// Loaded latency, held horizon and soak: rows per second the producer commits, one row
+    /// per transaction (default: 1,000 loaded, 800 horizon, 2,000 soak).
+    #[arg(long)]
+    rate: Option<u32>,
+    /// Loaded latency and held horizon: how long the producer runs, in seconds (default: 10
+    /// loaded, 270 horizon).
+    #[arg(long)]
+    seconds: Option<u32>,
+    /// Loaded latency, held horizon and soak: connections the producer commits on (each row's
+    /// slot goes to the next free one, so a slow commit does not hold the rows behind it; with
+    /// pgbench, its clients).
     #[arg(long, default_value_t = 16)]
     producers: usize,
+    /// Loaded latency, held horizon and soak: who commits the rows. `bench`: this process,
+    /// which notes when each commit returned (commit → consumer is exact); `pgbench`:
+    /// PostgreSQL's pgbench with `-R` (Poisson arrivals) and `synchronous_commit = off`, which
+    /// costs the machine less; commit → consumer then starts at the row's `created_at` (its
+    /// transaction's start, a little before its commit).
+    #[arg(long, value_enum, default_value = "bench")]
+    producer: ProducerKind,
+    /// Held horizon: the second of the production at which a `REPEATABLE READ` transaction in
+    /// the bench's database takes its snapshot.
+    #[arg(long, default_value_t = 90)]
+    hold_from: u32,
+    /// Held horizon: how long that transaction holds its snapshot, in seconds (it ends with
+    /// the production at the latest).
+    #[arg(long, default_value_t = 180)]
+    hold: u32,
+    /// Soak: minutes of steady production.
+    #[arg(long, default_value_t = 60)]
+    minutes: u32,
+    /// Held horizon and soak, whose relay is `actix-outbox run` itself: arguments for it, as
+    /// its command line takes them (split at whitespace; repeatable), e.g. `--relay-arg
+    /// '--max-in-flight 800'`.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARGS")]
+    relay_arg: Vec<String>,
+    /// Against a PostgreSQL 15 of the bench's own with production defaults instead of
+    /// `--database-url`'s server: `initdb`'s settings (autovacuum on, fsync on) and
+    /// `pg_stat_statements`, on a free port of 127.0.0.1, as the `postgres` user, in a
+    /// temporary folder; stopped and removed at the end, also when a phase fails.
+    #[arg(long, conflicts_with = "pooler_url")]
+    pg_own: bool,
     /// History phase: `done` rows the table keeps beside the `--messages` new ones, as under
     /// the default `Keep` retention (2,000,000 is about a day of a busy service).
     #[arg(long, default_value_t = 2_000_000)]
@@ -274,6 +306,29 @@ enum Phase {
     /// A drain of `--messages` rows end to end, unpaced then paced at `--drain-rate`: rows done
     /// per second over time, once (not per run).
     Drain,
+    /// A steady `--rate` while a `REPEATABLE READ` transaction holds back vacuum's horizon from
+    /// `--hold-from` for `--hold` seconds: commit → consumer by 30-s window, dead tuples; once.
+    Horizon,
+    /// A steady `--rate` for `--minutes`: a line a minute (latency, table and index sizes, dead
+    /// tuples, the relay's RSS); once.
+    Soak,
+}
+
+impl Phase {
+    /// Whether the phase runs in every run (`--runs`), rather than once after them.
+    fn per_run(self) -> bool {
+        !matches!(self, Phase::Drain | Phase::Horizon | Phase::Soak)
+    }
+}
+
+/// `--producer`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum ProducerKind {
+    /// The bench's own producer: `--producers` connections, each commit's return noted.
+    Bench,
+    /// pgbench, `-R --rate` with `synchronous_commit = off`.
+    Pgbench,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -299,6 +354,30 @@ impl Opts {
         config
     }
 
+    /// The rate of `phase`'s producer: `--rate`, or the phase's default.
+    fn rate(&self, phase: Phase) -> u32 {
+        self.rate.unwrap_or(match phase {
+            Phase::Horizon => 800,
+            Phase::Soak => 2000,
+            _ => 1000,
+        })
+    }
+
+    /// How long `phase`'s producer runs: `--seconds`, or the phase's default (the soak's is
+    /// `--minutes`).
+    fn seconds(&self, phase: Phase) -> u32 {
+        match phase {
+            Phase::Soak => self.minutes.saturating_mul(60),
+            Phase::Horizon => self.seconds.unwrap_or(270),
+            _ => self.seconds.unwrap_or(10),
+        }
+    }
+
+    /// `--relay-arg`s, each split at whitespace.
+    fn relay_args(&self) -> Vec<String> {
+        self.relay_arg.iter().flat_map(|a| a.split_whitespace()).map(str::to_owned).collect()
+    }
+
     /// Publishes one dispatcher process may have in flight at most.
     fn depth_per_process(&self) -> usize {
         self.workers * self.dispatcher_config().in_flight_limit()
@@ -318,6 +397,16 @@ enum ChildRole {
     /// One raw-lapin publishing process (the broker ceiling).
     #[command(hide = true)]
     ChildBroker(BrokerChild),
+    /// One `actix-outbox run` process (the held-horizon and soak phases' relay).
+    #[command(hide = true)]
+    ChildRun(RunChild),
+}
+
+#[derive(Args, Debug)]
+struct RunChild {
+    /// `actix-outbox run`'s arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -367,6 +456,7 @@ fn main() -> ExitCode {
             actix::System::new().block_on(child::dispatcher(role, cli.opts)).map(|()| ExitCode::SUCCESS)
         }
         Some(ChildRole::ChildBroker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
+        Some(ChildRole::ChildRun(role)) => child::run(role).map(|()| ExitCode::SUCCESS),
         None => runtime().and_then(|rt| rt.block_on(parent::main(cli.opts))),
     };
     match result {

@@ -114,6 +114,11 @@ impl Kids {
         Ok((kids, confirms))
     }
 
+    /// The children's pids.
+    pub(super) fn pids(&self) -> Vec<u32> {
+        self.kids.iter().map(|k| k.process.id()).collect()
+    }
+
     pub(super) fn done(&self) -> u64 {
         self.kids.iter().map(|k| k.done).sum()
     }
