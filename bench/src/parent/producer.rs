@@ -13,6 +13,7 @@
 //!   of id order, so the reading keeps a low-water mark and looks above it again.
 
 use std::collections::BTreeSet;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
@@ -200,6 +201,8 @@ impl Pgbench {
             .arg(database)
             .env("PGOPTIONS", "-c synchronous_commit=off")
             .env("PGAPPNAME", PRODUCER_APP)
+            // Ctrl-C reaches the bench, which ends pgbench itself (see `Running`).
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
