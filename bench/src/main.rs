@@ -4,6 +4,8 @@
 //! ```text
 //! cargo run --release -p actix-outbox-bench -- --messages 100000
 //! cargo run --release -p actix-outbox-bench -- --phases e2e,latency,loaded --pgbouncer --runs 3
+//! cargo run --release -p actix-outbox-bench -- --pg-own --phases horizon
+//! cargo run --release -p actix-outbox-bench -- --pg-own --phases soak --minutes 60 --json > soak.json
 //! ```
 //!
 //! It needs PostgreSQL and RabbitMQ (the README's quick-start addresses; `DATABASE_URL` and
@@ -35,9 +37,15 @@
 //! 6. **peak RSS**: `VmHWM` of each dispatcher process (`/proc/self/status`), read when it stops;
 //!    the dispatcher runs in child processes (this binary re-executed), so the benchmark's own
 //!    seeding, consumer and bookkeeping are not counted.
-//! 7. **loaded latency** (`--phases loaded`): a producer inside the bench commits `--rate`
-//!    single-row transactions a second for `--seconds` on `--producers` connections while the
-//!    dispatcher runs with its defaults; commit → delivery p50 / p99 / p99.9 / max.
+//! 7. **loaded latency** (`--phases loaded`): a producer commits `--rate` single-row
+//!    transactions a second for `--seconds` (the bench's own on `--producers` connections, or
+//!    `--producer pgbench`) while the dispatcher runs with its defaults; commit → delivery p50 /
+//!    p99 / p99.9 / max, and what each message cost over the production's last two thirds (the
+//!    first warms up): PostgreSQL's CPU split into the relay's backends and the rest (by
+//!    process, from `/proc`, each told apart by `pg_stat_activity`), the relay processes',
+//!    RabbitMQ's, the bench's own and the machine's; WAL bytes, buffer hits, the relay's
+//!    transactions, the outbox's updates and their HOT share, its dead tuples, and where the
+//!    server keeps them, `pg_stat_statements`' costliest statements.
 //! 8. **history** (`--phases history`): end to end again, with the `--messages` new rows
 //!    inserted after `--kept-done` `done` rows (a day of history, vacuumed as autovacuum would
 //!    have), and its rate ÷ the e2e phase's rate of the same run.
@@ -73,6 +81,28 @@
 //!     rows done in each second of each drain, printed side by side, and with `--drain-svg
 //!     PATH` drawn as a plot of both curves.
 //!
+//! 11. **held horizon** (`--phases horizon`, once): `--rate` (default 800) for `--seconds`
+//!     (default 270) with a consumer; from `--hold-from` (90) for `--hold` (180) seconds a
+//!     `REPEATABLE READ` transaction in the bench's database holds its snapshot (checked: its
+//!     `backend_xmin` is set), so vacuum can remove nothing that died since; commit → consumer
+//!     p50 / p99 / max of the rows committed in each 30-s window (before the hold, through it,
+//!     after it), each window's dead tuples and CPU per message, the backlog and the outbox at the
+//!     end, and the statements before and during the hold.
+//! 12. **soak** (`--phases soak`, once): `--rate` (default 2,000) for `--minutes` (default 60);
+//!     a line a minute: committed and delivered a second, commit → consumer p50 / p99 of the rows
+//!     delivered in it, the backlog, the outbox's `pg_relation_size` and `pg_indexes_size` (and
+//!     each index's), live and dead tuples, the relay's resident memory and CPU per message.
+//!     `bench/plot_soak.py` draws the `--json` output.
+//!
+//! The held horizon and the soak relay through `actix-outbox run` itself (the command line's own
+//! `run`, in a child process): its defaults, the bench's dispatcher options that differ from
+//! them, and `--relay-arg`s, which `run`'s own parser reads (a flag `run` gains works here at
+//! once). The other phases start the library's dispatcher directly. `--pg-own` runs everything
+//! against a PostgreSQL 15 the bench makes and starts (`initdb`'s defaults, so autovacuum on,
+//! plus `pg_stat_statements`; on a free port, as the `postgres` user; stopped and removed at the
+//! end, also when a phase fails): what a table does over time depends on vacuum, which a
+//! development machine's shared server may have off.
+//!
 //! `--phases` picks phases (default `broker,database,e2e,latency`); `--json` prints one JSON document
 //! (the pooler comparison under each run's `pooler`).
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
@@ -87,9 +117,9 @@
 //! a time. The broker ceiling does not depend on it.
 //!
 //! The code follows the two roles: [`parent`] sets up, runs the phases ([`parent`]'s `phases`),
-//! tallies the consumer and reports; [`child`] is a dispatcher or a raw publisher, started by
-//! the parent as this binary with a hidden subcommand (a dispatcher behind the pooler gets the
-//! pooler's URL and `--direct-url`). [`procstat`] reads `/proc`, [`message`] is what both kinds
+//! tallies the consumer and reports; [`child`] is a dispatcher, a raw publisher or `actix-outbox
+//! run`, started by the parent as this binary with a hidden subcommand (a dispatcher behind the
+//! pooler gets the pooler's URL and `--direct-url`). [`procstat`] reads `/proc`, [`message`] is what both kinds
 //! of child send; the parent's `bouncer` starts and reads the pooler.
 
 // The two roles of the binary: the parent orchestrates, the children (this binary re-executed)

@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use super::Names;
 use super::bench_conn::BenchConn;
-use super::meter::{Reading, WindowCost, print_cost_legend};
+use super::meter::{Reading, WindowCost, print_cpu_legend};
 use super::producer::{Plan, Produced};
 use super::statements::{self, StatementCost};
 use super::stats::Spread;
@@ -307,9 +307,9 @@ pub(super) fn print(h: &Horizon) {
         println!("pgbench: {line}");
     }
     println!("window = rows committed in it; p* = their commit → consumer delivery; lost = of them never delivered;");
-    println!("pg:relay, pg:rest, relay = CPU µs per message delivered in the window; hot = HOT share of the outbox's");
-    println!("updates; dead = its dead tuples at the window's end; av = autovacuums of it in the window.");
-    print_cost_legend(None);
+    println!("hot = HOT share of the outbox's updates in the window; dead = its dead tuples at the window's end;");
+    println!("av = autovacuums of it in the window.");
+    print_cpu_legend();
     for (title, list) in [("before the hold", &h.statements_before), ("during the hold", &h.statements_held)] {
         if !list.is_empty() {
             println!("statements {title}:");

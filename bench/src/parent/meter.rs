@@ -305,6 +305,13 @@ pub(super) fn print_cost_row(name: &str, c: &WindowCost) {
     );
 }
 
+/// What the CPU columns of the held-horizon and soak tables mean.
+pub(super) fn print_cpu_legend() {
+    println!("pg:relay, pg:rest, relay = CPU µs per message delivered: PostgreSQL's backends of the relay (every backend");
+    println!("of the bench's database but the producers' and the bench's own), the rest of PostgreSQL (producers,");
+    println!("autovacuum, checkpointer, WAL writer, ...), the relay processes; --json has the rest of each window's cost.");
+}
+
 /// What the cost columns mean, and where the rest of PostgreSQL's CPU went.
 pub(super) fn print_cost_legend(rest: Option<&RoleSeconds>) {
     println!("per message delivered in the window (µs of CPU): pg:relay = PostgreSQL's backends of the relay (every");

@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::Names;
-use super::meter::{Reading, TableStats, WindowCost, print_cost_legend};
+use super::meter::{Reading, TableStats, WindowCost, print_cpu_legend};
 use super::producer::{Plan, Produced};
 use super::statements::{self, StatementCost};
 use super::stats::Spread;
@@ -265,7 +265,7 @@ pub(super) fn print(s: &Soak) {
     println!("commit/s = rows committed a second in the minute, dlvr/s = delivered; p* = commit → consumer of the rows");
     println!("delivered in the minute; backlog = committed, not yet delivered at its end; table, index = pg_relation_size,");
     println!("pg_indexes_size of the outbox; live, dead = its tuples (pg_stat_user_tables); rss = the relay's VmRSS;");
-    print_cost_legend(None);
+    print_cpu_legend();
     if !s.statements.is_empty() {
         println!("statements over the soak:");
         statements::print(&s.statements);
