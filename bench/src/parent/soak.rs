@@ -125,8 +125,9 @@ pub(super) async fn soak(opts: &Opts, names: &Names, tally: &std::sync::Mutex<Ta
     let mut lines = Vec::new();
     let mut done_minutes = 0;
     while let Some(t) = steady.tick().await? {
-        sort(&steady, seconds, &mut by_minute);
-        if done_minutes < opts.minutes && t >= f64::from((done_minutes + 1) * 60) {
+        sort(&steady, opts.minutes, &mut by_minute);
+        // The last minute closes with the production, which a late producer may prolong.
+        if done_minutes + 1 < opts.minutes && t >= f64::from((done_minutes + 1) * 60) {
             let now = steady.reading().await?;
             done_minutes += 1;
             closing.push(Closing::new(&steady, &last, &now, done_minutes));
@@ -145,7 +146,7 @@ pub(super) async fn soak(opts: &Opts, names: &Names, tally: &std::sync::Mutex<Ta
         closing.push(Closing::new(&steady, &last, &now, opts.minutes));
     }
     let backlog_at_end = steady.with_join(|j| j.backlog());
-    sort(&steady, seconds, &mut by_minute);
+    sort(&steady, opts.minutes, &mut by_minute);
     for c in closing {
         let latencies = by_minute.remove(&(c.minute - 1)).unwrap_or_default();
         let line = c.line(latencies);
@@ -171,12 +172,13 @@ pub(super) async fn soak(opts: &Opts, names: &Names, tally: &std::sync::Mutex<Ta
     })
 }
 
-/// Files the latencies matched since the last call by the minute of their delivery (those
-/// after the production's `seconds` belong to no minute).
-fn sort(steady: &Steady<'_>, seconds: u32, by_minute: &mut HashMap<u32, Vec<f64>>) {
+/// Files the latencies matched since the last call by the minute of their delivery (the last
+/// of the `minutes` takes every later one: a producer that fell behind commits after its end).
+fn sort(steady: &Steady<'_>, minutes: u32, by_minute: &mut HashMap<u32, Vec<f64>>) {
     for s in steady.with_join(|j| j.take_samples()) {
-        if s.arrival_s >= 0.0 && s.arrival_s < f64::from(seconds) {
-            by_minute.entry((s.arrival_s / 60.0) as u32).or_default().push(s.latency_ms());
+        if s.arrival_s >= 0.0 {
+            let minute = ((s.arrival_s / 60.0) as u32).min(minutes - 1);
+            by_minute.entry(minute).or_default().push(s.latency_ms());
         }
     }
 }
