@@ -422,14 +422,14 @@ impl Opts {
 #[derive(Subcommand)]
 enum ChildRole {
     /// One dispatcher process.
-    #[command(hide = true)]
-    ChildDispatcher(DispatcherChild),
+    #[command(name = "child-dispatcher", hide = true)]
+    Dispatcher(DispatcherChild),
     /// One raw-lapin publishing process (the broker ceiling).
-    #[command(hide = true)]
-    ChildBroker(BrokerChild),
+    #[command(name = "child-broker", hide = true)]
+    Broker(BrokerChild),
     /// One `actix-outbox run` process (the held-horizon and soak phases' relay).
-    #[command(hide = true)]
-    ChildRun(RunChild),
+    #[command(name = "child-run", hide = true)]
+    Run(RunChild),
 }
 
 #[derive(Args, Debug)]
@@ -482,11 +482,11 @@ fn main() -> ExitCode {
         )
         .init();
     let result = match cli.child {
-        Some(ChildRole::ChildDispatcher(role)) => {
+        Some(ChildRole::Dispatcher(role)) => {
             actix::System::new().block_on(child::dispatcher(role, cli.opts)).map(|()| ExitCode::SUCCESS)
         }
-        Some(ChildRole::ChildBroker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
-        Some(ChildRole::ChildRun(role)) => child::run(role).map(|()| ExitCode::SUCCESS),
+        Some(ChildRole::Broker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
+        Some(ChildRole::Run(role)) => child::run(role).map(|()| ExitCode::SUCCESS),
         None => runtime().and_then(|rt| rt.block_on(parent::main(cli.opts))),
     };
     match result {

@@ -81,7 +81,11 @@ pub(super) struct HorizonWindow {
 pub(super) async fn horizon(opts: &Opts, names: &Names, tally: &std::sync::Mutex<Tally>) -> Result<Horizon, BoxError> {
     let (rate, seconds) = (opts.rate(Phase::Horizon), opts.seconds(Phase::Horizon));
     if opts.hold_from >= seconds || opts.hold == 0 {
-        return Err(format!("--hold-from ({}) must be within --seconds ({seconds}), --hold at least 1", opts.hold_from).into());
+        return Err(format!(
+            "--hold-from ({}) must be within --seconds ({seconds}), --hold at least 1",
+            opts.hold_from
+        )
+        .into());
     }
     let hold_until = (opts.hold_from + opts.hold).min(seconds);
     let bounds = boundaries(seconds, opts.hold_from, hold_until);
@@ -236,11 +240,10 @@ impl Holder {
             #[diesel(sql_type = Nullable<BigInt>)]
             age: Option<i64>,
         }
-        let age: Age =
-            diesel::sql_query("SELECT age(backend_xmin)::int8 AS age FROM pg_stat_activity WHERE pid = $1")
-                .bind::<Int4, _>(self.pid)
-                .get_result(steady.sampler().one())
-                .await?;
+        let age: Age = diesel::sql_query("SELECT age(backend_xmin)::int8 AS age FROM pg_stat_activity WHERE pid = $1")
+            .bind::<Int4, _>(self.pid)
+            .get_result(steady.sampler().one())
+            .await?;
         self.conn.uncounted().batch_execute("COMMIT").await?;
         self.conn.count();
         Ok(age.age)
@@ -265,12 +268,27 @@ pub(super) fn print(h: &Horizon) {
     );
     println!(
         "{:<11} {:>4} {:>7} {:>8} {:>8} {:>8} {:>6} {:>8} {:>7} {:>8} {:>5} {:>9} {:>4}",
-        "window s", "held", "rows", "p50 ms", "p99 ms", "max ms", "lost", "pg:relay", "pg:rest", "relay", "hot", "dead", "av"
+        "window s",
+        "held",
+        "rows",
+        "p50 ms",
+        "p99 ms",
+        "max ms",
+        "lost",
+        "pg:relay",
+        "pg:rest",
+        "relay",
+        "hot",
+        "dead",
+        "av"
     );
     let us = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
     let ms = |s: Option<Spread>, f: fn(&Spread) -> f64| s.map_or_else(|| "-".to_owned(), |s| format!("{:.1}", f(&s)));
     if let Some(before) = h.before {
-        println!("{:<11} {:>4} {:>7} {:>8.1} {:>8.1} {:>8.1}", "before hold", "", before.rows, before.p50_ms, before.p99_ms, before.max_ms);
+        println!(
+            "{:<11} {:>4} {:>7} {:>8.1} {:>8.1} {:>8.1}",
+            "before hold", "", before.rows, before.p50_ms, before.p99_ms, before.max_ms
+        );
     }
     for w in &h.windows {
         println!(

@@ -61,12 +61,8 @@ impl Kids {
             // A process group of its own: a Ctrl-C at the terminal reaches the parent only, which
             // stops the children through their stdin (`run` would take a second signal for
             // "exit at once").
-            let mut process = Command::new(&exe)
-                .args(args)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .process_group(0)
-                .spawn()?;
+            let mut process =
+                Command::new(&exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).process_group(0).spawn()?;
             let stdout = process.stdout.take().ok_or("child without stdout")?;
             let stdin = process.stdin.take();
             let tx = tx.clone();

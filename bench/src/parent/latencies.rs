@@ -41,14 +41,7 @@ pub(super) struct Join {
 impl Join {
     /// An empty join whose offsets count from `origin`.
     pub(super) fn new(origin: SystemTime) -> Self {
-        Self {
-            origin,
-            waiting: HashMap::new(),
-            early: HashMap::new(),
-            samples: Vec::new(),
-            committed: 0,
-            arrivals: 0,
-        }
+        Self { origin, waiting: HashMap::new(), early: HashMap::new(), samples: Vec::new(), committed: 0, arrivals: 0 }
     }
 
     /// Seconds from the origin to `t` (negative before it).

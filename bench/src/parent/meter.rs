@@ -307,19 +307,27 @@ pub(super) fn print_cost_row(name: &str, c: &WindowCost) {
 
 /// What the CPU columns of the held-horizon and soak tables mean.
 pub(super) fn print_cpu_legend() {
-    println!("pg:relay, pg:rest, relay = CPU µs per message delivered: PostgreSQL's backends of the relay (every backend");
+    println!(
+        "pg:relay, pg:rest, relay = CPU µs per message delivered: PostgreSQL's backends of the relay (every backend"
+    );
     println!("of the bench's database but the producers' and the bench's own), the rest of PostgreSQL (producers,");
-    println!("autovacuum, checkpointer, WAL writer, ...), the relay processes; --json has the rest of each window's cost.");
+    println!(
+        "autovacuum, checkpointer, WAL writer, ...), the relay processes; --json has the rest of each window's cost."
+    );
 }
 
 /// What the cost columns mean, and where the rest of PostgreSQL's CPU went.
 pub(super) fn print_cost_legend(rest: Option<&RoleSeconds>) {
     println!("per message delivered in the window (µs of CPU): pg:relay = PostgreSQL's backends of the relay (every");
-    println!("backend of the bench's database but the producers' and the bench's own), pg:rest = the rest of PostgreSQL");
+    println!(
+        "backend of the bench's database but the producers' and the bench's own), pg:rest = the rest of PostgreSQL"
+    );
     println!("(producers, autovacuum, checkpointer, WAL writer, ...), relay = the relay processes, mq = RabbitMQ");
     println!("(beam.smp), bench = this process (producer, consumer, meters), machine = every core's busy time;");
     println!("wal B = WAL bytes, hits = shared-buffer hits, xact = the relay's transactions, upd = updates of the");
-    println!("outbox, hot = their HOT share; dead = the outbox's dead tuples at the window's end, av = autovacuums of it.");
+    println!(
+        "outbox, hot = their HOT share; dead = the outbox's dead tuples at the window's end, av = autovacuums of it."
+    );
     if let Some(r) = rest {
         println!(
             "pg:rest of the last run, µs/msg: producers {:.0}, autovacuum {:.0}, background {:.0}, exited between samples {:.0}, bench {:.0}, other databases {:.0}",

@@ -163,11 +163,10 @@ async fn bench<'a>(opts: &'a Opts, names: &Names, server: String) -> Result<Repo
         #[diesel(sql_type = Text)]
         autovacuum: String,
     }
-    let postgres: Version = diesel::sql_query(
-        "SELECT current_setting('server_version') AS v, current_setting('autovacuum') AS autovacuum",
-    )
-    .get_result(&mut db)
-    .await?;
+    let postgres: Version =
+        diesel::sql_query("SELECT current_setting('server_version') AS v, current_setting('autovacuum') AS autovacuum")
+            .get_result(&mut db)
+            .await?;
     // What the dispatchers will stamp their messages with, for the raw publisher to do the same.
     let source = actix_outbox::admin::outbox_source(&mut db).await?;
     // The pooler of the pooled phases; the bench's own is killed when this returns, whatever

@@ -53,8 +53,11 @@ impl OwnServer {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             std::fs::write(&conf, format!("{defaults}\n{}", settings(port, &sockets)))?;
             let log = server.dir.join("server.log");
-            let started =
-                run(as_postgres(&server.dir, "pg_ctl", &["-D", path_str(&data)?, "-l", path_str(&log)?, "-w", "-t", "60", "start"]));
+            let started = run(as_postgres(
+                &server.dir,
+                "pg_ctl",
+                &["-D", path_str(&data)?, "-l", path_str(&log)?, "-w", "-t", "60", "start"],
+            ));
             match started {
                 Ok(_) => {
                     server.port = port;
@@ -78,10 +81,7 @@ impl OwnServer {
 
     /// What the report says the server is.
     pub(super) fn description(&self) -> String {
-        format!(
-            "the bench's own PostgreSQL on 127.0.0.1:{} (initdb's defaults, pg_stat_statements)",
-            self.port
-        )
+        format!("the bench's own PostgreSQL on 127.0.0.1:{} (initdb's defaults, pg_stat_statements)", self.port)
     }
 }
 

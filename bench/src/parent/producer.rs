@@ -70,7 +70,7 @@ pub(super) struct Produced {
 /// A producer, connected and ready to start.
 pub(super) enum Producer {
     Bench(Vec<AsyncPgConnection>),
-    Pgbench(Pgbench),
+    Pgbench(Box<Pgbench>),
 }
 
 /// pgbench, ready to start: its command, its folder, and the reading of its rows.
@@ -83,7 +83,12 @@ pub(super) struct Pgbench {
 impl Producer {
     /// Opens the producer's connections to `url` (or prepares pgbench's run, and `poller` to
     /// read its rows).
-    pub(super) async fn connect(kind: ProducerKind, plan: Plan, url: &str, poller: BenchConn) -> Result<Self, BoxError> {
+    pub(super) async fn connect(
+        kind: ProducerKind,
+        plan: Plan,
+        url: &str,
+        poller: BenchConn,
+    ) -> Result<Self, BoxError> {
         match kind {
             ProducerKind::Bench => {
                 let mut conns = Vec::with_capacity(plan.connections);
@@ -92,12 +97,17 @@ impl Producer {
                 }
                 Ok(Self::Bench(conns))
             }
-            ProducerKind::Pgbench => Ok(Self::Pgbench(Pgbench::prepare(plan, url, poller).await?)),
+            ProducerKind::Pgbench => Ok(Self::Pgbench(Box::new(Pgbench::prepare(plan, url, poller).await?))),
         }
     }
 
     /// Produces the plan from `started` on, handing each commit to `tally`'s join.
-    pub(super) async fn run(self, plan: Plan, tally: &Mutex<Tally>, started: tokio::time::Instant) -> Result<Produced, BoxError> {
+    pub(super) async fn run(
+        self,
+        plan: Plan,
+        tally: &Mutex<Tally>,
+        started: tokio::time::Instant,
+    ) -> Result<Produced, BoxError> {
         match self {
             Self::Bench(conns) => produce(conns, plan, tally, started).await,
             Self::Pgbench(pgbench) => pgbench.run(tally, started).await,

@@ -6,8 +6,8 @@ use super::drain_curve::DrainCurve;
 use super::horizon::Horizon;
 use super::meter::{WindowCost, median_cost, print_cost_header, print_cost_legend, print_cost_row};
 use super::soak::Soak;
-use super::stats::median;
 use super::statements;
+use super::stats::median;
 use crate::{Opts, Phase, ProducerKind, RetentionArg};
 
 /// One run's figures.

@@ -232,7 +232,9 @@ pub(super) fn print(s: &Soak) {
         "pg:rest",
         "relay"
     );
-    let ms = |l: &SoakMinute, f: fn(&Spread) -> f64| l.latency.as_ref().map_or_else(|| "-".to_owned(), |s| format!("{:.1}", f(s)));
+    let ms = |l: &SoakMinute, f: fn(&Spread) -> f64| {
+        l.latency.as_ref().map_or_else(|| "-".to_owned(), |s| format!("{:.1}", f(s)))
+    };
     let us = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.0}"));
     for l in &s.lines {
         println!(
@@ -264,8 +266,12 @@ pub(super) fn print(s: &Soak) {
     for line in &s.produced.summary {
         println!("pgbench: {line}");
     }
-    println!("commit/s = rows committed a second in the minute, dlvr/s = delivered; p* = commit → consumer of the rows");
-    println!("delivered in the minute; backlog = committed, not yet delivered at its end; table, index = pg_relation_size,");
+    println!(
+        "commit/s = rows committed a second in the minute, dlvr/s = delivered; p* = commit → consumer of the rows"
+    );
+    println!(
+        "delivered in the minute; backlog = committed, not yet delivered at its end; table, index = pg_relation_size,"
+    );
     println!("pg_indexes_size of the outbox; live, dead = its tuples (pg_stat_user_tables); rss = the relay's VmRSS;");
     print_cpu_legend();
     if !s.statements.is_empty() {

@@ -208,10 +208,7 @@ mod tests {
         assert_eq!(top[0].query, "INSERT INTO outbox");
         assert_eq!((top[0].calls, top[0].share), (200, 0.6));
         assert_eq!(top[1].query, "UPDATE outbox SET x");
-        assert_eq!(
-            (top[1].calls, top[1].calls_per_msg, top[1].mean_ms, top[1].rows_per_call),
-            (100, 0.5, 0.4, 2.0)
-        );
+        assert_eq!((top[1].calls, top[1].calls_per_msg, top[1].mean_ms, top[1].rows_per_call), (100, 0.5, 0.4, 2.0));
         assert_eq!((top[1].blks_hit_per_call, top[1].wal_bytes_per_call), (10.0, 100.0));
     }
 }
