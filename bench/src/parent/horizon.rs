@@ -346,5 +346,7 @@ mod tests {
         assert_eq!(boundaries(60, 20, 50), vec![0, 20, 50, 60]);
         assert_eq!(boundaries(100, 45, 80), vec![0, 15, 45, 75, 80, 100]);
         assert_eq!(boundaries(30, 10, 30), vec![0, 10, 30]);
+        // A hold that ends early: 30-s windows after it too.
+        assert_eq!(boundaries(200, 30, 60), vec![0, 30, 60, 90, 120, 150, 180, 200]);
     }
 }

@@ -51,6 +51,9 @@ mod tests {
     fn spread_takes_nearest_ranks() {
         let spread = Spread::of((1..=1000).rev().map(f64::from).collect()).unwrap();
         assert_eq!(spread, Spread { rows: 1000, p50_ms: 500.0, p99_ms: 990.0, p999_ms: 999.0, max_ms: 1000.0 });
+        // Ten values: the 99th percentile is the tenth (rank ⌈9.9⌉), not the ninth.
+        let ten = Spread::of((1..=10).map(f64::from).collect()).unwrap();
+        assert_eq!((ten.p50_ms, ten.p99_ms, ten.p999_ms), (5.0, 10.0, 10.0));
         assert_eq!(Spread::of(Vec::new()), None);
     }
 
