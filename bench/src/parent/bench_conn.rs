@@ -3,8 +3,8 @@
 //! counts the transactions it commits, so that the database's commit counter can be split into
 //! the relay's, the producers' and the bench's.
 
-use std::cell::Cell;
-use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use diesel_async::{AsyncConnection, AsyncPgConnection};
 
@@ -24,21 +24,21 @@ pub(super) fn named(url: &str, app: &str) -> String {
 /// A connection of the bench's own that counts its statements, each its own transaction.
 pub(super) struct BenchConn {
     conn: AsyncPgConnection,
-    xacts: Rc<Cell<u64>>,
+    xacts: Arc<AtomicU64>,
 }
 
 impl BenchConn {
     /// Connects to `url` as `outbox-bench-<role>`, counting into `xacts`.
-    pub(super) async fn connect(url: &str, role: &str, xacts: Rc<Cell<u64>>) -> Result<Self, BoxError> {
+    pub(super) async fn connect(url: &str, role: &str, xacts: Arc<AtomicU64>) -> Result<Self, BoxError> {
         let conn = AsyncPgConnection::establish(&named(url, &format!("{BENCH_APP}-{role}"))).await?;
         // diesel-async sets the time zone and the encoding on a new connection: two statements.
-        xacts.set(xacts.get() + 2);
+        xacts.fetch_add(2, Ordering::Relaxed);
         Ok(Self { conn, xacts })
     }
 
     /// The connection, for one statement (one autocommitted transaction).
     pub(super) fn one(&mut self) -> &mut AsyncPgConnection {
-        self.xacts.set(self.xacts.get() + 1);
+        self.count();
         &mut self.conn
     }
 
@@ -50,6 +50,6 @@ impl BenchConn {
 
     /// Counts one transaction.
     pub(super) fn count(&self) {
-        self.xacts.set(self.xacts.get() + 1);
+        self.xacts.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -5,6 +5,7 @@
 //! consumer latency by 30-s window, before the hold and during it, beside the dead tuples and
 //! PostgreSQL's CPU per message of each window.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use diesel::sql_types::{BigInt, Int4, Nullable, Text};
@@ -78,7 +79,7 @@ pub(super) struct HorizonWindow {
 }
 
 /// Runs the phase.
-pub(super) async fn horizon(opts: &Opts, names: &Names, tally: &std::sync::Mutex<Tally>) -> Result<Horizon, BoxError> {
+pub(super) async fn horizon(opts: &Opts, names: &Names, tally: &Arc<Mutex<Tally>>) -> Result<Horizon, BoxError> {
     let (rate, seconds) = (opts.rate(Phase::Horizon), opts.seconds(Phase::Horizon));
     if opts.hold_from >= seconds || opts.hold == 0 {
         return Err(format!(

@@ -128,9 +128,15 @@ impl Reading {
     pub(super) async fn take(conn: &mut BenchConn, now: Now<'_>) -> Result<Self, BoxError> {
         let at = Instant::now();
         let pg = now.procs.map(PgProcs::so_far);
-        let relay_cpu = now.relay_pids.iter().filter_map(|p| process_cpu_seconds(*p)).sum();
-        let relay_rss_kib = now.relay_pids.iter().map(|p| rss_kib(*p)).sum();
-        let (rabbitmq, bench_cpu, machine_busy) = (ServerTicks::read(), own_cpu_seconds(), machine_busy_seconds());
+        let pids = now.relay_pids.to_vec();
+        // Off the bench's thread (a walk over every process), so that its consumer keeps noting
+        // arrivals meanwhile.
+        let (relay_cpu, relay_rss_kib, rabbitmq, bench_cpu, machine_busy) = tokio::task::spawn_blocking(move || {
+            let relay_cpu: f64 = pids.iter().filter_map(|p| process_cpu_seconds(*p)).sum();
+            let relay_rss_kib: u64 = pids.iter().map(|p| rss_kib(*p)).sum();
+            (relay_cpu, relay_rss_kib, ServerTicks::read(), own_cpu_seconds(), machine_busy_seconds())
+        })
+        .await?;
         // Two statements each.
         conn.count();
         let db = DbCounters::read(conn.one()).await?;

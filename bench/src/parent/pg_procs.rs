@@ -214,10 +214,14 @@ impl PgProcs {
 
     /// Reads every process again and gives the new ones their role.
     pub(super) async fn sample(&mut self, conn: &mut BenchConn) -> Result<(), BoxError> {
-        let Some(ticks) = ProcessTicks::read(self.postmaster) else {
+        let postmaster = self.postmaster;
+        // Off the bench's thread, so that its consumer keeps noting arrivals meanwhile.
+        let read =
+            tokio::task::spawn_blocking(move || Some((ProcessTicks::read(postmaster)?, children_ticks(postmaster))));
+        let Some((ticks, children)) = read.await? else {
             return Err("the PostgreSQL server's postmaster is gone".into());
         };
-        self.accounts.update(ticks.own, ticks.reaped_children, &children_ticks(self.postmaster));
+        self.accounts.update(ticks.own, ticks.reaped_children, &children);
         self.classify(conn).await
     }
 

@@ -3,7 +3,7 @@
 //! both latencies) run a second time with the dispatchers behind it.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use diesel::sql_types::{BigInt, Int4, Text};
@@ -183,7 +183,7 @@ pub(super) async fn one_run(
     source: &str,
     run: usize,
     db: &mut AsyncPgConnection,
-    tally: &Mutex<Tally>,
+    tally: &Arc<Mutex<Tally>>,
     bouncer: Option<&Bouncer>,
 ) -> Result<RunResult, BoxError> {
     let n = opts.messages;
@@ -576,7 +576,7 @@ async fn loaded_latency(
     names: &Names,
     via: Via<'_>,
     db: &mut AsyncPgConnection,
-    tally: &Mutex<Tally>,
+    tally: &Arc<Mutex<Tally>>,
     peak_kib: &mut u64,
 ) -> Result<(Loaded, Way), BoxError> {
     let plan = Plan {

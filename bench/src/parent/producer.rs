@@ -17,12 +17,14 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::str::FromStr;
-use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use diesel::sql_types::{BigInt, Int4, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use serde::Serialize;
+use tokio::sync::oneshot;
 
 use super::bench_conn::{BenchConn, PRODUCER_APP, named};
 use super::own_server::BIN;
@@ -67,14 +69,78 @@ pub(super) struct Produced {
     pub(super) summary: Vec<String>,
 }
 
+/// A producer on a thread of its own, with its own runtime and connections: the instant it
+/// notes a commit does not wait for whatever else the bench is doing (sampling `/proc`, reading
+/// counters). Dropping it stops the production.
+pub(super) struct ProducerThread {
+    go: Option<oneshot::Sender<tokio::time::Instant>>,
+    done: oneshot::Receiver<Result<Produced, String>>,
+    /// Dropped to stop the production early.
+    _stop: oneshot::Sender<()>,
+}
+
+impl ProducerThread {
+    /// Starts the thread and connects the producer (`kind`, to `url`); returns once it is
+    /// ready to [`ProducerThread::go`].
+    pub(super) async fn start(
+        kind: ProducerKind,
+        plan: Plan,
+        url: String,
+        tally: Arc<Mutex<Tally>>,
+        xacts: Arc<AtomicU64>,
+    ) -> Result<Self, BoxError> {
+        let (ready_tx, ready_rx) = oneshot::channel::<()>();
+        let (go_tx, go_rx) = oneshot::channel::<tokio::time::Instant>();
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (done_tx, mut done) = oneshot::channel();
+        std::thread::Builder::new().name("producer".into()).spawn(move || {
+            let produce = async move {
+                let poller = BenchConn::connect(&url, "poller", xacts).await?;
+                let producer = Producer::connect(kind, plan, &url, poller).await?;
+                let _ = ready_tx.send(());
+                let started = go_rx.await.map_err(|_| "the producer was not started")?;
+                tokio::select! {
+                    produced = producer.run(plan, &tally, started) => produced,
+                    _ = stop_rx => Err("the production was stopped".into()),
+                }
+            };
+            let result = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(rt) => rt.block_on(produce).map_err(|e: BoxError| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            let _ = done_tx.send(result);
+        })?;
+        if ready_rx.await.is_err() {
+            let failure = (&mut done).await.ok().and_then(Result::err);
+            return Err(failure.unwrap_or_else(|| "the producer's thread ended".to_owned()).into());
+        }
+        Ok(Self { go: Some(go_tx), done, _stop: stop_tx })
+    }
+
+    /// Starts producing: row *k*'s slot is `started + k / rate`.
+    pub(super) fn go(&mut self, started: tokio::time::Instant) {
+        if let Some(go) = self.go.take() {
+            let _ = go.send(started);
+        }
+    }
+
+    /// What the producer did, once it is done.
+    pub(super) async fn done(&mut self) -> Result<Produced, BoxError> {
+        match (&mut self.done).await {
+            Ok(result) => result.map_err(Into::into),
+            Err(_) => Err("the producer's thread ended without a word".into()),
+        }
+    }
+}
+
 /// A producer, connected and ready to start.
-pub(super) enum Producer {
+enum Producer {
     Bench(Vec<AsyncPgConnection>),
     Pgbench(Box<Pgbench>),
 }
 
 /// pgbench, ready to start: its command, its folder, and the reading of its rows.
-pub(super) struct Pgbench {
+struct Pgbench {
     command: Command,
     dir: Folder,
     poller: BenchConn,
@@ -83,12 +149,7 @@ pub(super) struct Pgbench {
 impl Producer {
     /// Opens the producer's connections to `url` (or prepares pgbench's run, and `poller` to
     /// read its rows).
-    pub(super) async fn connect(
-        kind: ProducerKind,
-        plan: Plan,
-        url: &str,
-        poller: BenchConn,
-    ) -> Result<Self, BoxError> {
+    async fn connect(kind: ProducerKind, plan: Plan, url: &str, poller: BenchConn) -> Result<Self, BoxError> {
         match kind {
             ProducerKind::Bench => {
                 let mut conns = Vec::with_capacity(plan.connections);
@@ -102,12 +163,7 @@ impl Producer {
     }
 
     /// Produces the plan from `started` on, handing each commit to `tally`'s join.
-    pub(super) async fn run(
-        self,
-        plan: Plan,
-        tally: &Mutex<Tally>,
-        started: tokio::time::Instant,
-    ) -> Result<Produced, BoxError> {
+    async fn run(self, plan: Plan, tally: &Mutex<Tally>, started: tokio::time::Instant) -> Result<Produced, BoxError> {
         match self {
             Self::Bench(conns) => produce(conns, plan, tally, started).await,
             Self::Pgbench(pgbench) => pgbench.run(tally, started).await,

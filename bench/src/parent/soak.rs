@@ -4,6 +4,7 @@
 //! resident memory and what each message cost. `bench/plot_soak.py` draws the lines.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::Serialize;
@@ -112,7 +113,7 @@ impl Closing {
 }
 
 /// Runs the phase, printing each minute's line on stderr as it closes.
-pub(super) async fn soak(opts: &Opts, names: &Names, tally: &std::sync::Mutex<Tally>) -> Result<Soak, BoxError> {
+pub(super) async fn soak(opts: &Opts, names: &Names, tally: &Arc<Mutex<Tally>>) -> Result<Soak, BoxError> {
     let (rate, seconds) = (opts.rate(Phase::Soak), opts.seconds(Phase::Soak));
     let plan = Plan { rate, seconds, connections: opts.producers, pad: opts.payload_bytes.saturating_sub(24) };
     let args: Vec<_> = (0..opts.processes).map(|_| run_args(opts, names)).collect();

@@ -3,12 +3,9 @@
 //! consumer's deliveries joined with the commits, and every [`SAMPLE`] a hand back to the
 //! phase, which takes the [`Reading`]s it wants meanwhile.
 
-use std::cell::Cell;
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::rc::Rc;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use diesel_async::SimpleAsyncConnection;
@@ -19,7 +16,7 @@ use super::kids::Kids;
 use super::latencies::Join;
 use super::meter::{Now, Reading};
 use super::pg_procs::PgProcs;
-use super::producer::{Plan, Produced, Producer, insert_row};
+use super::producer::{Plan, Produced, ProducerThread, insert_row};
 use super::statements::{self, Statements};
 use super::tally::{Tally, tally_of};
 use crate::{BoxError, Opts, REPORT_PERIOD, RetentionArg, SETTLE};
@@ -30,9 +27,6 @@ pub(super) const SAMPLE: Duration = Duration::from_millis(250);
 /// How long the relay has to deliver the probe row that shows it is up.
 const PROBE_WITHIN: Duration = Duration::from_secs(30);
 
-/// A producer's run, borrowing the tally.
-type Producing<'a> = Pin<Box<dyn Future<Output = Result<Produced, BoxError>> + 'a>>;
-
 /// One steady phase under way.
 pub(super) struct Steady<'a> {
     kids: Kids,
@@ -42,12 +36,13 @@ pub(super) struct Steady<'a> {
     procs: Option<PgProcs>,
     /// Whether the server keeps `pg_stat_statements`.
     statements: bool,
-    producing: Option<Producing<'a>>,
+    /// Until it is done.
+    producing: Option<ProducerThread>,
     produced: Option<Produced>,
     started: tokio::time::Instant,
     next_sample: tokio::time::Instant,
     /// Transactions of the bench's own connections to its database.
-    bench_xacts: Rc<Cell<u64>>,
+    bench_xacts: Arc<AtomicU64>,
     /// What the children print that the phase does not need.
     ignored: HashMap<i64, SystemTime>,
 }
@@ -60,7 +55,7 @@ impl<'a> Steady<'a> {
         names: &Names,
         args: &[Vec<String>],
         plan: Plan,
-        tally: &'a Mutex<Tally>,
+        tally: &'a Arc<Mutex<Tally>>,
     ) -> Result<Self, BoxError> {
         if plan.rate == 0 || plan.seconds == 0 || plan.connections == 0 {
             return Err("--rate, --seconds (--minutes) and --producers must be at least 1".into());
@@ -68,12 +63,13 @@ impl<'a> Steady<'a> {
         if opts.producer == crate::ProducerKind::Pgbench && opts.retention == RetentionArg::Delete {
             return Err("--producer pgbench reads each row's commit from the table: not with --retention delete".into());
         }
-        let bench_xacts = Rc::new(Cell::new(0));
+        let bench_xacts = Arc::new(AtomicU64::new(0));
         let mut sampler = BenchConn::connect(&names.database_url, "sampler", bench_xacts.clone()).await?;
         sampler.one().batch_execute("TRUNCATE outbox").await?;
         let statements = statements::enable(sampler.one()).await?;
-        let poller = BenchConn::connect(&names.database_url, "poller", bench_xacts.clone()).await?;
-        let producer = Producer::connect(opts.producer, plan, &names.database_url, poller).await?;
+        let mut producer =
+            ProducerThread::start(opts.producer, plan, names.database_url.clone(), tally.clone(), bench_xacts.clone())
+                .await?;
         let (mut kids, mut ignored) = Kids::settled(args, SETTLE).await?;
         probe(&mut kids, &mut ignored, &mut sampler, tally, plan.pad as i32).await?;
         let procs = PgProcs::begin(&mut sampler, &names.database).await?;
@@ -84,14 +80,14 @@ impl<'a> Steady<'a> {
             tally.expect(0, 0, false);
             tally.join = Some(Join::new(origin));
         }
-        let producing: Producing<'a> = Box::pin(producer.run(plan, tally, started));
+        producer.go(started);
         Ok(Self {
             kids,
             tally,
             sampler,
             procs,
             statements,
-            producing: Some(producing),
+            producing: Some(producer),
             produced: None,
             started,
             next_sample: started + SAMPLE,
@@ -111,7 +107,7 @@ impl<'a> Steady<'a> {
         loop {
             let Some(producing) = self.producing.as_mut() else { return Ok(None) };
             tokio::select! {
-                done = producing.as_mut() => {
+                done = producing.done() => {
                     self.produced = Some(done?);
                     self.producing = None;
                     self.sample().await?;
@@ -158,7 +154,7 @@ impl<'a> Steady<'a> {
             relay_pids: &pids,
             committed,
             delivered,
-            bench_xacts: self.bench_xacts.get(),
+            bench_xacts: self.bench_xacts(),
         };
         Reading::take(&mut self.sampler, now).await
     }
@@ -173,7 +169,7 @@ impl<'a> Steady<'a> {
 
     /// Transactions the bench's own connections to its database have committed so far.
     pub(super) fn bench_xacts(&self) -> u64 {
-        self.bench_xacts.get()
+        self.bench_xacts.load(Ordering::Relaxed)
     }
 
     /// A connection of the bench's own to its database, counted with the others.
