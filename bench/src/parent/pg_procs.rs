@@ -1,9 +1,9 @@
 //! Where a PostgreSQL server's CPU goes, by role: the relay's backends, the producers', the
 //! bench's own, autovacuum, the server's other background processes and everyone else.
 //!
-//! The server is the one the bench's sampling connection reaches (on this machine: its backend's
-//! parent is the postmaster). Every [`SAMPLE`](super::steady) the children of the postmaster
-//! are read from `/proc` (CPU ticks), and each new one is given its role once, from
+//! The server is the one the bench's sampling connection reaches (on this machine: its
+//! backend's parent is the postmaster). Every [`SAMPLE`](super::steady::SAMPLE) the children of
+//! the postmaster are read from `/proc` (CPU ticks), and each new one is given its role once, from
 //! `pg_stat_activity` (database, `application_name`, `backend_type`, a parallel worker's
 //! leader) or its process title. A process that ends between two samples is not lost: the
 //! postmaster reaps its children, so their whole CPU time lands in its `cutime` and `cstime`;
