@@ -663,6 +663,7 @@ async fn loaded_latency(
         blks_hit_per_row: per_row((after.blks_hit - before.blks_hit) as f64),
         wal_bytes_per_row: per_row(after.wal_bytes - before.wal_bytes),
         cost,
+        pgbench: produced.summary,
     };
     let way = Way { msg_s, p50_ms: Some(loaded.p50_ms), p99_ms: Some(loaded.p99_ms), cost: pooled_cost };
     Ok((loaded, way))

@@ -137,6 +137,8 @@ pub(super) struct Loaded {
     pub(super) wal_bytes_per_row: f64,
     /// What each message cost over the production's last two thirds.
     pub(super) cost: Option<WindowCost>,
+    /// pgbench's own summary lines (with `--producer pgbench`).
+    pub(super) pgbench: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -222,6 +224,7 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
                 blks_hit_per_row: m(|l| l.blks_hit_per_row),
                 wal_bytes_per_row: m(|l| l.wal_bytes_per_row),
                 cost: median_cost(&loaded.iter().filter_map(|l| l.cost.as_ref()).collect::<Vec<_>>()),
+                pgbench: Vec::new(),
             })
         },
     }
@@ -554,6 +557,11 @@ fn print_loaded(report: &Report<'_>) {
     println!("the dispatchers' transactions per row (pg_stat_database xact_commit less the producers' commits and");
     println!("the bench's own), hits/row = buffer hits per row (blks_hit), wal/row = WAL bytes per row, over the");
     println!("whole phase.");
+    if let Some(l) = report.runs.iter().rev().find_map(|r| r.loaded.as_ref().filter(|l| !l.pgbench.is_empty())) {
+        for line in &l.pgbench {
+            println!("pgbench, last run: {line}");
+        }
+    }
     let costs: Vec<(String, &WindowCost)> = report
         .runs
         .iter()
