@@ -18,7 +18,7 @@ use super::meter::{Reading, WindowCost, print_cpu_legend};
 use super::producer::{Plan, Produced};
 use super::statements::{self, StatementCost};
 use super::stats::Spread;
-use super::steady::{Steady, run_args};
+use super::steady::{Steady, run_child};
 use super::tally::Tally;
 use crate::{BoxError, Opts, Phase, ProducerKind};
 
@@ -91,7 +91,7 @@ pub(super) async fn horizon(opts: &Opts, names: &Names, tally: &Arc<Mutex<Tally>
     let hold_until = (opts.hold_from + opts.hold).min(seconds);
     let bounds = boundaries(seconds, opts.hold_from, hold_until);
     let plan = Plan { rate, seconds, connections: opts.producers, pad: opts.payload_bytes.saturating_sub(24) };
-    let args: Vec<_> = (0..opts.processes).map(|_| run_args(opts, names)).collect();
+    let args: Vec<_> = (0..opts.processes).map(|_| run_child(opts, names)).collect();
     let mut steady = Steady::start(opts, names, &args, plan, tally).await?;
     let mut readings: Vec<Reading> = vec![steady.reading().await?];
     let mut marks = [steady.statements().await?, None, None];

@@ -85,9 +85,6 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
     if pooled && ![Phase::E2e, Phase::Latency, Phase::Loaded].iter().any(|p| opts.phases.contains(p)) {
         return Err("--pgbouncer and --pooler-url compare the e2e, latency and loaded phases: --phases has none".into());
     }
-    if opts.pg_own && opts.cluster && opts.pgbouncer {
-        eprintln!("note: --pg-own, --cluster and --pgbouncer all start servers of the bench's own");
-    }
     // The bench's own server, stopped (its folder removed) when this returns.
     let own = match opts.pg_own {
         true => {
@@ -106,8 +103,7 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
     let names = Names::new(&opts)?;
     if opts.phases.iter().any(|p| matches!(p, Phase::Horizon | Phase::Soak)) {
         // `run`'s own parser, before anything is started: a mistyped --relay-arg fails now.
-        let args = steady::run_args(&opts, &names);
-        crate::child::parse_run(&args[2..]).map_err(|e| format!("--relay-arg: {e}"))?;
+        crate::child::parse_run(&steady::run_args(&opts, &names)).map_err(|e| format!("--relay-arg: {e}"))?;
     }
     let server = own.as_ref().map_or_else(|| "the server of --database-url".to_owned(), OwnServer::description);
     // The bench's own cluster, stopped (its folder removed) when this returns.

@@ -14,7 +14,7 @@ use super::meter::{Reading, TableStats, WindowCost, print_cpu_legend};
 use super::producer::{Plan, Produced};
 use super::statements::{self, StatementCost};
 use super::stats::Spread;
-use super::steady::{Steady, run_args};
+use super::steady::{Steady, run_child};
 use super::tally::Tally;
 use crate::{BoxError, Opts, Phase, ProducerKind};
 
@@ -116,7 +116,7 @@ impl Closing {
 pub(super) async fn soak(opts: &Opts, names: &Names, tally: &Arc<Mutex<Tally>>) -> Result<Soak, BoxError> {
     let (rate, seconds) = (opts.rate(Phase::Soak), opts.seconds(Phase::Soak));
     let plan = Plan { rate, seconds, connections: opts.producers, pad: opts.payload_bytes.saturating_sub(24) };
-    let args: Vec<_> = (0..opts.processes).map(|_| run_args(opts, names)).collect();
+    let args: Vec<_> = (0..opts.processes).map(|_| run_child(opts, names)).collect();
     let mut steady = Steady::start(opts, names, &args, plan, tally).await?;
     let first_statements = steady.statements().await?;
     let mut last: Reading = steady.reading().await?;

@@ -234,12 +234,17 @@ async fn probe(
     Ok(())
 }
 
-/// The children of the held-horizon and soak phases: `actix-outbox run` each, on the bench's
-/// database, exchange and broker, with the bench's dispatcher options that differ from the
-/// defaults, then `--relay-arg`s.
+/// The command line of a child of the held-horizon and soak phases: `actix-outbox run` with
+/// [`run_args`].
+pub(super) fn run_child(opts: &Opts, names: &Names) -> Vec<String> {
+    ["child-run", "--"].into_iter().map(str::to_owned).chain(run_args(opts, names)).collect()
+}
+
+/// `actix-outbox run`'s arguments: the bench's database, exchange and broker, the bench's
+/// dispatcher options that differ from the defaults, then `--relay-arg`s.
 pub(super) fn run_args(opts: &Opts, names: &Names) -> Vec<String> {
     let defaults = actix_outbox::DispatcherConfig::default();
-    let mut args: Vec<String> = vec!["child-run".into(), "--".into()];
+    let mut args: Vec<String> = Vec::new();
     args.extend(["--database-url", &names.database_url, "--amqp-url", &opts.amqp_url].map(str::to_owned));
     args.extend(["--exchange".to_owned(), names.exchange.clone()]);
     if opts.workers != defaults.workers {
