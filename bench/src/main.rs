@@ -4,6 +4,8 @@
 //! ```text
 //! cargo run --release -p actix-outbox-bench -- --messages 100000
 //! cargo run --release -p actix-outbox-bench -- --phases e2e,latency,loaded --pgbouncer --runs 3
+//! cargo run --release -p actix-outbox-bench -- --pg-own --phases horizon
+//! cargo run --release -p actix-outbox-bench -- --pg-own --phases soak --minutes 60 --json > soak.json
 //! ```
 //!
 //! It needs PostgreSQL and RabbitMQ (the README's quick-start addresses; `DATABASE_URL` and
@@ -35,9 +37,15 @@
 //! 6. **peak RSS**: `VmHWM` of each dispatcher process (`/proc/self/status`), read when it stops;
 //!    the dispatcher runs in child processes (this binary re-executed), so the benchmark's own
 //!    seeding, consumer and bookkeeping are not counted.
-//! 7. **loaded latency** (`--phases loaded`): a producer inside the bench commits `--rate`
-//!    single-row transactions a second for `--seconds` on `--producers` connections while the
-//!    dispatcher runs with its defaults; commit → delivery p50 / p99 / p99.9 / max.
+//! 7. **loaded latency** (`--phases loaded`): a producer commits `--rate` single-row
+//!    transactions a second for `--seconds` (the bench's own on `--producers` connections, or
+//!    `--producer pgbench`) while the dispatcher runs with its defaults; commit → delivery p50 /
+//!    p99 / p99.9 / max, and what each message cost over the production's last two thirds (the
+//!    first warms up): PostgreSQL's CPU split into the relay's backends and the rest (by
+//!    process, from `/proc`, each told apart by `pg_stat_activity`), the relay processes',
+//!    RabbitMQ's, the bench's own and the machine's; WAL bytes, buffer hits, the relay's
+//!    transactions, the outbox's updates and their HOT share, its dead tuples, and where the
+//!    server keeps them, `pg_stat_statements`' costliest statements.
 //! 8. **history** (`--phases history`): end to end again, with the `--messages` new rows
 //!    inserted after `--kept-done` `done` rows (a day of history, vacuumed as autovacuum would
 //!    have), and its rate ÷ the e2e phase's rate of the same run.
@@ -73,6 +81,28 @@
 //!     rows done in each second of each drain, printed side by side, and with `--drain-svg
 //!     PATH` drawn as a plot of both curves.
 //!
+//! 11. **held horizon** (`--phases horizon`, once): `--rate` (default 800) for `--seconds`
+//!     (default 270) with a consumer; from `--hold-from` (90) for `--hold` (180) seconds a
+//!     `REPEATABLE READ` transaction in the bench's database holds its snapshot (checked: its
+//!     `backend_xmin` is set), so vacuum can remove nothing that died since; commit → consumer
+//!     p50 / p99 / max of the rows committed in each 30-s window (before the hold, through it,
+//!     after it), each window's dead tuples and CPU per message, the backlog and the outbox at the
+//!     end, and the statements before and during the hold.
+//! 12. **soak** (`--phases soak`, once): `--rate` (default 2,000) for `--minutes` (default 60);
+//!     a line a minute: committed and delivered a second, commit → consumer p50 / p99 of the rows
+//!     delivered in it, the backlog, the outbox's `pg_relation_size` and `pg_indexes_size` (and
+//!     each index's), live and dead tuples, the relay's resident memory and CPU per message.
+//!     `bench/plot_soak.py` draws the `--json` output.
+//!
+//! The held horizon and the soak relay through `actix-outbox run` itself (the command line's own
+//! `run`, in a child process): its defaults, the bench's dispatcher options that differ from
+//! them, and `--relay-arg`s, which `run`'s own parser reads (a flag `run` gains works here at
+//! once). The other phases start the library's dispatcher directly. `--pg-own` runs everything
+//! against a PostgreSQL 15 the bench makes and starts (`initdb`'s defaults, so autovacuum on,
+//! plus `pg_stat_statements`; on a free port, as the `postgres` user; stopped and removed at the
+//! end, also when a phase fails): what a table does over time depends on vacuum, which a
+//! development machine's shared server may have off.
+//!
 //! `--phases` picks phases (default `broker,database,e2e,latency`); `--json` prints one JSON document
 //! (the pooler comparison under each run's `pooler`).
 //! Before each dispatcher phase the table is truncated, seeded with one `INSERT ... SELECT` and
@@ -87,9 +117,9 @@
 //! a time. The broker ceiling does not depend on it.
 //!
 //! The code follows the two roles: [`parent`] sets up, runs the phases ([`parent`]'s `phases`),
-//! tallies the consumer and reports; [`child`] is a dispatcher or a raw publisher, started by
-//! the parent as this binary with a hidden subcommand (a dispatcher behind the pooler gets the
-//! pooler's URL and `--direct-url`). [`procstat`] reads `/proc`, [`message`] is what both kinds
+//! tallies the consumer and reports; [`child`] is a dispatcher, a raw publisher or `actix-outbox
+//! run`, started by the parent as this binary with a hidden subcommand (a dispatcher behind the
+//! pooler gets the pooler's URL and `--direct-url`). [`procstat`] reads `/proc`, [`message`] is what both kinds
 //! of child send; the parent's `bouncer` starts and reads the pooler.
 
 // The two roles of the binary: the parent orchestrates, the children (this binary re-executed)
@@ -188,16 +218,48 @@ struct Opts {
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     #[serde(serialize_with = "as_millis")]
     latency_interval: Duration,
-    /// Loaded latency: rows per second the bench's producer commits, one row per transaction.
-    #[arg(long, default_value_t = 1000)]
-    rate: u32,
-    /// Loaded latency: how long the producer runs, in seconds.
-    #[arg(long, default_value_t = 10)]
-    seconds: u32,
-    /// Loaded latency: connections the producer commits on (each row's slot goes to the next
-    /// free one, so a slow commit does not hold the rows behind it).
+    /// Loaded latency, held horizon and soak: rows per second the producer commits, one row
+    /// per transaction (default: 1,000 loaded, 800 horizon, 2,000 soak).
+    #[arg(long)]
+    rate: Option<u32>,
+    /// Loaded latency and held horizon: how long the producer runs, in seconds (default: 10
+    /// loaded, 270 horizon).
+    #[arg(long)]
+    seconds: Option<u32>,
+    /// Loaded latency, held horizon and soak: connections the producer commits on (each row's
+    /// slot goes to the next free one, so a slow commit does not hold the rows behind it; with
+    /// pgbench, its clients).
     #[arg(long, default_value_t = 16)]
     producers: usize,
+    /// Loaded latency, held horizon and soak: who commits the rows. `bench`: this process,
+    /// which notes when each commit returned (commit → consumer is exact); `pgbench`:
+    /// PostgreSQL's pgbench with `-R` (Poisson arrivals) and `synchronous_commit = off`, which
+    /// costs the machine less; commit → consumer then starts at the row's `created_at` (its
+    /// transaction's start, a little before its commit).
+    #[arg(long, value_enum, default_value = "bench")]
+    producer: ProducerKind,
+    /// Held horizon: the second of the production at which a `REPEATABLE READ` transaction in
+    /// the bench's database takes its snapshot.
+    #[arg(long, default_value_t = 90)]
+    hold_from: u32,
+    /// Held horizon: how long that transaction holds its snapshot, in seconds (it ends with
+    /// the production at the latest).
+    #[arg(long, default_value_t = 180)]
+    hold: u32,
+    /// Soak: minutes of steady production.
+    #[arg(long, default_value_t = 60)]
+    minutes: u32,
+    /// Held horizon and soak, whose relay is `actix-outbox run` itself: arguments for it, as
+    /// its command line takes them (split at whitespace; repeatable), e.g. `--relay-arg
+    /// '--max-in-flight 800'`.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARGS")]
+    relay_arg: Vec<String>,
+    /// Against a PostgreSQL 15 of the bench's own with production defaults instead of
+    /// `--database-url`'s server: `initdb`'s settings (autovacuum on, fsync on) and
+    /// `pg_stat_statements`, on a free port of 127.0.0.1, as the `postgres` user, in a
+    /// temporary folder; stopped and removed at the end, also when a phase fails.
+    #[arg(long, conflicts_with = "pooler_url")]
+    pg_own: bool,
     /// History phase: `done` rows the table keeps beside the `--messages` new ones, as under
     /// the default `Keep` retention (2,000,000 is about a day of a busy service).
     #[arg(long, default_value_t = 2_000_000)]
@@ -274,6 +336,29 @@ enum Phase {
     /// A drain of `--messages` rows end to end, unpaced then paced at `--drain-rate`: rows done
     /// per second over time, once (not per run).
     Drain,
+    /// A steady `--rate` while a `REPEATABLE READ` transaction holds back vacuum's horizon from
+    /// `--hold-from` for `--hold` seconds: commit → consumer by 30-s window, dead tuples; once.
+    Horizon,
+    /// A steady `--rate` for `--minutes`: a line a minute (latency, table and index sizes, dead
+    /// tuples, the relay's RSS); once.
+    Soak,
+}
+
+impl Phase {
+    /// Whether the phase runs in every run (`--runs`), rather than once after them.
+    fn per_run(self) -> bool {
+        !matches!(self, Phase::Drain | Phase::Horizon | Phase::Soak)
+    }
+}
+
+/// `--producer`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum ProducerKind {
+    /// The bench's own producer: `--producers` connections, each commit's return noted.
+    Bench,
+    /// pgbench, `-R --rate` with `synchronous_commit = off`.
+    Pgbench,
 }
 
 fn as_millis<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -299,6 +384,30 @@ impl Opts {
         config
     }
 
+    /// The rate of `phase`'s producer: `--rate`, or the phase's default.
+    fn rate(&self, phase: Phase) -> u32 {
+        self.rate.unwrap_or(match phase {
+            Phase::Horizon => 800,
+            Phase::Soak => 2000,
+            _ => 1000,
+        })
+    }
+
+    /// How long `phase`'s producer runs: `--seconds`, or the phase's default (the soak's is
+    /// `--minutes`).
+    fn seconds(&self, phase: Phase) -> u32 {
+        match phase {
+            Phase::Soak => self.minutes.saturating_mul(60),
+            Phase::Horizon => self.seconds.unwrap_or(270),
+            _ => self.seconds.unwrap_or(10),
+        }
+    }
+
+    /// `--relay-arg`s, each split at whitespace.
+    fn relay_args(&self) -> Vec<String> {
+        self.relay_arg.iter().flat_map(|a| a.split_whitespace()).map(str::to_owned).collect()
+    }
+
     /// Publishes one dispatcher process may have in flight at most.
     fn depth_per_process(&self) -> usize {
         self.workers * self.dispatcher_config().in_flight_limit()
@@ -313,11 +422,21 @@ impl Opts {
 #[derive(Subcommand)]
 enum ChildRole {
     /// One dispatcher process.
-    #[command(hide = true)]
-    ChildDispatcher(DispatcherChild),
+    #[command(name = "child-dispatcher", hide = true)]
+    Dispatcher(DispatcherChild),
     /// One raw-lapin publishing process (the broker ceiling).
-    #[command(hide = true)]
-    ChildBroker(BrokerChild),
+    #[command(name = "child-broker", hide = true)]
+    Broker(BrokerChild),
+    /// One `actix-outbox run` process (the held-horizon and soak phases' relay).
+    #[command(name = "child-run", hide = true)]
+    Run(RunChild),
+}
+
+#[derive(Args, Debug)]
+struct RunChild {
+    /// `actix-outbox run`'s arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
 }
 
 #[derive(Args, Debug)]
@@ -363,10 +482,11 @@ fn main() -> ExitCode {
         )
         .init();
     let result = match cli.child {
-        Some(ChildRole::ChildDispatcher(role)) => {
+        Some(ChildRole::Dispatcher(role)) => {
             actix::System::new().block_on(child::dispatcher(role, cli.opts)).map(|()| ExitCode::SUCCESS)
         }
-        Some(ChildRole::ChildBroker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
+        Some(ChildRole::Broker(role)) => runtime().and_then(|rt| rt.block_on(child::broker(role, cli.opts))),
+        Some(ChildRole::Run(role)) => child::run(role).map(|()| ExitCode::SUCCESS),
         None => runtime().and_then(|rt| rt.block_on(parent::main(cli.opts))),
     };
     match result {

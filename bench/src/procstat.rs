@@ -88,8 +88,80 @@ pub(crate) fn process_cpu_seconds(pid: u32) -> Option<f64> {
     Some(process_cpu_ticks(&stat)?.1 as f64 / USER_HZ)
 }
 
+/// What `/proc/<pid>/stat` says of one process: its parent, its own CPU time and that of its
+/// children it has waited for (user + system, in ticks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProcessTicks {
+    pub(crate) parent: u32,
+    pub(crate) own: u64,
+    pub(crate) reaped_children: u64,
+}
+
+impl ProcessTicks {
+    /// The process `pid`, `None` when it is gone (or off Linux).
+    pub(crate) fn read(pid: u32) -> Option<Self> {
+        Self::parse(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+    }
+
+    fn parse(stat: &str) -> Option<Self> {
+        let (_, rest) = stat.rsplit_once(')')?;
+        // After the name: state, ppid (field 4), ... utime, stime (14, 15), cutime, cstime (16, 17).
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let field = |i: usize| fields.get(i)?.parse::<u64>().ok();
+        Some(Self {
+            parent: u32::try_from(field(1)?).ok()?,
+            own: field(11)? + field(12)?,
+            reaped_children: field(13)? + field(14)?,
+        })
+    }
+
+    /// Ticks in seconds.
+    pub(crate) fn seconds(ticks: u64) -> f64 {
+        ticks as f64 / USER_HZ
+    }
+}
+
+/// The pids of the processes `pid` started that are still there (its main thread's
+/// `children`); empty when it is gone (or off Linux).
+pub(crate) fn children(pid: u32) -> Vec<u32> {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .map(|s| s.split_whitespace().filter_map(|p| p.parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+/// The command line of `pid` as it shows it (PostgreSQL's processes show their role there),
+/// arguments joined by spaces.
+pub(crate) fn command_line(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " ").trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// `VmRSS` (resident set now) of the process `pid`, in KiB; 0 when it is gone (or off Linux).
+pub(crate) fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
 /// CPU time (user + system) this process has used so far, in seconds.
 pub(crate) fn own_cpu_seconds() -> Option<f64> {
     let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
     Some(process_cpu_ticks(&stat)?.1 as f64 / USER_HZ)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stat_line_gives_parent_own_and_reaped_ticks() {
+        // A name with a space and a parenthesis; utime 120, stime 30, cutime 500, cstime 70.
+        let stat = "4242 (postgres: a (b)) S 77 4242 4242 0 -1 4194560 1 0 0 0 120 30 500 70 20 0 1 0 5 6 7";
+        assert_eq!(ProcessTicks::parse(stat), Some(ProcessTicks { parent: 77, own: 150, reaped_children: 570 }));
+        assert_eq!(process_cpu_ticks(stat), Some(("postgres: a (b)", 150)));
+    }
 }

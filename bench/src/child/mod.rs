@@ -1,9 +1,11 @@
-//! Child processes: the dispatcher and the raw publisher. They talk to the parent in lines:
-//! stdout `ready`, `done <n>`, `confirm <id> <nanos>`, `final <json>`; stdin `go`, `stop`
-//! (or end of file, which also means stop). This module is the child's end of that protocol.
+//! Child processes: the dispatcher, the raw publisher and `actix-outbox run`. They talk to the
+//! parent in lines: stdout `ready`, `done <n>` (the dispatcher), `confirm <id> <nanos>`,
+//! `final <json>`; stdin `go`, `stop` (or end of file, which also means stop). This module is
+//! the child's end of that protocol.
 
 mod dispatcher;
 mod raw;
+mod run;
 
 use std::io::{BufRead, Write};
 use std::time::Duration;
@@ -12,6 +14,7 @@ use tokio::sync::mpsc;
 
 pub(crate) use dispatcher::dispatcher;
 pub(crate) use raw::broker;
+pub(crate) use run::{parse as parse_run, run};
 
 pub(crate) fn emit(line: &str) {
     let mut out = std::io::stdout().lock();

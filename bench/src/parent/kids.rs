@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::process::CommandExt;
 use std::process::{Child as Process, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -57,7 +58,11 @@ impl Kids {
         let (tx, lines) = mpsc::unbounded_channel();
         let mut kids = Vec::new();
         for (i, args) in args.iter().enumerate() {
-            let mut process = Command::new(&exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn()?;
+            // A process group of its own: a Ctrl-C at the terminal reaches the parent only, which
+            // stops the children through their stdin (`run` would take a second signal for
+            // "exit at once").
+            let mut process =
+                Command::new(&exe).args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).process_group(0).spawn()?;
             let stdout = process.stdout.take().ok_or("child without stdout")?;
             let stdin = process.stdin.take();
             let tx = tx.clone();
@@ -112,6 +117,11 @@ impl Kids {
             kids.apply(line, &mut confirms)?;
         }
         Ok((kids, confirms))
+    }
+
+    /// The children's pids.
+    pub(super) fn pids(&self) -> Vec<u32> {
+        self.kids.iter().map(|k| k.process.id()).collect()
     }
 
     pub(super) fn done(&self) -> u64 {

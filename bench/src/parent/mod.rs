@@ -1,14 +1,29 @@
 //! The parent: sets up, runs the phases, reports, cleans up.
 //!
 //! It owns everything the run creates (the database, the exchange, the queue and the consumer
-//! on it) and starts the children of each phase (`kids`); `phases` measures, `tally` is what
-//! the consumer saw, `report` prints it.
+//! on it, with `--pg-own` the server itself: `own_server`) and starts the children of each
+//! phase (`kids`); `phases` measures, `tally` is what the consumer saw, `report` prints it.
+//! The steady phases (loaded latency, `horizon`, `soak`) run on `steady`: a `producer`, the
+//! `latencies` of its rows, and `meter` readings of what they cost (`pg_procs` splits
+//! PostgreSQL's CPU by role, `statements` reads `pg_stat_statements`).
 
+mod bench_conn;
 mod bouncer;
 mod drain;
+mod drain_curve;
+mod horizon;
 mod kids;
+mod latencies;
+mod meter;
+mod own_server;
+mod pg_procs;
 mod phases;
+mod producer;
 mod report;
+mod soak;
+mod statements;
+mod stats;
+mod steady;
 mod tally;
 
 use std::process::ExitCode;
@@ -25,7 +40,9 @@ use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 use crate::{BoxError, Opts, Phase};
+use bench_conn::{BENCH_APP, named};
 use bouncer::Bouncer;
+use own_server::OwnServer;
 use phases::one_run;
 use report::{Machine, Report, median_of, print_report};
 use tally::Tally;
@@ -68,7 +85,27 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
     if pooled && ![Phase::E2e, Phase::Latency, Phase::Loaded].iter().any(|p| opts.phases.contains(p)) {
         return Err("--pgbouncer and --pooler-url compare the e2e, latency and loaded phases: --phases has none".into());
     }
+    // The bench's own server, stopped (its folder removed) when this returns.
+    let own = match opts.pg_own {
+        true => {
+            eprintln!("starting a PostgreSQL of the bench's own...");
+            Some(OwnServer::start()?)
+        }
+        false => None,
+    };
+    let opts = match &own {
+        Some(own) => {
+            let prefix = opts.database_url.split('?').next().unwrap_or_default().rsplit_once('/').map(|(_, p)| p);
+            Opts { database_url: own.url(prefix.filter(|p| !p.is_empty()).unwrap_or("actix_outbox_bench")), ..opts }
+        }
+        None => opts,
+    };
     let names = Names::new(&opts)?;
+    if opts.phases.iter().any(|p| matches!(p, Phase::Horizon | Phase::Soak)) {
+        // `run`'s own parser, before anything is started: a mistyped --relay-arg fails now.
+        crate::child::parse_run(&steady::run_args(&opts, &names)).map_err(|e| format!("--relay-arg: {e}"))?;
+    }
+    let server = own.as_ref().map_or_else(|| "the server of --database-url".to_owned(), OwnServer::description);
     // The bench's own cluster, stopped (its folder removed) when this returns.
     let cluster = match opts.cluster {
         true => {
@@ -84,7 +121,7 @@ pub(crate) async fn main(opts: Opts) -> Result<ExitCode, BoxError> {
     let opts = &opts;
     // Ctrl-C still cleans up: the children see their stdin close and stop.
     let result = tokio::select! {
-        result = bench(opts, &names) => result,
+        result = bench(opts, &names, server) => result,
         _ = tokio::signal::ctrl_c() => Err("interrupted".into()),
     };
     let cleanup = cleanup(opts, &names).await;
@@ -111,17 +148,21 @@ async fn cleanup(opts: &Opts, names: &Names) -> Result<(), BoxError> {
     Ok(())
 }
 
-async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError> {
+async fn bench<'a>(opts: &'a Opts, names: &Names, server: String) -> Result<Report<'a>, BoxError> {
     actix_outbox::admin::ensure_database(&names.database_url).await?;
     actix_outbox::migrate(&names.database_url).await?;
-    let mut db = AsyncPgConnection::establish(&names.database_url).await?;
+    let mut db = AsyncPgConnection::establish(&named(&names.database_url, BENCH_APP)).await?;
     #[derive(diesel::QueryableByName)]
     struct Version {
         #[diesel(sql_type = Text)]
         v: String,
+        #[diesel(sql_type = Text)]
+        autovacuum: String,
     }
     let postgres: Version =
-        diesel::sql_query("SELECT current_setting('server_version') AS v").get_result(&mut db).await?;
+        diesel::sql_query("SELECT current_setting('server_version') AS v, current_setting('autovacuum') AS autovacuum")
+            .get_result(&mut db)
+            .await?;
     // What the dispatchers will stamp their messages with, for the raw publisher to do the same.
     let source = actix_outbox::admin::outbox_source(&mut db).await?;
     // The pooler of the pooled phases; the bench's own is killed when this returns, whatever
@@ -181,7 +222,9 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
     };
 
     let mut runs = Vec::new();
-    for run in 0..opts.runs {
+    // Only the phases measured in every run; the drain, the held horizon and the soak run once.
+    let runs_wanted = if opts.phases.iter().any(|p| p.per_run()) { opts.runs } else { 0 };
+    for run in 0..runs_wanted {
         if !opts.json {
             eprintln!("run {}/{}...", run + 1, opts.runs);
         }
@@ -197,8 +240,28 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         false => None,
     };
     if let (Some(curves), Some(path)) = (&drain, &opts.drain_svg) {
-        std::fs::write(path, drain::svg(curves, opts.messages))?;
+        std::fs::write(path, drain_curve::svg(curves, opts.messages))?;
     }
+    let horizon = match opts.phases.contains(&Phase::Horizon) {
+        true => {
+            eprintln!(
+                "held horizon: {} rows/s for {} s, the snapshot held from {} s for {} s...",
+                opts.rate(Phase::Horizon),
+                opts.seconds(Phase::Horizon),
+                opts.hold_from,
+                opts.hold
+            );
+            Some(horizon::horizon(opts, names, &tally).await?)
+        }
+        false => None,
+    };
+    let soak = match opts.phases.contains(&Phase::Soak) {
+        true => {
+            eprintln!("soak: {} rows/s for {} minutes...", opts.rate(Phase::Soak), opts.minutes);
+            Some(soak::soak(opts, names, &tally).await?)
+        }
+        false => None,
+    };
     consumer.abort();
     let _ = amqp.close(200, "bench done".into()).await;
     let median = median_of(&runs);
@@ -213,6 +276,8 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
             } else {
                 "one RabbitMQ node, a classic queue"
             },
+            server,
+            autovacuum: postgres.autovacuum,
         },
         options: opts,
         in_flight_per_process: opts.depth_per_process(),
@@ -220,5 +285,7 @@ async fn bench<'a>(opts: &'a Opts, names: &Names) -> Result<Report<'a>, BoxError
         runs,
         median,
         drain,
+        horizon,
+        soak,
     })
 }

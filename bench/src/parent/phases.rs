@@ -3,16 +3,21 @@
 //! both latencies) run a second time with the dispatchers behind it.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use diesel::sql_types::{BigInt, Int4, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
 use super::Names;
 use super::bouncer::Bouncer;
+use super::drain_curve::CURVE_STEP;
 use super::kids::Kids;
+use super::meter::{DbCounters, WindowCost};
+use super::producer::{Plan, insert_row};
 use super::report::{Cost, Loaded, Pair, PoolerRun, RunResult, Way};
+use super::stats::{Spread, percentile};
+use super::steady::Steady;
 use super::tally::{Tally, tally_of};
 use crate::procstat::{Server, ServerTicks, machine_busy_seconds};
 use crate::{BoxError, EVENT_TYPE, Opts, Phase, RAW_ID_BASE, REPORT_PERIOD, RetentionArg, SETTLE};
@@ -33,9 +38,6 @@ pub(super) struct Spent {
     /// Rows done so far, every [`CURVE_STEP`] from `go` (dispatcher phases only).
     pub(super) curve: Vec<u64>,
 }
-
-/// How often a dispatcher phase notes the rows done so far.
-pub(super) const CURVE_STEP: Duration = Duration::from_millis(100);
 
 impl Spent {
     fn since(started: Instant, busy_before: Option<f64>, servers_before: &ServerTicks) -> Self {
@@ -181,7 +183,7 @@ pub(super) async fn one_run(
     source: &str,
     run: usize,
     db: &mut AsyncPgConnection,
-    tally: &Mutex<Tally>,
+    tally: &Arc<Mutex<Tally>>,
     bouncer: Option<&Bouncer>,
 ) -> Result<RunResult, BoxError> {
     let n = opts.messages;
@@ -564,109 +566,69 @@ fn delivered_rate(commits: &[(i64, SystemTime)], arrivals: &HashMap<i64, SystemT
     }
 }
 
-/// Commits single-row transactions (straight to the server) at `--rate` for `--seconds` while
-/// the dispatcher runs with its defaults and the consumer reads the queue; returns the achieved
-/// rate and the commit → delivery distribution (and the database's own `done_at - created_at`,
-/// for comparison), and the same as a [`Way`], with what it cost.
+/// Commits single-row transactions at `--rate` for `--seconds` (`--producer`, straight to the
+/// server) while the dispatcher runs with its defaults and the consumer reads the queue; returns
+/// the achieved rate, the commit → delivery distribution (and the database's own `done_at -
+/// created_at`, for comparison), what each message cost over the last two thirds of the
+/// production, and the same as a [`Way`], with what it cost.
 async fn loaded_latency(
     opts: &Opts,
     names: &Names,
     via: Via<'_>,
     db: &mut AsyncPgConnection,
-    tally: &Mutex<Tally>,
+    tally: &Arc<Mutex<Tally>>,
     peak_kib: &mut u64,
 ) -> Result<(Loaded, Way), BoxError> {
-    if opts.rate == 0 || opts.seconds == 0 || opts.producers == 0 {
-        return Err("--rate, --seconds and --producers must be at least 1".into());
-    }
-    db.batch_execute("TRUNCATE outbox").await?;
-    let mut producers = Vec::with_capacity(opts.producers);
-    for _ in 0..opts.producers {
-        producers.push(AsyncPgConnection::establish(&names.database_url).await?);
-    }
+    let plan = Plan {
+        rate: opts.rate(Phase::Loaded),
+        seconds: opts.seconds(Phase::Loaded),
+        connections: opts.producers,
+        pad: opts.payload_bytes.saturating_sub(24),
+    };
     let args: Vec<_> = (0..opts.processes).map(|_| dispatcher_args(opts, names, via, "rabbit", false)).collect();
-    let (mut kids, mut ignore) = Kids::settled(&args, SETTLE).await?;
-    tally_of(tally).expect(0, 0, true);
+    let mut steady = Steady::start(opts, names, &args, plan, tally).await?;
     let meter = Meter::start(via, names).await;
     let before = DbCounters::read(db).await?;
-
-    let total = opts.rate as usize * opts.seconds as usize;
-    let pad = opts.payload_bytes.saturating_sub(24) as i32;
-    let next = std::cell::Cell::new(0_usize);
-    let started = tokio::time::Instant::now();
-    let slot = |k: usize| started + Duration::from_secs_f64(k as f64 / f64::from(opts.rate));
-    // Each producer takes the next slot, waits for its instant, commits, and records when the
-    // commit returned: a row whose slot has passed goes at once (the schedule is kept, not
-    // shifted, so a slow commit shows up as a lower achieved rate, not as lost rows).
-    let produce = |mut conn: AsyncPgConnection| {
-        let next = &next;
-        async move {
-            let mut commits: Vec<(i64, SystemTime)> = Vec::new();
-            loop {
-                let k = next.get();
-                if k >= total {
-                    break;
-                }
-                next.set(k + 1);
-                tokio::time::sleep_until(slot(k)).await;
-                let id = insert_row(&mut conn, k, pad).await?;
-                commits.push((id, SystemTime::now()));
-            }
-            Ok::<_, BoxError>(commits)
-        }
-    };
-    let producing = futures_util::future::join_all(producers.into_iter().map(produce));
-    let mut producing = std::pin::pin!(producing);
-    // Keep reading the children's output while producing, so their pipes never fill.
-    let per_producer = loop {
-        tokio::select! {
-            done = &mut producing => break done,
-            line = kids.lines.recv() => match line {
-                Some(line) => kids.apply(line, &mut ignore)?,
-                None => return Err("dispatcher children vanished".into()),
-            },
-        }
-    };
-    let elapsed = started.elapsed();
-    let mut commits = Vec::with_capacity(total);
-    for c in per_producer {
-        commits.extend(c?);
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let missing = {
-            let tally = tally_of(tally);
-            let arrivals = tally.arrivals.as_ref();
-            commits.iter().filter(|(id, _)| !arrivals.is_some_and(|a| a.contains_key(id))).count()
-        };
-        if missing == 0 {
-            break;
-        }
-        tokio::select! {
-            line = kids.lines.recv() => match line {
-                Some(line) => kids.apply(line, &mut ignore)?,
-                None => return Err("dispatcher children vanished".into()),
-            },
-            () = tokio::time::sleep(REPORT_PERIOD) => {}
-            () = tokio::time::sleep_until(deadline) => {
-                return Err(format!("loaded latency: {missing} of {total} rows not delivered within 60 s").into());
-            }
+    let bench_before = steady.bench_xacts();
+    // The first third warms up (connections, caches, the table's first pages, autovacuum's
+    // first look): the cost per message is measured over the rest of the production.
+    let warm_up = f64::from(plan.seconds) / 3.0;
+    let mut window = None;
+    while let Some(t) = steady.tick().await? {
+        if window.is_none() && t >= warm_up {
+            window = Some((steady.reading().await?, steady.statements().await?));
         }
     }
-    let cost = meter.cost(via, names, total).await;
-    for report in kids.stop(Duration::from_secs(30)).await? {
+    let end = steady.reading().await?;
+    let end_statements = steady.statements().await?;
+    let cost = window.map(|(start, statements)| {
+        let mut cost = WindowCost::between(&start, &end);
+        cost.statements = statements.zip(end_statements).map(|(a, b)| a.top(&b, cost.messages)).unwrap_or_default();
+        cost
+    });
+    let produced = steady.produced().cloned().unwrap_or_default();
+    let total = produced.rows as usize;
+    let undelivered = steady.drain(Duration::from_secs(60)).await?;
+    if undelivered > 0 {
+        return Err(format!("loaded latency: {undelivered} of {total} rows not delivered within 60 s").into());
+    }
+    let pooled_cost = meter.cost(via, names, total).await;
+    let samples = steady.with_join(|j| j.samples().to_vec());
+    let bench_xacts = steady.bench_xacts() - bench_before;
+    for report in steady.stop().await? {
         *peak_kib = (*peak_kib).max(report.get("peak_rss_kib").and_then(|v| v.as_u64()).unwrap_or(0));
     }
     // The dispatchers have exited, so every one of their backends has reported its statistics.
     let after = DbCounters::read(db).await?;
-    // Of the commits, the producers' (one a row, their connections closed) and the bench's own
-    // first read are not the dispatchers'.
-    let dispatcher_xacts = after.xact_commit - before.xact_commit - total as i64 - 1;
-    let per_row = |v: f64| v / total as f64;
-    let arrivals = tally_of(tally).arrivals.take().unwrap_or_default();
-    let millis = |from: SystemTime, to: SystemTime| to.duration_since(from).unwrap_or_default().as_secs_f64() * 1e3;
-    let mut delivery: Vec<f64> = commits.iter().map(|(id, c)| millis(*c, arrivals[id])).collect();
-    let msg_s = delivered_rate(&commits, &arrivals);
+    // Of the commits, the producers' (one a row, their connections closed), the bench's own
+    // first read here and its sampling connections' are not the dispatchers'.
+    let dispatcher_xacts = after.xact_commit - before.xact_commit - total as i64 - 1 - bench_xacts as i64;
+    let per_row = |v: f64| v / total.max(1) as f64;
+    let latency = Spread::of(samples.iter().map(|s| s.latency_ms()).collect()).unwrap_or_default();
+    // Rows ÷ the time from the first commit to the last delivery.
+    let first = samples.iter().map(|s| s.commit_s).fold(f64::INFINITY, f64::min);
+    let last = samples.iter().map(|s| s.arrival_s).fold(f64::NEG_INFINITY, f64::max);
+    let msg_s = if last > first { samples.len() as f64 / (last - first) } else { 0.0 };
 
     #[derive(diesel::QueryableByName)]
     struct DbLatency {
@@ -686,74 +648,23 @@ async fn loaded_latency(
     .get_result(db)
     .await?;
     let loaded = Loaded {
-        target_rate: f64::from(opts.rate),
-        achieved_rate: total as f64 / elapsed.as_secs_f64(),
+        target_rate: f64::from(plan.rate),
+        seconds: plan.seconds,
+        producer: opts.producer,
+        achieved_rate: total as f64 / produced.last_commit_s.max(1e-9),
         rows: total,
-        p50_ms: percentile(&mut delivery, 0.50),
-        p99_ms: percentile(&mut delivery, 0.99),
-        p999_ms: percentile(&mut delivery, 0.999),
-        max_ms: percentile(&mut delivery, 1.0),
+        p50_ms: latency.p50_ms,
+        p99_ms: latency.p99_ms,
+        p999_ms: latency.p999_ms,
+        max_ms: latency.max_ms,
         db_done_p50_ms: on_db.p50,
         db_done_p99_ms: on_db.p99,
         dispatcher_xacts_per_row: per_row(dispatcher_xacts as f64),
         blks_hit_per_row: per_row((after.blks_hit - before.blks_hit) as f64),
         wal_bytes_per_row: per_row(after.wal_bytes - before.wal_bytes),
+        cost,
+        pgbench: produced.summary,
     };
-    let way = Way { msg_s, p50_ms: Some(loaded.p50_ms), p99_ms: Some(loaded.p99_ms), cost };
+    let way = Way { msg_s, p50_ms: Some(loaded.p50_ms), p99_ms: Some(loaded.p99_ms), cost: pooled_cost };
     Ok((loaded, way))
-}
-
-/// The database's counters: its transactions and buffer hits (`pg_stat_database`, as its
-/// backends have reported them), and the server's WAL position.
-#[derive(diesel::QueryableByName)]
-struct DbCounters {
-    #[diesel(sql_type = BigInt)]
-    xact_commit: i64,
-    #[diesel(sql_type = BigInt)]
-    blks_hit: i64,
-    #[diesel(sql_type = diesel::sql_types::Double)]
-    wal_bytes: f64,
-}
-
-impl DbCounters {
-    async fn read(db: &mut AsyncPgConnection) -> Result<Self, BoxError> {
-        // A snapshot of the statistics is cached for the transaction: clear it to read them now.
-        db.batch_execute("SELECT pg_stat_clear_snapshot()").await?;
-        Ok(diesel::sql_query(
-            "SELECT xact_commit, blks_hit, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::float8 AS wal_bytes
-             FROM pg_stat_database WHERE datname = current_database()",
-        )
-        .get_result(db)
-        .await?)
-    }
-}
-
-#[derive(diesel::QueryableByName)]
-struct Id {
-    #[diesel(sql_type = BigInt)]
-    id: i64,
-}
-
-/// Commits the bench's row number `n` (its aggregate `n % 1000`, `pad` bytes of padding) in a
-/// transaction of its own, as a producer would; returns its id.
-async fn insert_row(conn: &mut AsyncPgConnection, n: usize, pad: i32) -> diesel::QueryResult<i64> {
-    let row: Id = diesel::sql_query(
-        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-         VALUES ('bench', $1, $2, jsonb_build_object('n', $3::bigint, 'pad', repeat('x', $4)))
-         RETURNING id",
-    )
-    .bind::<Text, _>((n % 1000).to_string())
-    .bind::<Text, _>(EVENT_TYPE)
-    .bind::<BigInt, _>(n as i64)
-    .bind::<Int4, _>(pad)
-    .get_result(conn)
-    .await?;
-    Ok(row.id)
-}
-
-/// Nearest-rank percentile.
-fn percentile(values: &mut [f64], p: f64) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let rank = ((p * values.len() as f64).ceil() as usize).clamp(1, values.len());
-    values[rank - 1]
 }

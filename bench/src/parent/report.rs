@@ -2,7 +2,13 @@
 
 use serde::Serialize;
 
-use crate::{Opts, RetentionArg};
+use super::drain_curve::DrainCurve;
+use super::horizon::Horizon;
+use super::meter::{WindowCost, median_cost, print_cost_header, print_cost_legend, print_cost_row};
+use super::soak::Soak;
+use super::statements;
+use super::stats::median;
+use crate::{Opts, Phase, ProducerKind, RetentionArg};
 
 /// One run's figures.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -106,9 +112,11 @@ pub(super) struct PoolerRun {
 }
 
 /// Latency under a steady load: single-row commits at `--rate` for `--seconds`.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub(super) struct Loaded {
     pub(super) target_rate: f64,
+    pub(super) seconds: u32,
+    pub(super) producer: ProducerKind,
     /// Rows committed ÷ the time from the first slot to the last commit.
     pub(super) achieved_rate: f64,
     pub(super) rows: usize,
@@ -127,6 +135,10 @@ pub(super) struct Loaded {
     pub(super) blks_hit_per_row: f64,
     /// WAL bytes per row, everyone's.
     pub(super) wal_bytes_per_row: f64,
+    /// What each message cost over the production's last two thirds.
+    pub(super) cost: Option<WindowCost>,
+    /// pgbench's own summary lines (with `--producer pgbench`).
+    pub(super) pgbench: Vec<String>,
 }
 
 #[derive(Serialize)]
@@ -140,7 +152,11 @@ pub(super) struct Report<'a> {
     pub(super) runs: Vec<RunResult>,
     pub(super) median: RunResult,
     /// The drain phase's two curves, unpaced then paced.
-    pub(super) drain: Option<Vec<super::drain::DrainCurve>>,
+    pub(super) drain: Option<Vec<DrainCurve>>,
+    /// The held-horizon phase.
+    pub(super) horizon: Option<Horizon>,
+    /// The soak phase.
+    pub(super) soak: Option<Soak>,
 }
 
 #[derive(Serialize)]
@@ -150,12 +166,9 @@ pub(super) struct Machine {
     pub(super) note: &'static str,
     /// The broker and the queue: one node, or the bench's cluster.
     pub(super) broker: &'static str,
-}
-
-pub(super) fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    let mid = values.len() / 2;
-    if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 }
+    /// The PostgreSQL server: the bench's own, or `--database-url`'s, and its `autovacuum`.
+    pub(super) server: String,
+    pub(super) autovacuum: String,
 }
 
 pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
@@ -197,6 +210,8 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
             };
             (!loaded.is_empty()).then(|| Loaded {
                 target_rate: m(|l| l.target_rate),
+                seconds: loaded[0].seconds,
+                producer: loaded[0].producer,
                 achieved_rate: m(|l| l.achieved_rate),
                 rows: loaded[0].rows,
                 p50_ms: m(|l| l.p50_ms),
@@ -208,6 +223,8 @@ pub(super) fn median_of(runs: &[RunResult]) -> RunResult {
                 dispatcher_xacts_per_row: m(|l| l.dispatcher_xacts_per_row),
                 blks_hit_per_row: m(|l| l.blks_hit_per_row),
                 wal_bytes_per_row: m(|l| l.wal_bytes_per_row),
+                cost: median_cost(&loaded.iter().filter_map(|l| l.cost.as_ref()).collect::<Vec<_>>()),
+                pgbench: Vec::new(),
             })
         },
     }
@@ -257,12 +274,38 @@ fn median_pooler(runs: &[RunResult]) -> Option<PoolerRun> {
 }
 
 pub(super) fn print_report(report: &Report<'_>) {
-    let o = report.options;
     println!(
         "actix-outbox bench  {}  {} cores (shared by PostgreSQL {}, RabbitMQ, the dispatcher and the bench)",
         report.date, report.machine.cores, report.machine.postgres
     );
     println!("broker: {}", report.machine.broker);
+    println!("database: {} (autovacuum {})", report.machine.server, report.machine.autovacuum);
+    if !report.runs.is_empty() {
+        print_runs(report);
+    }
+    if report.runs.iter().any(|r| r.loaded.is_some()) {
+        print_loaded(report);
+    }
+    if report.runs.iter().any(|r| r.history_msg_s.is_some()) {
+        print_history(report);
+    }
+    if report.runs.iter().any(|r| r.pooler.is_some()) {
+        print_pooler(report);
+    }
+    if let Some(curves) = &report.drain {
+        super::drain_curve::print(curves, report.options.messages);
+    }
+    if let Some(horizon) = &report.horizon {
+        super::horizon::print(horizon);
+    }
+    if let Some(soak) = &report.soak {
+        super::soak::print(soak);
+    }
+}
+
+/// The phases of every run: a line a run, and their median.
+fn print_runs(report: &Report<'_>) {
+    let o = report.options;
     println!(
         "messages {}  payload ~{} B  workers {}  batch {}  in flight {}/process  processes {}  fifo {}  retention {}  headers {}  runs {}",
         o.messages,
@@ -354,18 +397,6 @@ pub(super) fn print_report(report: &Report<'_>) {
     println!(
         "the consumer's delivery; rss = largest peak RSS (VmHWM) of one dispatcher process; dups = duplicate deliveries."
     );
-    if report.runs.iter().any(|r| r.loaded.is_some()) {
-        print_loaded(report);
-    }
-    if report.runs.iter().any(|r| r.history_msg_s.is_some()) {
-        print_history(report);
-    }
-    if report.runs.iter().any(|r| r.pooler.is_some()) {
-        print_pooler(report);
-    }
-    if let Some(curves) = &report.drain {
-        super::drain::print(curves, report.options.messages);
-    }
 }
 
 /// The pooled phases beside the direct ones: one line per phase and run, direct and pooled side
@@ -464,8 +495,15 @@ fn print_loaded(report: &Report<'_>) {
     let o = report.options;
     println!();
     println!(
-        "loaded latency: {} rows/s for {} s, one row per transaction on {} producer connections, {} dispatcher process(es)",
-        o.rate, o.seconds, o.producers, o.processes
+        "loaded latency: {} rows/s for {} s, one row per transaction on {} {} connections, {} dispatcher process(es)",
+        o.rate(Phase::Loaded),
+        o.seconds(Phase::Loaded),
+        o.producers,
+        match o.producer {
+            ProducerKind::Bench => "producer",
+            ProducerKind::Pgbench => "pgbench",
+        },
+        o.processes
     );
     println!(
         "{:<8} {:>9} {:>7} {:>8} {:>8} {:>9} {:>8} {:>10} {:>10} {:>8} {:>8} {:>8}",
@@ -508,8 +546,44 @@ fn print_loaded(report: &Report<'_>) {
     if let Some(l) = &report.median.loaded {
         row(&format!("median/{}", report.runs.len()), l);
     }
-    println!("rows/s = achieved (rows ÷ first slot to last commit); p* = commit (the INSERT returned) → consumer");
+    println!(
+        "rows/s = achieved (rows ÷ first slot to last commit); p* = commit ({}) → consumer",
+        match o.producer {
+            ProducerKind::Bench => "the INSERT returned",
+            ProducerKind::Pgbench => "the row's created_at",
+        }
+    );
     println!("delivery; db = done_at − created_at on the database clock (to the finalize's commit); xact/row =");
-    println!("the dispatchers' transactions per row (pg_stat_database xact_commit less the producers' commits),");
-    println!("hits/row = buffer hits per row (blks_hit), wal/row = WAL bytes per row, over the whole phase.");
+    println!("the dispatchers' transactions per row (pg_stat_database xact_commit less the producers' commits and");
+    println!("the bench's own), hits/row = buffer hits per row (blks_hit), wal/row = WAL bytes per row, over the");
+    println!("whole phase.");
+    if let Some(l) = report.runs.iter().rev().find_map(|r| r.loaded.as_ref().filter(|l| !l.pgbench.is_empty())) {
+        for line in &l.pgbench {
+            println!("pgbench, last run: {line}");
+        }
+    }
+    let costs: Vec<(String, &WindowCost)> = report
+        .runs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| Some((format!("{}", i + 1), r.loaded.as_ref()?.cost.as_ref()?)))
+        .collect();
+    if costs.is_empty() {
+        return;
+    }
+    println!();
+    println!("loaded latency, cost per message over the production's last two thirds (the first warms up):");
+    print_cost_header();
+    for (name, cost) in &costs {
+        print_cost_row(name, cost);
+    }
+    if let Some(cost) = report.median.loaded.as_ref().and_then(|l| l.cost.as_ref()) {
+        print_cost_row(&format!("median/{}", report.runs.len()), cost);
+    }
+    let last = costs.last().map(|(_, c)| *c);
+    print_cost_legend(last.and_then(|c| c.pg_rest.as_ref()));
+    if let Some(last) = last.filter(|c| !c.statements.is_empty()) {
+        println!("statements of the last run's window:");
+        statements::print(&last.statements);
+    }
 }

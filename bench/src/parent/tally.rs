@@ -4,6 +4,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::SystemTime;
 
+use super::latencies::Join;
+
 /// What the consumer has seen of the current phase's id range.
 #[derive(Default)]
 pub(super) struct Tally {
@@ -15,6 +17,8 @@ pub(super) struct Tally {
     pub(super) stray: usize,
     /// First arrival of every id, whatever its range, recorded only in the latency phase.
     pub(super) arrivals: Option<HashMap<i64, SystemTime>>,
+    /// The steady phases' commits and deliveries.
+    pub(super) join: Option<Join>,
 }
 
 impl Tally {
@@ -24,8 +28,12 @@ impl Tally {
     }
 
     pub(super) fn record(&mut self, id: i64) {
+        let now = SystemTime::now();
         if let Some(arrivals) = &mut self.arrivals {
-            arrivals.entry(id).or_insert_with(SystemTime::now);
+            arrivals.entry(id).or_insert(now);
+        }
+        if let Some(join) = &mut self.join {
+            join.arrived(id, now);
         }
         let Some(slot) = usize::try_from(id - self.first).ok().and_then(|i| self.seen.get_mut(i)) else {
             self.stray += 1;
