@@ -16,7 +16,7 @@ const CHECK_EVERY: Duration = Duration::from_millis(10);
 const DEAD_ROWS_KEPT: i64 = 100;
 
 /// Why a drain did not end idle.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum DrainError {
     /// The dispatcher did not start (its configuration is invalid).
@@ -37,6 +37,8 @@ pub enum DrainError {
         due: i64,
     },
 }
+
+crate::error::readable_debug!(DrainError);
 
 /// The outbox table after a drain.
 #[derive(Debug, Clone)]

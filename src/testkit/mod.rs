@@ -56,9 +56,11 @@ mod drain;
 #[cfg(feature = "inbox")]
 mod inbox;
 mod sink;
+mod stale;
 
-pub use database::TestDatabase;
+pub use database::{TestDatabase, TestDatabaseOptions};
+pub use stale::drop_stale_databases;
 pub use drain::{Drain, DrainError, Drained, drain_until_idle};
 #[cfg(feature = "inbox")]
-pub use inbox::{Delivered, deliver, inbox_message};
+pub use inbox::{Delivered, TestConsumer, deliver, inbox_message};
 pub use sink::{MemorySink, SinkCall};
