@@ -423,12 +423,14 @@ ORDER BY n.nspname";
 pub(crate) const SERVER_SECONDS_SQL: &str = "SELECT extract(epoch FROM now())::int8 AS seconds";
 
 /// The test databases the kit made and nobody uses any more, older than `$1` seconds by the
-/// server's clock (see `testkit::drop_stale_databases`): named exactly as the kit names them,
-/// owned by the connecting role, and with no session connected.
+/// server's clock (see `testkit::drop_stale_databases`): named exactly as the kit names them
+/// (ten digits of seconds first, which no pid has: the names of earlier versions,
+/// `outbox_test_<pid>_<n>_<nanoseconds>`, never match), owned by the connecting role, and with
+/// no session connected.
 #[cfg(feature = "testkit")]
 pub(crate) const STALE_TEST_DATABASES_SQL: &str = "
 SELECT d.datname::text AS name FROM pg_database d
-WHERE d.datname ~ '^outbox_test_[0-9]{1,15}_[0-9]{1,10}_[0-9]{1,19}$'
+WHERE d.datname ~ '^outbox_test_[0-9]{10}_[0-9]{1,10}_[0-9]{1,19}$'
   AND d.datdba = (SELECT oid FROM pg_roles WHERE rolname = current_user)
   AND split_part(d.datname, '_', 3)::int8 <= extract(epoch FROM now()) - $1
   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)

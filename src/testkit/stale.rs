@@ -16,10 +16,10 @@ use crate::url::ConnectionString;
 pub(super) const STALE_AFTER: Duration = Duration::from_secs(3600);
 
 /// The name of a test database: `outbox_test_<seconds>_<pid>_<n>`, `<seconds>` the server's
-/// clock when it was created (what its age is read from), `<pid>` the creating process's,
-/// `<n>` its count of databases so far.
+/// clock when it was created (what its age is read from; ten digits, from 2001 to 2286),
+/// `<pid>` the creating process's, `<n>` its count of databases so far.
 pub(super) fn name(seconds: i64, pid: u32, n: u64) -> String {
-    format!("outbox_test_{seconds}_{pid}_{n}")
+    format!("outbox_test_{seconds:010}_{pid}_{n}")
 }
 
 /// Drops the test databases of the server of `server_url` that [`TestDatabase`](super::TestDatabase)
@@ -31,8 +31,8 @@ pub(super) fn name(seconds: i64, pid: u32, n: u64) -> String {
 /// A database is taken for a stale test database only when all of these hold, so that no
 /// other database is touched, whoever made it:
 ///
-/// - its name is exactly `outbox_test_<seconds>_<pid>_<n>` (digits only), as the kit names
-///   them;
+/// - its name is exactly `outbox_test_<seconds>_<pid>_<n>` (digits only, ten of them for the
+///   seconds), as the kit names them;
 /// - it is owned by the role this connects as (`current_user`): another user's databases are
 ///   never dropped, whatever their name;
 /// - it is older than `older_than`, by the server's clock, from the `<seconds>` in its name;
