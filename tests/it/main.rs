@@ -23,6 +23,7 @@ mod producers;
 mod queues;
 mod rabbit;
 mod routing;
+mod scheduled;
 mod startup;
 mod store;
 mod tenants;
