@@ -292,7 +292,7 @@ impl CliError {
 /// `--database-url` / `DATABASE_URL`, shared by every command.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
-    /// PostgreSQL connection string: postgres://user:password@host:port/database, or key=value pairs (host=db user=app password=... dbname=app); to follow a failover, list every server and ask for the primary (postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write); passwords masked in every message. `run` takes it repeated, to relay the outboxes of several databases
+    /// PostgreSQL connection string: postgres://user:password@host:port/database (a URL must name its database), or key=value pairs (host=db user=app password=... dbname=app); to follow a failover, list every server and ask for the primary (postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write); passwords masked in every message. `run` takes it repeated, to relay the outboxes of several databases
     #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true, required = true)]
     pub database_url: Vec<String>,
     /// What stands between this process and PostgreSQL: `none` (the server itself, or a pooler in session mode) or `transaction` (PgBouncer with pool_mode = transaction, and the like): then no statement stays prepared past its transaction, and what needs a session goes to --direct-url
