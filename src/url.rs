@@ -116,7 +116,9 @@ impl ConnectionString {
                 user: self.config.get_user().map(str::to_owned),
                 fixed: self.with_database("DATABASE").to_string(),
             })),
-            None => self.config.get_user().ok_or_else(|| refused(Reason::NoDatabase { user: None, fixed: String::new() })),
+            None => {
+                self.config.get_user().ok_or_else(|| refused(Reason::NoDatabase { user: None, fixed: String::new() }))
+            }
         }
     }
 
@@ -740,7 +742,10 @@ mod tests {
                 "postgres://app:s3cret@db?sslmode=disable",
                 r#"database URL "postgres://app:***@db?sslmode=disable" names no database (PostgreSQL would use the one named after the user, "app"): name it in the path, postgres://app:***@db/DATABASE?sslmode=disable (or with ?dbname=DATABASE)"#,
             ),
-            ("host=db password=s3cret", r#"database URL "host=db password=***" names no database and no user: add dbname=DATABASE"#),
+            (
+                "host=db password=s3cret",
+                r#"database URL "host=db password=***" names no database and no user: add dbname=DATABASE"#,
+            ),
         ] {
             let e = ConnectionString::parse(raw).unwrap().require_database().unwrap_err();
             assert_eq!(e.to_string(), message, "{raw}");

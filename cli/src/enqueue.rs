@@ -95,7 +95,8 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
             let event = match delay {
                 Some(delay) => {
                     // The database's clock, which the claim compares `available_at` with.
-                    let now: DateTime<Utc> = diesel::select(diesel::dsl::now.into_sql::<Timestamptz>()).get_result(tx).await?;
+                    let now: DateTime<Utc> =
+                        diesel::select(diesel::dsl::now.into_sql::<Timestamptz>()).get_result(tx).await?;
                     event.clone().not_before(now + delay)
                 }
                 None => event.clone(),

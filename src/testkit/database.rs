@@ -295,9 +295,9 @@ impl TestDatabaseOptions {
             store::apply_migrations(db.url.expose(), set).await?;
         }
         let mut conn = db.connect().await?;
-        setup(&mut conn).await.map_err(|e| {
-            StoreError::Migration(Box::new(SetupFailed { database: db.name.clone(), cause: e.into() }))
-        })?;
+        setup(&mut conn)
+            .await
+            .map_err(|e| StoreError::Migration(Box::new(SetupFailed { database: db.name.clone(), cause: e.into() })))?;
         drop(conn);
         db.pool = Some(PoolConfig::new(db.url.expose()).size(self.pool_size).connect().await?);
         Ok(db)

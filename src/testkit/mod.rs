@@ -65,8 +65,8 @@ mod sink;
 mod stale;
 
 pub use database::{TestDatabase, TestDatabaseOptions};
-pub use stale::drop_stale_databases;
 pub use drain::{Drain, DrainError, Drained, drain_until_idle};
 #[cfg(feature = "inbox")]
 pub use inbox::{Delivered, TestConsumer, deliver, inbox_message};
 pub use sink::{MemorySink, SinkCall};
+pub use stale::drop_stale_databases;

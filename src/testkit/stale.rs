@@ -75,8 +75,10 @@ async fn drop_stale(admin: &mut AsyncPgConnection, older_than: Duration) -> Resu
         #[diesel(sql_type = Text)]
         name: String,
     }
-    let stale: Vec<Stale> =
-        diesel::sql_query(store::STALE_TEST_DATABASES_SQL).bind::<Double, _>(older_than.as_secs_f64()).load(admin).await?;
+    let stale: Vec<Stale> = diesel::sql_query(store::STALE_TEST_DATABASES_SQL)
+        .bind::<Double, _>(older_than.as_secs_f64())
+        .load(admin)
+        .await?;
     let mut dropped = Vec::new();
     for Stale { name } in stale {
         // Names of the kit's pattern only (checked by the query): digits and underscores, safe

@@ -219,7 +219,10 @@ async fn connect_pool_fails_at_once_in_the_servers_words() {
     );
 
     let e = actix_outbox::connect_pool("postgres://root@127.0.0.1:1/outbox", 4).await.unwrap_err();
-    assert_eq!(e.to_string(), "database connection failed: error connecting to server: Connection refused (os error 111)");
+    assert_eq!(
+        e.to_string(),
+        "database connection failed: error connecting to server: Connection refused (os error 111)"
+    );
 
     // A server that accepts the connection and never answers: the string's connect timeout.
     let silent = Proxy::start(addr.clone()).await;
@@ -238,7 +241,10 @@ async fn connect_pool_fails_at_once_in_the_servers_words() {
 #[tokio::test]
 async fn a_test_database_on_a_wrong_port_says_connection_refused() {
     let e = actix_outbox::testkit::TestDatabase::create("postgres://root@127.0.0.1:1/postgres").await.unwrap_err();
-    assert_eq!(e.to_string(), "database connection failed: error connecting to server: Connection refused (os error 111)");
+    assert_eq!(
+        e.to_string(),
+        "database connection failed: error connecting to server: Connection refused (os error 111)"
+    );
     assert!(matches!(e, StoreError::Connect(_)), "{e:#?}");
 }
 

@@ -143,7 +143,8 @@ mod scheduled_tests {
         let db = TestDatabase::from_env().await.unwrap();
         let mut conn = db.pool().get().await.unwrap();
         let in_an_hour = chrono::Utc::now() + chrono::Duration::hours(1);
-        let reminder = NewEvent::new("order", "7", "order.payment_reminder", serde_json::json!({})).not_before(in_an_hour);
+        let reminder =
+            NewEvent::new("order", "7", "order.payment_reminder", serde_json::json!({})).not_before(in_an_hour);
         let id = actix_outbox::enqueue(&mut conn, &reminder).await.unwrap();
         let stats = actix_outbox::admin::stats(&mut conn).await.unwrap();
         assert_eq!((stats.scheduled, stats.backlog()), (1, 0), "scheduled, not backlog");
@@ -221,11 +222,8 @@ mod consumer_tests {
 fn the_testing_guide_quotes_this_file() {
     let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/testing.md")).unwrap();
     let source = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/it/guide.rs")).unwrap();
-    let blocks: Vec<&str> = page
-        .split("```rust\n")
-        .skip(1)
-        .map(|rest| rest.split_once("```").expect("a closed block").0)
-        .collect();
+    let blocks: Vec<&str> =
+        page.split("```rust\n").skip(1).map(|rest| rest.split_once("```").expect("a closed block").0).collect();
     let mut parts = Vec::new();
     // The marked parts come before this test, whose own text names the markers.
     let mut rest = source.split_once("/// Every Rust block of docs/testing.md").unwrap().0;

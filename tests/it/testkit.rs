@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use actix_outbox::inbox::{HandlerError, InboxConfig, InboxMessage, LateEvents, handler_fn};
 use actix_outbox::testkit::{
-    Delivered, Drain, DrainError, MemorySink, TestConsumer, TestDatabase, deliver, drain_until_idle, drop_stale_databases,
-    inbox_message,
+    Delivered, Drain, DrainError, MemorySink, TestConsumer, TestDatabase, deliver, drain_until_idle,
+    drop_stale_databases, inbox_message,
 };
 use actix_outbox::{NewEvent, PublishError, StoreError};
 use diesel::sql_types::{BigInt, Text};
@@ -412,10 +412,8 @@ fn a_drop_that_gives_up_says_so_on_stderr() {
         assert!(output.status.success(), "{stderr}");
         let databases = role.databases().await;
         let [name] = databases.as_slice() else { panic!("one database left behind: {databases:?}") };
-        let start = format!(
-            "actix-outbox testkit: could not drop the test database {name:?} on {}: ",
-            role.server_url()
-        );
+        let start =
+            format!("actix-outbox testkit: could not drop the test database {name:?} on {}: ", role.server_url());
         let line = stderr.lines().find(|l| l.starts_with(&start)).unwrap_or_else(|| panic!("{start}... in {stderr}"));
         let end = format!(
             ", the last one: database connection failed: db error: FATAL: too many connections for role \"{}\". Drop \
@@ -448,8 +446,11 @@ async fn stale_test_databases_of_this_kind_are_removed_and_no_other() {
     let another_users = format!("outbox_test_{old}_{pid}_{}", n + 2);
     let in_use = format!("outbox_test_{old}_{pid}_{}", n + 3);
     let fresh = format!("outbox_test_{}_{pid}_{}", now - 60, n + 4);
-    let other_shapes =
-        [format!("outbox_test_{old}_{pid}_{}x", n + 5), format!("outbox_test_{pid}_{}_{old}", n + 6), format!("outbox_test_{old}")];
+    let other_shapes = [
+        format!("outbox_test_{old}_{pid}_{}x", n + 5),
+        format!("outbox_test_{pid}_{}_{old}", n + 6),
+        format!("outbox_test_{old}"),
+    ];
     let other = CrowdedRole::new(5).await;
     for name in stale.iter().chain([&in_use, &fresh]).chain(&other_shapes) {
         admin.batch_execute(&format!("CREATE DATABASE \"{name}\"")).await.unwrap();
@@ -513,7 +514,8 @@ fn a_crowded_server_leaves_no_test_database_behind() {
         })
         .collect();
     let results: Vec<Result<String, StoreError>> = tests.into_iter().map(|t| t.join().unwrap()).collect();
-    let refused = format!("database connection failed: db error: FATAL: too many connections for role \"{}\"", role.name);
+    let refused =
+        format!("database connection failed: db error: FATAL: too many connections for role \"{}\"", role.name);
     for result in &results {
         if let Err(e) = result {
             assert_eq!(e.to_string(), refused, "refused in the server's words only");

@@ -79,10 +79,21 @@ async fn enqueue_refuses_a_payload_that_is_not_json_and_inserts_nothing() {
 #[tokio::test]
 async fn enqueue_schedules_an_event_at_a_time_or_after_a_delay() {
     let db = TestDb::new().await;
-    let base = ["enqueue", "--aggregate-type", "order", "--aggregate-id", "42", "--event-type", "order.reminder", "--payload", "{}"];
+    let base = [
+        "enqueue",
+        "--aggregate-type",
+        "order",
+        "--aggregate-id",
+        "42",
+        "--event-type",
+        "order.reminder",
+        "--payload",
+        "{}",
+    ];
     let with = |extra: &[&'static str]| [&base[..], extra].concat();
 
-    let id: i64 = ok(&db.url, &with(&["--not-before", "2030-01-02T04:04:05.123456+01:00"])).await.trim().parse().unwrap();
+    let id: i64 =
+        ok(&db.url, &with(&["--not-before", "2030-01-02T04:04:05.123456+01:00"])).await.trim().parse().unwrap();
     let row = db.row(id).await;
     assert_eq!(row.available_at.to_rfc3339(), "2030-01-02T03:04:05.123456+00:00");
     assert_eq!((row.status, row.attempts, row.lease_version), (Status::Pending, 0, 0));

@@ -135,7 +135,9 @@ async fn stats_shows_scheduled_rows_apart() {
 
     let out = ok(&db.url, &["stats"]).await;
     assert!(
-        out.starts_with("rows by status\n  pending              3\n    scheduled          2  (not due yet: not backlog)\n"),
+        out.starts_with(
+            "rows by status\n  pending              3\n    scheduled          2  (not due yet: not backlog)\n"
+        ),
         "{out}"
     );
 }
