@@ -8,10 +8,11 @@ use actix_outbox::StoreError;
 use actix_outbox::sink::{RabbitConfig, RabbitError, RabbitSink};
 use diesel::QueryableByName;
 use diesel::sql_types::Text;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
+use crate::roles::Role;
 use actix_outbox_test_support::proxy::Proxy;
-use actix_outbox_test_support::{ScratchDb, TestDb, database_addr, database_exists, database_url, unique};
+use actix_outbox_test_support::{ScratchDb, TestDb, database_addr, database_exists};
 
 /// The server of the default `TEST_DATABASE_URL`, spelled out in each form (root, trust auth).
 const HOST: &str = "127.0.0.1";
@@ -254,9 +255,9 @@ async fn a_test_database_on_a_wrong_port_says_connection_refused() {
 #[tokio::test]
 async fn a_url_that_names_no_database_is_refused_with_the_fix() {
     let addr = database_addr();
-    let user = unique("nodb").replace('.', "_");
-    let mut admin = actix_outbox::admin::connect(&database_url("postgres")).await.unwrap();
-    admin.batch_execute(&format!("CREATE ROLE {user} LOGIN CREATEDB")).await.unwrap();
+    // A user of the test's own (removed with the database named after it, whatever happens).
+    let role = Role::new(10).await;
+    let user = role.name.clone();
     for url in [format!("postgres://{user}@{addr}/"), format!("postgres://{user}@{addr}")] {
         let expected = format!(
             "database URL {url:?} names no database (PostgreSQL would use the one named after the user, \"{user}\"): \
@@ -274,6 +275,5 @@ async fn a_url_that_names_no_database_is_refused_with_the_fix() {
     assert!(actix_outbox::admin::ensure_database(&pairs).await.unwrap(), "the user's database, on purpose");
     assert!(database_exists(&user).await);
     assert!(!actix_outbox::migrate(&pairs).await.unwrap().is_empty(), "migrated");
-    admin.batch_execute(&format!("DROP DATABASE {user} WITH (FORCE)")).await.unwrap();
-    admin.batch_execute(&format!("DROP ROLE {user}")).await.unwrap();
+    assert_eq!(role.databases().await, [user.clone()]);
 }

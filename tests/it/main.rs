@@ -23,6 +23,7 @@ mod pooler;
 mod producers;
 mod queues;
 mod rabbit;
+mod roles;
 mod routing;
 mod scheduled;
 mod startup;

@@ -16,7 +16,8 @@ use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, embed_migrations};
 
 use crate::alone::{role, run_alone, stderr};
-use actix_outbox_test_support::{database_addr, database_exists, database_url, unique};
+use crate::roles::Role;
+use actix_outbox_test_support::{ScratchDb, database_exists, database_url, unique};
 
 async fn database() -> TestDatabase {
     TestDatabase::create(&database_url("postgres")).await.expect("a test database")
@@ -265,79 +266,11 @@ async fn options_give_the_pool_size_the_applications_migrations_and_setup() {
     assert!(!database_exists(name).await, "dropped after its setup failed");
 }
 
-/// A role of the test's own, allowed `limit` sessions: a server with few free connections for
-/// this role alone, so that the shared server stays open to everyone else's tests. Its databases
-/// and itself are dropped with it.
-struct CrowdedRole {
-    name: String,
-}
-
-impl CrowdedRole {
-    async fn new(limit: u32) -> Self {
-        let name = unique("role").replace('.', "_");
-        let mut admin = actix_outbox::admin::connect(&database_url("postgres")).await.unwrap();
-        admin.batch_execute(&format!("CREATE ROLE {name} LOGIN CREATEDB CONNECTION LIMIT {limit}")).await.unwrap();
-        CrowdedRole { name }
-    }
-
-    /// The server as this role, at its `postgres` database.
-    fn server_url(&self) -> String {
-        format!("postgres://{}@{}/postgres", self.name, database_addr())
-    }
-
-    /// `n` idle sessions of the role, each holding one of its slots until dropped.
-    async fn hold(&self, n: usize) -> Vec<AsyncPgConnection> {
-        let mut held = Vec::new();
-        for _ in 0..n {
-            held.push(actix_outbox::admin::connect(&self.server_url()).await.expect("a free slot of the role"));
-        }
-        held
-    }
-
-    /// The databases the role owns, by name.
-    async fn databases(&self) -> Vec<String> {
-        #[derive(diesel::QueryableByName)]
-        struct Name {
-            #[diesel(sql_type = Text)]
-            name: String,
-        }
-        let mut admin = actix_outbox::admin::connect(&database_url("postgres")).await.unwrap();
-        let names: Vec<Name> = diesel::sql_query(
-            "SELECT datname::text AS name FROM pg_database WHERE datdba = (SELECT oid FROM pg_roles WHERE rolname = $1) \
-             ORDER BY 1",
-        )
-        .bind::<Text, _>(&self.name)
-        .load(&mut admin)
-        .await
-        .unwrap();
-        names.into_iter().map(|n| n.name).collect()
-    }
-}
-
-impl Drop for CrowdedRole {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            rt.block_on(async {
-                let Ok(mut admin) = actix_outbox::admin::connect(&database_url("postgres")).await else { return };
-                let role = CrowdedRole { name: name.clone() };
-                for database in role.databases().await {
-                    let _ = admin.batch_execute(&format!("DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)")).await;
-                }
-                std::mem::forget(role);
-                let _ = admin.batch_execute(&format!("DROP ROLE IF EXISTS {name}")).await;
-            });
-        })
-        .join();
-    }
-}
-
 /// A server with no free connection for the role: creating a database fails at once, in the
 /// server's words.
 #[actix_rt::test]
 async fn a_full_server_refuses_a_test_database_in_its_own_words() {
-    let role = CrowdedRole::new(2).await;
+    let role = Role::new(2).await;
     let _full = role.hold(2).await;
     let e = TestDatabase::create(&role.server_url()).await.unwrap_err();
     assert!(matches!(e, StoreError::Connect(_)) && e.is_transient(), "{e:#?}");
@@ -354,7 +287,7 @@ async fn a_full_server_refuses_a_test_database_in_its_own_words() {
 /// session ends, the drop gets through.
 #[actix_rt::test]
 async fn the_drop_waits_for_a_free_connection_of_a_crowded_server() {
-    let role = CrowdedRole::new(4).await;
+    let role = Role::new(4).await;
     let db = TestDatabase::options().server_url(role.server_url()).pool_size(1).create().await.unwrap();
     let name = db.name().to_owned();
     let pool = db.pool().clone();
@@ -406,7 +339,7 @@ fn a_drop_that_gives_up_says_so_on_stderr() {
         return;
     }
     actix_rt::System::new().block_on(async {
-        let role = CrowdedRole::new(4).await;
+        let role = Role::new(4).await;
         let output = run_alone(NAME, NAME, &[(CROWDED_SERVER, role.server_url().as_str())]);
         let stderr = stderr(&output);
         assert!(output.status.success(), "{stderr}");
@@ -451,7 +384,14 @@ async fn stale_test_databases_of_this_kind_are_removed_and_no_other() {
         format!("outbox_test_{pid}_{}_{old}", n + 6),
         format!("outbox_test_{old}"),
     ];
-    let other = CrowdedRole::new(5).await;
+    let other = Role::new(5).await;
+    // Each dropped at the end whatever happens (the other role's, with the role).
+    let _cleanup: Vec<ScratchDb> = stale
+        .iter()
+        .chain([&in_use, &fresh])
+        .chain(&other_shapes)
+        .map(|name| ScratchDb { url: database_url(name), name: name.clone() })
+        .collect();
     for name in stale.iter().chain([&in_use, &fresh]).chain(&other_shapes) {
         admin.batch_execute(&format!("CREATE DATABASE \"{name}\"")).await.unwrap();
     }
@@ -471,6 +411,7 @@ async fn stale_test_databases_of_this_kind_are_removed_and_no_other() {
     // The first database a process creates on a server sweeps it (a server string this process
     // has not created a database on yet).
     let later = format!("outbox_test_{old}_{pid}_{}", n + 7);
+    let _later = ScratchDb { url: database_url(&later), name: later.clone() };
     admin.batch_execute(&format!("CREATE DATABASE \"{later}\"")).await.unwrap();
     let separator = if server.contains("://") { if server.contains('?') { "&" } else { "?" } } else { " " };
     let sweeping = format!("{server}{separator}application_name=outbox_sweep_{n}");
@@ -482,9 +423,6 @@ async fn stale_test_databases_of_this_kind_are_removed_and_no_other() {
     }
 
     drop(holder);
-    for name in kept {
-        admin.batch_execute(&format!("DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)")).await.unwrap();
-    }
 }
 
 /// Ten tests' databases on a crowded server (a role with six slots, two of them held), each
@@ -494,7 +432,7 @@ async fn stale_test_databases_of_this_kind_are_removed_and_no_other() {
 #[test]
 fn a_crowded_server_leaves_no_test_database_behind() {
     let (role, crowd) = actix_rt::System::new().block_on(async {
-        let role = CrowdedRole::new(6).await;
+        let role = Role::new(6).await;
         let crowd = role.hold(2).await;
         (role, crowd)
     });
