@@ -48,8 +48,8 @@ pub struct Drained {
     pub done: i64,
     /// Rows `dead`.
     pub dead: i64,
-    /// Rows still `pending`: only rows due later than the drain's horizon (deferred, or backing
-    /// off for longer).
+    /// Rows still `pending`: only rows due later than the drain's horizon (deferred, backing off
+    /// for longer, or scheduled by their producer for later: `NewEvent::not_before`).
     pub pending: i64,
     /// The dead rows, oldest first (the first 100), with their `last_error`.
     pub dead_rows: Vec<OutboxRow>,
