@@ -97,7 +97,10 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
                     // The database's clock, which the claim compares `available_at` with.
                     let now: DateTime<Utc> =
                         diesel::select(diesel::dsl::now.into_sql::<Timestamptz>()).get_result(tx).await?;
-                    event.clone().not_before(now + delay)
+                    let at = now.checked_add_signed(delay).ok_or_else(|| {
+                        StoreError::InvalidEvent("--delay reaches past the latest time there is".into())
+                    })?;
+                    event.clone().not_before(at)
                 }
                 None => event.clone(),
             };
