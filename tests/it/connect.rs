@@ -275,5 +275,5 @@ async fn a_url_that_names_no_database_is_refused_with_the_fix() {
     assert!(actix_outbox::admin::ensure_database(&pairs).await.unwrap(), "the user's database, on purpose");
     assert!(database_exists(&user).await);
     assert!(!actix_outbox::migrate(&pairs).await.unwrap().is_empty(), "migrated");
-    assert_eq!(role.databases().await, [user.clone()]);
+    assert_eq!(role.databases().await, std::slice::from_ref(&user));
 }
