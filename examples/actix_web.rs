@@ -219,7 +219,7 @@ pub struct Orders {
 }
 
 /// `POST /orders`, on `web::Data<Orders>`: what a test mounts without the rest of the app
-/// (docs/testing.md).
+/// (`tests/it/web.rs`).
 pub fn order_routes(cfg: &mut web::ServiceConfig) {
     cfg.route("/orders", web::post().to(create_order));
 }

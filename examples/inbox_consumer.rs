@@ -38,12 +38,13 @@
 
 use std::process::ExitCode;
 
-use actix_outbox::inbox::{self, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxSupervisor};
+use actix_outbox::inbox::{
+    self, BoxFuture, GetMetrics, HandlerError, InboxConfig, InboxHandler, InboxMessage, InboxSupervisor,
+};
 use actix_outbox::sink::QueueKind;
 use clap::Parser;
 use diesel::prelude::*;
 use diesel_async::{AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use futures_util::future::BoxFuture;
 use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties, ExchangeKind};

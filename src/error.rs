@@ -10,12 +10,40 @@ use crate::url::{InvalidConnectionString, with_causes};
 /// A cause kept whole: its type depends on where the failure happened.
 type Cause = Box<dyn StdError + Send + Sync>;
 
+/// `{:?}` of the crate's errors is their message, causes included, as `{}` prints it: what a
+/// `main` returning `Result<(), Box<dyn Error>>` prints after `Error: `, and what `unwrap()`
+/// and `expect()` print in a failed test. `{:#?}` names the type and shows the source chain as
+/// the sources' own `Debug` writes it, for a look inside.
+macro_rules! readable_debug {
+    ($($error:ty),* $(,)?) => {$(
+        impl std::fmt::Debug for $error {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                if f.alternate() {
+                    let source = std::error::Error::source(self);
+                    f.debug_struct(stringify!($error))
+                        .field("message", &self.to_string())
+                        .field("source", &source)
+                        .finish()
+                } else {
+                    std::fmt::Display::fmt(self, f)
+                }
+            }
+        }
+    )*};
+}
+pub(crate) use readable_debug;
+
+readable_debug!(StoreError, EraseError, Error);
+
 /// A failure of the store (PostgreSQL or its pool).
 ///
-/// Each message includes its cause's, so a log line that prints the error says everything;
-/// `source()` gives the cause itself to callers that inspect it (for instance, the
-/// `tokio_postgres::Error` of a refused connection, with its SQLSTATE).
-#[derive(Debug, thiserror::Error)]
+/// Each message includes its cause's, so a log line that prints the error (`{e}`, or `{e:?}`,
+/// which prints the same) says everything, the server's own words included (`database
+/// connection failed: db error: FATAL: role "app" does not exist`); `source()` gives the cause
+/// itself to callers that inspect it (for instance, the `tokio_postgres::Error` of a refused
+/// connection, with its SQLSTATE). `{e:#?}` shows the variant's source chain as the sources'
+/// `Debug` writes it.
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// No connection could be checked out of the pool in time: the database is unreachable, or
@@ -174,7 +202,7 @@ impl StoreError {
 }
 
 /// Why [`erase`](crate::admin::erase) erased nothing.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum EraseError {
     /// Rows of the aggregate are still `pending` or `processing`: deleting the published ones
@@ -308,13 +336,13 @@ impl PublishError {
 
 /// Why a dispatcher could not start.
 ///
-/// Starting checks the configuration and nothing else: the pool it is given connects lazily,
-/// and a database that is down at start is a transient failure the claim actors retry (each
-/// logged), like one that goes down later. To fail fast on an unreachable or unmigrated
-/// database, call [`check_connection`](crate::admin::check_connection) and
-/// [`pending_migrations`](crate::admin::pending_migrations) before starting; both
-/// return a [`StoreError`].
-#[derive(Debug, thiserror::Error)]
+/// Starting checks the configuration and nothing else: the pool it is given was checked when it
+/// was opened ([`connect_pool`](crate::connect_pool) fails on a database that refuses or does
+/// not answer), and a database that goes down later, even before the first claim, is a
+/// transient failure the claim actors retry (each logged). To fail fast on an unmigrated
+/// database, call [`pending_migrations`](crate::admin::pending_migrations) before starting; it
+/// returns a [`StoreError`].
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The configuration breaks a rule; fix it, retrying will not help.

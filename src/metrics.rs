@@ -37,7 +37,8 @@
 //! | `outbox_publish_seconds` | histogram | | from the sink call to its answer (not a panic nor a publish timeout) |
 //! | `outbox_delivery_lag_seconds` | histogram | | from the row's `created_at` (database clock) to the sink's acknowledgement (local clock; negative differences count as 0) |
 //! | `outbox_rows` | gauge | `status`: `pending`, `processing`, `done`, `dead` | rows in the table per status (sampled) |
-//! | `outbox_oldest_unfinished_age_seconds` | gauge | | age of the oldest `pending` or `processing` row, 0 when none (sampled, database clock) |
+//! | `outbox_scheduled_rows` | gauge | | `pending` rows a producer scheduled for later (`NewEvent::not_before`) that are not due yet, part of `outbox_rows{status="pending"}` but not backlog (sampled) |
+//! | `outbox_oldest_unfinished_age_seconds` | gauge | | how long the oldest `pending` or `processing` row that is due has been due, 0 when none; scheduled rows count from their scheduled time (sampled, database clock) |
 //! | `outbox_expired_leases` | gauge | | `processing` rows whose lease ran out (sampled) |
 //! | `outbox_blocked_aggregates` | gauge | | aggregates held back by a dead head, under the FIFO gate only (sampled) |
 //! | `outbox_table_sample_errors_total` | counter | | table samples that failed on the database |
@@ -248,6 +249,7 @@ impl Metrics {
         for (status, n) in sample.by_status() {
             metrics::gauge!("outbox_rows", self.labelled(&[("status", status.as_str())])).set(n as f64);
         }
+        metrics::gauge!("outbox_scheduled_rows", self.labels.iter()).set(sample.scheduled as f64);
         metrics::gauge!("outbox_oldest_unfinished_age_seconds", self.labels.iter())
             .set(sample.oldest.unwrap_or(0.0).max(0.0));
         metrics::gauge!("outbox_expired_leases", self.labels.iter()).set(sample.expired as f64);
@@ -335,9 +337,14 @@ const HELP: &[(&str, MetricKind, &str)] = &[
     ),
     ("outbox_rows", MetricKind::Gauge, "Rows in the outbox table per status (sampled)."),
     (
+        "outbox_scheduled_rows",
+        MetricKind::Gauge,
+        "Pending rows scheduled for later and not yet due; part of the pending rows, not backlog (sampled).",
+    ),
+    (
         "outbox_oldest_unfinished_age_seconds",
         MetricKind::Gauge,
-        "Age of the oldest pending or processing row, 0 when none (sampled, database clock).",
+        "How long the oldest due pending or processing row has been due, 0 when none (sampled, database clock).",
     ),
     ("outbox_expired_leases", MetricKind::Gauge, "Processing rows whose lease ran out (sampled)."),
     (

@@ -234,6 +234,12 @@ pub struct NewEvent {
     /// headers. Add entries with [`NewEvent::header`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub headers: Option<serde_json::Value>,
+    /// The earliest time the event may be published, stored in the `available_at` column;
+    /// `None` (what [`NewEvent::new`] sets) stores the column's default, the inserting
+    /// transaction's time: at once. Set it with [`NewEvent::not_before`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[diesel(column_name = available_at)]
+    pub not_before: Option<DateTime<Utc>>,
 }
 
 impl NewEvent {
@@ -250,7 +256,42 @@ impl NewEvent {
             event_type: event_type.into(),
             payload,
             headers: None,
+            not_before: None,
         }
+    }
+
+    /// Publishes the event no earlier than `at` (a reminder, a timeout, a business step tried
+    /// again later): the row is written with `available_at = at`, and no dispatcher claims it
+    /// before that instant of the database's clock. A time in the past publishes at once.
+    ///
+    /// Until then the row is *scheduled*: pending, but neither backlog nor late.
+    /// [`admin::stats`](crate::admin::stats) counts it apart
+    /// ([`Stats::scheduled`](crate::admin::Stats::scheduled)), and neither the age of the oldest
+    /// unfinished row nor its gauge counts it; once due, its age counts from `at`.
+    ///
+    /// **Under the [FIFO gate](crate::Fifo)** a scheduled event is its aggregate's next event
+    /// like any other pending row, so it holds every later event of that aggregate back until
+    /// it is published: events of one aggregate stay in id order, and a reminder written for
+    /// tomorrow delays the aggregate's other events until tomorrow. Schedule such events on an
+    /// aggregate of their own (`order-reminder`/`42`), or on an event type the gate does not
+    /// name ([`Fifo::EventTypes`](crate::Fifo::EventTypes)), when that is not what you want.
+    ///
+    /// ```
+    /// use chrono::{Duration, Utc};
+    ///
+    /// let at = Utc::now() + Duration::minutes(30);
+    /// let reminder = actix_outbox::NewEvent::new("order", "42", "order.payment_reminder", serde_json::json!({}))
+    ///     .not_before(at);
+    /// assert_eq!(reminder.not_before, Some(at));
+    /// ```
+    ///
+    /// The instant is the application's clock's; where the database's differs, compute it from
+    /// the database's (`SELECT now() + interval '30 minutes'` in the same transaction), as
+    /// `actix-outbox enqueue --delay` does.
+    #[must_use]
+    pub fn not_before(mut self, at: DateTime<Utc>) -> Self {
+        self.not_before = Some(at);
+        self
     }
 
     /// Adds the header `name: value` (replacing an earlier one of that name), published with

@@ -86,6 +86,47 @@ impl ConnectionString {
         self.config.get_dbname().or(self.config.get_user())
     }
 
+    /// The database this string connects to, where it must be the one meant: a URL that names no
+    /// database (`postgres://app@db:5432/`, no path and no `?dbname=`) is refused, with the fix,
+    /// rather than taken to mean PostgreSQL's default, the database named after the user. Such a
+    /// URL is usually one cut short, and installing an outbox in `app` (or finding none there)
+    /// would lead further down the wrong path.
+    ///
+    /// `key=value` pairs without `dbname` keep libpq's default on purpose (`host=db user=app` is
+    /// the database `app`, as `psql` reads it). What [`admin::ensure_database`](crate::admin::ensure_database),
+    /// [`migrate`](crate::migrate) and the command line check.
+    ///
+    /// ```
+    /// # use actix_outbox::ConnectionString;
+    /// let url = ConnectionString::parse("postgres://app@db:5432/").unwrap();
+    /// assert_eq!(url.database(), Some("app"));
+    /// assert_eq!(
+    ///     url.require_database().unwrap_err().to_string(),
+    ///     "database URL \"postgres://app@db:5432/\" names no database (PostgreSQL would use the one named after \
+    ///      the user, \"app\"): name it in the path, postgres://app@db:5432/DATABASE (or with ?dbname=DATABASE)"
+    /// );
+    /// let pairs = ConnectionString::parse("host=db user=app").unwrap();
+    /// assert_eq!(pairs.require_database().unwrap(), "app");
+    /// ```
+    pub fn require_database(&self) -> Result<&str, InvalidConnectionString> {
+        let refused = |reason| InvalidConnectionString { masked: mask_url(&self.raw), reason };
+        match self.config.get_dbname() {
+            Some(name) => Ok(name),
+            None if self.is_url() => Err(refused(Reason::NoDatabase {
+                user: self.config.get_user().map(str::to_owned),
+                fixed: self.with_database("DATABASE").to_string(),
+            })),
+            None => {
+                self.config.get_user().ok_or_else(|| refused(Reason::NoDatabase { user: None, fixed: String::new() }))
+            }
+        }
+    }
+
+    /// Whether the string is a URL (`postgres://...`), not `key=value` pairs.
+    fn is_url(&self) -> bool {
+        ["postgres://", "postgresql://"].into_iter().any(|p| self.raw.starts_with(p))
+    }
+
     /// The same server, user, password and options, another database: the string is rewritten
     /// in the form it was given, only its database name changed (the URL's path and any
     /// `dbname` query parameter, or the `dbname` pair, added when missing).
@@ -191,6 +232,10 @@ enum Reason {
     Schema(String),
     /// A schema asked of a string that sets `options` already.
     Options,
+    /// A URL that names no database, or pairs that name neither a database nor a user
+    /// ([`ConnectionString::require_database`]): the user PostgreSQL would take the name from,
+    /// and the URL with a placeholder where the name goes (empty for pairs).
+    NoDatabase { user: Option<String>, fixed: String },
 }
 
 /// Whether `name` is a lowercase unquoted SQL identifier of at most 63 bytes: what PostgreSQL
@@ -248,6 +293,14 @@ impl fmt::Display for InvalidConnectionString {
                 "database URL {masked:?} sets options already: add -c search_path=SCHEMA to them instead of asking \
                  for a schema"
             ),
+            Reason::NoDatabase { user: Some(user), fixed } => write!(
+                f,
+                "database URL {masked:?} names no database (PostgreSQL would use the one named after the user, \
+                 {user:?}): name it in the path, {fixed} (or with ?dbname=DATABASE)"
+            ),
+            Reason::NoDatabase { user: None, .. } => {
+                write!(f, "database URL {masked:?} names no database and no user: add dbname=DATABASE")
+            }
         }
     }
 }
@@ -665,6 +718,38 @@ mod tests {
             let moved = parsed.with_database("other");
             assert_eq!(moved.expose(), other, "{raw}");
             assert!(!moved.to_string().contains("s3cret"), "{moved}");
+        }
+    }
+
+    /// A URL must name its database; pairs keep libpq's default, the user's name, on purpose.
+    #[test]
+    fn a_url_that_names_no_database_is_refused_with_the_fix() {
+        for (raw, database) in [
+            ("postgres://app@db:5432/app", "app"),
+            ("postgres://app@db:5432/?dbname=billing", "billing"),
+            ("postgresql://app@db?dbname=billing&sslmode=disable", "billing"),
+            ("host=db user=app", "app"),
+            ("host=db user=app dbname=billing", "billing"),
+        ] {
+            assert_eq!(ConnectionString::parse(raw).unwrap().require_database(), Ok(database), "{raw}");
+        }
+        for (raw, message) in [
+            (
+                "postgres://root@127.0.0.1:5432/",
+                r#"database URL "postgres://root@127.0.0.1:5432/" names no database (PostgreSQL would use the one named after the user, "root"): name it in the path, postgres://root@127.0.0.1:5432/DATABASE (or with ?dbname=DATABASE)"#,
+            ),
+            (
+                "postgres://app:s3cret@db?sslmode=disable",
+                r#"database URL "postgres://app:***@db?sslmode=disable" names no database (PostgreSQL would use the one named after the user, "app"): name it in the path, postgres://app:***@db/DATABASE?sslmode=disable (or with ?dbname=DATABASE)"#,
+            ),
+            (
+                "host=db password=s3cret",
+                r#"database URL "host=db password=***" names no database and no user: add dbname=DATABASE"#,
+            ),
+        ] {
+            let e = ConnectionString::parse(raw).unwrap().require_database().unwrap_err();
+            assert_eq!(e.to_string(), message, "{raw}");
+            assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
         }
     }
 

@@ -292,7 +292,7 @@ impl CliError {
 /// `--database-url` / `DATABASE_URL`, shared by every command.
 #[derive(Debug, Clone, Args)]
 pub struct DatabaseArgs {
-    /// PostgreSQL connection string: postgres://user:password@host:port/database, or key=value pairs (host=db user=app password=... dbname=app); to follow a failover, list every server and ask for the primary (postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write); passwords masked in every message. `run` takes it repeated, to relay the outboxes of several databases
+    /// PostgreSQL connection string: postgres://user:password@host:port/database (a URL must name its database), or key=value pairs (host=db user=app password=... dbname=app); to follow a failover, list every server and ask for the primary (postgres://app@db1:5432,db2:5432/app?target_session_attrs=read-write); passwords masked in every message. `run` takes it repeated, to relay the outboxes of several databases
     #[arg(long = "database-url", env = "DATABASE_URL", value_name = "URL", hide_env_values = true, required = true)]
     pub database_url: Vec<String>,
     /// What stands between this process and PostgreSQL: `none` (the server itself, or a pooler in session mode) or `transaction` (PgBouncer with pool_mode = transaction, and the like): then no statement stays prepared past its transaction, and what needs a session goes to --direct-url
@@ -307,8 +307,8 @@ pub struct DatabaseArgs {
 }
 
 impl DatabaseArgs {
-    /// The connection string, parsed by the driver's parser (malformed: bad input), in
-    /// `--schema` when it is given.
+    /// The connection string, parsed by the driver's parser (malformed, or a URL that names no
+    /// database: bad input), in `--schema` when it is given.
     /// A connection string given more than once is bad input here: only `run` relays several
     /// databases, each through [`DatabaseArgs::each`].
     fn url(&self) -> Result<ConnectionString, CliError> {
@@ -319,6 +319,9 @@ impl DatabaseArgs {
             )));
         };
         let url = ConnectionString::parse(url).map_err(|e| CliError::BadInput(e.to_string()))?;
+        // A URL cut short would reach the database named after the user, and every command
+        // after would act there (`migrate` would install an outbox in it).
+        url.require_database().map_err(|e| CliError::BadInput(e.to_string()))?;
         self.in_schema(url, self.schema.as_deref())
     }
 
@@ -346,6 +349,7 @@ impl DatabaseArgs {
     fn direct_url(&self) -> Result<Option<ConnectionString>, CliError> {
         let Some(url) = self.direct_url.as_deref() else { return Ok(None) };
         let url = ConnectionString::parse(url).map_err(|e| CliError::BadInput(format!("--direct-url: {e}")))?;
+        url.require_database().map_err(|e| CliError::BadInput(format!("--direct-url: {e}")))?;
         match self.schema.as_deref() {
             Some(schema) => {
                 url.in_schema(schema).map(Some).map_err(|e| CliError::BadInput(format!("--direct-url: {e}")))

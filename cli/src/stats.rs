@@ -24,8 +24,11 @@ const ERROR_WIDTH: usize = 60;
 pub(super) const LONG_ABOUT: &str = "Show rows by status, the age of the oldest unfinished (pending or processing) row, \
     processing rows whose lease has expired (a worker died or stalled), and how many attempts \
     the unfinished rows have spent. All times come from the database clock.\n\n\
+    Scheduled rows (pending rows a producer scheduled for later, `enqueue --not-before` or \
+    `--delay`, not yet due) are counted apart: they are part of pending, but neither backlog nor \
+    in the oldest unfinished row's age, which counts from when a row became due.\n\n\
     --json prints one object: {\"by_status\": {\"pending\": n, \"processing\": n, \"done\": n, \
-    \"dead\": n}, \"oldest_unfinished_age_s\": number or null, \"expired_leases\": n, \
+    \"dead\": n}, \"scheduled\": n, \"oldest_unfinished_age_s\": number or null, \"expired_leases\": n, \
     \"attempts\": {\"1\": n, ...}, \"source\": \"SYSTEM_ID/DATABASE/SCHEMA.outbox\" or null}\n\n\
     --fifo [TYPES] adds the aggregates a dead head holds back under that FIFO gate (pass the \
     --fifo the dispatchers run with): the first 20, oldest dead head first, and their total; in \
@@ -75,13 +78,17 @@ pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
 fn render(stats: &Stats) -> String {
     let mut out = String::from("rows by status\n");
     // Lifecycle order, not the map's alphabetical one.
-    for status in Status::ALL.iter().map(|s| s.as_str()) {
-        let n = stats.by_status.get(status).copied().unwrap_or(0);
-        out += &format!("  {status:<12}{n:>10}\n");
+    for status in Status::ALL {
+        let n = stats.by_status.get(status.as_str()).copied().unwrap_or(0);
+        out += &format!("  {:<12}{n:>10}\n", status.as_str());
+        if *status == Status::Pending {
+            // A part of pending, indented under it: not a status of its own.
+            out += &format!("    {:<10}{:>10}  (not due yet: not backlog)\n", "scheduled", stats.scheduled);
+        }
     }
     let oldest = match stats.oldest_unfinished_age_s {
         Some(secs) => format!("{} ago", humantime::format_duration(Duration::from_secs(secs.max(0.0) as u64))),
-        None => "none (nothing pending or processing)".to_owned(),
+        None => "none (nothing due is pending or processing)".to_owned(),
     };
     out += &format!("oldest unfinished row   {oldest}\n");
     out += &format!("expired leases          {}\n", stats.expired_leases);

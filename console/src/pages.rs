@@ -164,8 +164,8 @@ pub(crate) fn outboxes(v: &View<'_>, lines: &[OutboxLine], refresh: u64) -> Mark
             p.note #no-outboxes { "No outbox yet." }
         } @else {
             table.rows #outboxes {
-                thead { tr { th { "outbox" } th { "source" } th { "pending" } th { "processing" } th { "dead" }
-                    th { "oldest unfinished" } th { "expired leases" } } }
+                thead { tr { th { "outbox" } th { "source" } th { "pending" } th { "scheduled" } th { "processing" }
+                    th { "dead" } th { "oldest unfinished" } th { "expired leases" } } }
                 tbody {
                     @for line in lines {
                         tr.outbox data-outbox=(line.name) {
@@ -173,13 +173,14 @@ pub(crate) fn outboxes(v: &View<'_>, lines: &[OutboxLine], refresh: u64) -> Mark
                             td { (line.source.as_deref().unwrap_or("")) }
                             @match &line.table {
                                 Ok(t) => {
-                                    td.pending { (t.pending) }
+                                    td.pending { (t.ready()) }
+                                    td.scheduled { (t.scheduled) }
                                     td.processing { (t.processing) }
                                     td.dead { a href=(v.link(&format!("/{}/dead", line.slug))) { (t.dead) } }
                                     td { (t.oldest_unfinished_age_s.map(age).unwrap_or_else(|| "none".to_owned())) }
                                     td { (t.expired_leases) }
                                 }
-                                Err(e) => { td.error colspan="5" { "The table could not be read: " (e) } }
+                                Err(e) => { td.error colspan="6" { "The table could not be read: " (e) } }
                             }
                         }
                     }
@@ -214,7 +215,8 @@ pub(crate) fn overview(v: &View<'_>, d: &OverviewData, refresh: u64) -> Markup {
         section.cards {
             @match &d.table {
                 Ok(t) => {
-                    (card("pending", "count-pending", &t.pending.to_string(), None))
+                    (card("pending", "count-pending", &t.ready().to_string(), None))
+                    (card("scheduled", "count-scheduled", &t.scheduled.to_string(), None))
                     (card("processing", "count-processing", &t.processing.to_string(), None))
                     (card("dead", "count-dead", &t.dead.to_string(), Some(&v.link("/dead"))))
                     @match &d.blocked {
@@ -230,6 +232,8 @@ pub(crate) fn overview(v: &View<'_>, d: &OverviewData, refresh: u64) -> Markup {
             }
         }
         p.note {
+            "pending counts the rows due now or backing off; scheduled, the rows a producer scheduled for later \
+             and not yet due, which are neither backlog nor in the oldest unfinished row's age. "
             "done rows are the table's history and are not counted here; "
             a href=(v.link("/api/stats")) { "/api/stats" }
             " (as " code { "actix-outbox stats" } ") counts every status."
@@ -297,7 +301,7 @@ pub(crate) fn overview(v: &View<'_>, d: &OverviewData, refresh: u64) -> Markup {
             p.legend {
                 span.key.published { "published / min" } " "
                 span.key.failed { "failed / min" } " "
-                span.key.backlog { "backlog (pending + processing)" } " "
+                span.key.backlog { "backlog (pending + processing, scheduled rows left out)" } " "
                 span.key.dead { "dead" }
             }
             p.note { "One sample a minute, kept in this process for an hour; the page reloads every " (refresh) " s." }

@@ -13,11 +13,19 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
 /// The overview's figures, read in one statement, one status at a time through that status's
 /// partial index (`outbox_ready`, `outbox_leased`, `outbox_dead`), so the planner reads those
-/// rows and no `done` one.
+/// rows and no `done` one. Scheduled rows and the age of the oldest unfinished row are what
+/// `actix_outbox::admin::stats` calls them (`Stats::scheduled`, `Stats::oldest_unfinished_age_s`),
+/// which `console/tests/http.rs` compares this with: pending rows never claimed whose
+/// `available_at` is ahead are scheduled, and a row never claimed is due since its
+/// `available_at` (its `created_at` unless it was scheduled).
 const OVERVIEW_SQL: &str = "
-SELECT pending, processing, dead, extract(epoch FROM now() - least(p.oldest, l.oldest))::float8 AS oldest_unfinished_age_s,
-       expired_leases
-FROM (SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE status = 'pending') AS p,
+SELECT pending, scheduled, processing, dead,
+       extract(epoch FROM now() - least(p.oldest, l.oldest))::float8 AS oldest_unfinished_age_s, expired_leases
+FROM (SELECT count(*) AS pending,
+             count(*) FILTER (WHERE lease_version = 0 AND available_at > now()) AS scheduled,
+             min(CASE WHEN lease_version = 0 THEN greatest(created_at, available_at) ELSE created_at END)
+                 FILTER (WHERE NOT (lease_version = 0 AND available_at > now())) AS oldest
+      FROM outbox WHERE status = 'pending') AS p,
      (SELECT count(*) AS processing, min(created_at) AS oldest,
              count(*) FILTER (WHERE lease_until < now()) AS expired_leases
       FROM outbox WHERE status = 'processing') AS l,
@@ -28,11 +36,14 @@ FROM (SELECT count(*) AS pending, min(created_at) AS oldest FROM outbox WHERE st
 pub(crate) struct Overview {
     #[diesel(sql_type = BigInt)]
     pub(crate) pending: i64,
+    /// Pending rows a producer scheduled for later, not yet due: part of `pending`, not backlog.
+    #[diesel(sql_type = BigInt)]
+    pub(crate) scheduled: i64,
     #[diesel(sql_type = BigInt)]
     pub(crate) processing: i64,
     #[diesel(sql_type = BigInt)]
     pub(crate) dead: i64,
-    /// Seconds since the oldest pending or processing row was created (database clock).
+    /// Seconds since the oldest due pending or processing row became due (database clock).
     #[diesel(sql_type = Nullable<Double>)]
     pub(crate) oldest_unfinished_age_s: Option<f64>,
     /// Processing rows whose lease ran out.
@@ -41,9 +52,14 @@ pub(crate) struct Overview {
 }
 
 impl Overview {
-    /// Rows still to publish: pending and processing.
+    /// Rows still to publish now: pending and not scheduled, and processing.
     pub(crate) fn backlog(&self) -> i64 {
-        self.pending + self.processing
+        self.pending - self.scheduled + self.processing
+    }
+
+    /// Pending rows that are not scheduled: due now, or backing off.
+    pub(crate) fn ready(&self) -> i64 {
+        self.pending - self.scheduled
     }
 }
 

@@ -672,3 +672,50 @@ async fn consoles_list_several_outboxes_and_pick_between_them() {
     assert!(!list.contains("tenant_a.outbox"), "{list}");
     assert_eq!(list.matches(r#"<tr class="outbox""#).count(), 2, "{list}");
 }
+
+/// Scheduled rows (pending, never claimed, due later) are shown apart from the pending rows due
+/// now or backing off, and are left out of the oldest unfinished row's age however old they are,
+/// as `actix_outbox::admin::stats` counts them (the console reads its own bounded statement).
+#[actix_web::test]
+async fn scheduled_rows_are_shown_apart_as_stats_counts_them() {
+    use diesel_async::SimpleAsyncConnection;
+    let db = TestDb::new().await;
+    db.insert("pending", "1", "order.created", None).await;
+    let scheduled = db.insert("pending", "2", "order.reminder", None).await;
+    let backing_off = db.insert("pending", "3", "order.paid", Some("retryable: busy")).await;
+    db.insert("processing", "4", "order.created", None).await;
+    db.conn()
+        .await
+        .batch_execute(&format!(
+            "UPDATE outbox SET available_at = now() + interval '1 day', created_at = now() - interval '3 hours'
+             WHERE id = {scheduled};
+             UPDATE outbox SET available_at = now() + interval '1 hour', lease_version = 1,
+                               created_at = now() - interval '2 minutes'
+             WHERE id = {backing_off};"
+        ))
+        .await
+        .unwrap();
+    let stats = actix_outbox::admin::stats(&mut db.conn().await).await.unwrap();
+    assert_eq!((stats.by_status["pending"], stats.scheduled, stats.backlog()), (3, 1, 3));
+
+    let app = service(Console::new(db.pool.clone())).await;
+    let page = body(test::call_service(&app, test::TestRequest::get().uri("/outbox/").to_request()).await).await;
+    assert!(page.contains(r#"<div class="value" id="count-pending">2</div>"#), "the two due: {page}");
+    assert!(page.contains(r#"<div class="value" id="count-scheduled">1</div>"#), "{page}");
+    assert!(page.contains(r#"<div class="value" id="count-processing">1</div>"#), "{page}");
+    assert!(page.contains(r#"<div class="value" id="oldest-unfinished">2m "#), "the row backing off, not 3h: {page}");
+    let served: serde_json::Value = serde_json::from_str(
+        &body(test::call_service(&app, test::TestRequest::get().uri("/outbox/api/stats").to_request()).await).await,
+    )
+    .unwrap();
+    assert_eq!((served["by_status"]["pending"].as_i64(), served["scheduled"].as_i64()), (Some(3), Some(1)));
+
+    let consoles = Consoles::new();
+    consoles.insert("billing.outbox", Console::new(db.pool.clone()));
+    let app = test::init_service(App::new().service(consoles.scope("/outbox"))).await;
+    let list = body(test::call_service(&app, test::TestRequest::get().uri("/outbox/").to_request()).await).await;
+    assert!(
+        list.contains(r#"<td class="pending">2</td><td class="scheduled">1</td><td class="processing">1</td>"#),
+        "{list}"
+    );
+}

@@ -57,7 +57,7 @@ impl Summary {
     pub(crate) fn log(&self, outbox: Option<&str>, now: MetricsSnapshot) {
         let m = self.since_last(now);
         let sample = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
-        let backlog = sample.map(|s| s.pending + s.processing);
+        let backlog = sample.map(|s| s.backlog());
         let oldest = sample
             .and_then(|s| s.oldest)
             .map(|age| humantime::format_duration(Duration::from_secs(age.max(0.0) as u64)).to_string());

@@ -373,13 +373,15 @@ impl InboxConfig {
 }
 
 /// Why an inbox consumer could not start.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum InboxError {
     /// The configuration breaks a rule (the message names it); retrying will not help.
     #[error("invalid inbox configuration: {0}")]
     Config(String),
 }
+
+crate::error::readable_debug!(InboxError);
 
 impl InboxError {
     /// Whether starting again later may succeed.

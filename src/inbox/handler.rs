@@ -16,10 +16,14 @@ use super::message::InboxMessage;
 ///
 /// Do not commit or roll back `conn` yourself, and do not keep it: it goes back to the pool.
 ///
+/// The future is boxed ([`BoxFuture`](super::BoxFuture), re-exported from `futures_util`)
+/// rather than an `async fn`, so that the trait stays object-safe (an `Arc<dyn InboxHandler>`
+/// serves several consumers) and its future is known to be `Send`, which the consumer's lanes
+/// need. A closure is the shorter way: [`handler_fn`].
+///
 /// ```
-/// use actix_outbox::inbox::{HandlerError, InboxHandler, InboxMessage};
+/// use actix_outbox::inbox::{BoxFuture, HandlerError, InboxHandler, InboxMessage};
 /// use diesel_async::{AsyncPgConnection, RunQueryDsl};
-/// use futures_util::future::BoxFuture;
 ///
 /// struct CountOrders;
 ///

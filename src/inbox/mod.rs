@@ -119,6 +119,9 @@ pub(crate) mod store;
 pub(crate) mod supervisor;
 
 pub use config::{InboxConfig, InboxError, LateEvents};
+/// The boxed future [`InboxHandler::handle`] returns (`futures_util`'s), re-exported so that a
+/// handler needs no dependency of its own for it.
+pub use futures_util::future::BoxFuture;
 pub use handler::{FailureClass, FnHandler, HandlerError, InboxHandler, handler_fn};
 pub use message::{
     ATTEMPT_HEADER, CONSUMER_HEADER, ERROR_HEADER, EXCHANGE_HEADER, InboxMessage, LAST_ERROR_HEADER, QUEUE_HEADER,

@@ -23,14 +23,24 @@ use crate::error::{EraseError, StoreError};
 use crate::model::{OutboxRow, Status};
 use crate::schema::outbox;
 
-/// A snapshot of the outbox table for operators: queue depth, age of the oldest unfinished row,
-/// expired leases, attempts histogram.
+/// A snapshot of the outbox table for operators: queue depth, scheduled rows, age of the oldest
+/// unfinished row, expired leases, attempts histogram.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 #[non_exhaustive]
 pub struct Stats {
-    /// Rows per status; every status is present, zero when empty.
+    /// Rows per status; every status is present, zero when empty. `pending` includes the
+    /// [`scheduled`](Stats::scheduled) rows.
     pub by_status: BTreeMap<String, i64>,
-    /// Seconds since the oldest `pending` or `processing` row was created; `None` when none.
+    /// Pending rows a producer scheduled for later ([`NewEvent::not_before`](crate::NewEvent::not_before))
+    /// that are not due yet: never claimed, their `available_at` ahead. Part of
+    /// `by_status["pending"]`, but not backlog: [`Stats::backlog`] leaves them out, and so does
+    /// [`Stats::oldest_unfinished_age_s`]. A row backing off after a failure, or deferred by
+    /// the sink, is backlog, not scheduled.
+    pub scheduled: i64,
+    /// Seconds since the oldest `pending` or `processing` row that is due became due: since it
+    /// was created, or, for a row scheduled by its producer and not yet claimed, since its
+    /// scheduled time. `None` when none (scheduled rows do not count). A scheduled row that
+    /// fails once counts from its creation again, like any row tried before.
     pub oldest_unfinished_age_s: Option<f64>,
     /// `processing` rows whose lease ran out (a worker crashed or stalled).
     pub expired_leases: i64,
@@ -41,6 +51,15 @@ pub struct Stats {
     pub source: Option<String>,
 }
 
+impl Stats {
+    /// Rows still to publish now: `pending` ones that are not [scheduled](Stats::scheduled),
+    /// and `processing` ones.
+    pub fn backlog(&self) -> i64 {
+        let count = |status: Status| self.by_status.get(status.as_str()).copied().unwrap_or(0);
+        count(Status::Pending) - self.scheduled + count(Status::Processing)
+    }
+}
+
 /// Reads [`Stats`] (database clock).
 pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
     in_transaction(conn, async |conn| {
@@ -49,6 +68,7 @@ pub async fn stats(conn: &mut AsyncPgConnection) -> Result<Stats, StoreError> {
         let sample = sample(conn).await?;
         let mut stats = Stats {
             by_status: sample.by_status().into_iter().map(|(s, n)| (s.as_str().to_owned(), n)).collect(),
+            scheduled: sample.scheduled,
             oldest_unfinished_age_s: sample.oldest,
             expired_leases: sample.expired,
             ..Stats::default()
@@ -107,13 +127,17 @@ pub async fn outbox_source(conn: &mut AsyncPgConnection) -> Result<String, Store
 pub(crate) struct Sample {
     #[diesel(sql_type = Int8)]
     pub(crate) pending: i64,
+    /// Pending rows scheduled for later and not yet due (see [`Stats::scheduled`]).
+    #[diesel(sql_type = Int8)]
+    pub(crate) scheduled: i64,
     #[diesel(sql_type = Int8)]
     pub(crate) processing: i64,
     #[diesel(sql_type = Int8)]
     pub(crate) done: i64,
     #[diesel(sql_type = Int8)]
     pub(crate) dead: i64,
-    /// Seconds since the oldest pending or processing row was created; `None` when none.
+    /// Seconds since the oldest pending or processing row that is due became due; `None` when
+    /// none (see [`Stats::oldest_unfinished_age_s`]).
     #[diesel(sql_type = Nullable<Double>)]
     pub(crate) oldest: Option<f64>,
     /// Processing rows whose lease ran out.
@@ -122,6 +146,11 @@ pub(crate) struct Sample {
 }
 
 impl Sample {
+    /// Rows still to publish now: pending and not scheduled, or processing.
+    pub(crate) fn backlog(&self) -> i64 {
+        self.pending - self.scheduled + self.processing
+    }
+
     /// The row count of each status.
     pub(crate) fn by_status(&self) -> [(Status, i64); 4] {
         [

@@ -55,11 +55,13 @@ pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
 pub(crate) use pool::{in_transaction, unit};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
+#[cfg(feature = "testkit")]
+pub(crate) use sql::{SERVER_SECONDS_SQL, STALE_TEST_DATABASES_SQL};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use sweep::{SweepParams, Swept, horizon, sweep};
 
 use crate::error::StoreError;
-use crate::url::{ConnectionString, InvalidConnectionString};
+use crate::url::ConnectionString;
 
 /// The migrations of `migrations/`, compiled into the crate.
 pub const MIGRATIONS: EmbeddedMigrations = embed_migrations!("migrations/outbox");
@@ -106,7 +108,7 @@ async fn open_uncached(
 }
 
 /// [`connect`] for a parsed string, the cause kept whole.
-pub(super) async fn open(
+pub(crate) async fn open(
     target: &ConnectionString,
 ) -> Result<AsyncPgConnection, Box<dyn std::error::Error + Send + Sync>> {
     let mut config = target.config().clone();
@@ -164,7 +166,10 @@ pub async fn check_connection(pool: &PgPool) -> Result<(), StoreError> {
 /// Connects as [`connect`] does, then runs the synchronous migration harness on a blocking
 /// thread, so it is safe to await from an actix or tokio runtime (diesel's async harness is
 /// not, under actix's current-thread runtime). It creates no database: on one that does not
-/// exist it fails with [`StoreError::NoDatabase`]; [`ensure_database`] creates it.
+/// exist it fails with [`StoreError::NoDatabase`]; [`ensure_database`] creates it. A URL that
+/// names no database is refused ([`StoreError::BadUrl`], see
+/// [`ConnectionString::require_database`]) rather than migrating the database named after the
+/// user.
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), actix_outbox::StoreError> {
@@ -186,6 +191,7 @@ async fn drop_failed_index_builds(database_url: &str) -> Result<(), StoreError> 
         #[diesel(sql_type = diesel::sql_types::Text)]
         name: String,
     }
+    ConnectionString::parse(database_url)?.require_database()?;
     // A database that cannot be reached is the migrations' to report, in their words.
     let Ok(mut conn) = connect(database_url).await else { return Ok(()) };
     let invalid: Vec<Invalid> = diesel::sql_query(sql::INVALID_MIGRATION_INDEXES_SQL).load(&mut conn).await?;
@@ -199,13 +205,20 @@ async fn drop_failed_index_builds(database_url: &str) -> Result<(), StoreError> 
 
 /// Applies the pending migrations of `set` (the outbox's or the inbox's) and returns the
 /// versions it applied.
-pub(crate) async fn apply_migrations(database_url: &str, set: EmbeddedMigrations) -> Result<Vec<String>, StoreError> {
+pub(crate) async fn apply_migrations(
+    database_url: &str,
+    set: impl diesel::migration::MigrationSource<diesel::pg::Pg> + Send + 'static,
+) -> Result<Vec<String>, StoreError> {
     let target = ConnectionString::parse(database_url)?;
+    let name = target.require_database()?;
     // A missing database is the first thing a new deployment hits: say how to create it rather
     // than hand over the server's refusal.
-    let conn = open_uncached(&target).await.map_err(|e| match target.database() {
-        Some(name) if is_missing_database(e.as_ref()) => StoreError::NoDatabase { database: name.to_owned() },
-        _ => StoreError::Connect(e),
+    let conn = open_uncached(&target).await.map_err(|e| {
+        if is_missing_database(e.as_ref()) {
+            StoreError::NoDatabase { database: name.to_owned() }
+        } else {
+            StoreError::Connect(e)
+        }
     })?;
     with_harness(conn, move |harness| {
         let applied = harness.run_pending_migrations(set).map_err(StoreError::Migration)?;
@@ -245,6 +258,7 @@ pub async fn pending_migrations(database_url: &str) -> Result<Vec<String>, Store
 /// The migrations of `set` not yet applied to `database_url`, by name.
 pub(crate) async fn pending_in(database_url: &str, set: EmbeddedMigrations) -> Result<Vec<String>, StoreError> {
     use diesel::migration::Migration;
+    ConnectionString::parse(database_url)?.require_database()?;
     let conn = connect(database_url).await?;
     with_harness(conn, move |harness| {
         let pending = harness.pending_migrations(set).map_err(StoreError::Migration)?;
@@ -276,12 +290,12 @@ async fn with_harness<T: Send + 'static>(
 /// `postgres` maintenance database of the same server, reached with every other option of the
 /// string (host, port, user, password, `sslmode`, socket directory...). Returns whether it
 /// created it. Any failure but a missing database (refused, authentication) is returned as it
-/// is.
+/// is. A URL that names no database is refused ([`StoreError::BadUrl`], see
+/// [`ConnectionString::require_database`]) rather than creating the database named after the
+/// user.
 pub async fn ensure_database(database_url: &str) -> Result<bool, StoreError> {
     let target = ConnectionString::parse(database_url)?;
-    let Some(name) = target.database() else {
-        return Err(InvalidConnectionString::new(database_url, "it names no database and no user".into()).into());
-    };
+    let name = target.require_database()?;
     match open_uncached(&target).await {
         Ok(_) => return Ok(false),
         Err(e) if is_missing_database(e.as_ref()) => {}

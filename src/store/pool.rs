@@ -162,9 +162,12 @@ impl PoolConfig {
         self
     }
 
-    /// Opens the pool. Connections are made lazily, so this fails only on a malformed
-    /// connection string; [`check_connection`](crate::admin::check_connection) proves the
-    /// database is reachable.
+    /// Opens the pool and its first connection. A database that refuses (an unknown role, a
+    /// wrong password, a missing database), is not there (connection refused) or does not answer
+    /// within the connect timeout fails this at once with [`StoreError::Connect`], whose message
+    /// and source are the server's or the driver's own words, rather than every checkout after
+    /// it with a pool timeout. Once open, the pool makes further connections as they are needed
+    /// and keeps trying while the database is away.
     ///
     /// Each connection is opened as [`connect`](crate::admin::connect) does, and its socket is
     /// driven on a thread of the crate's own, not by the runtime that happened to open it, so
@@ -180,16 +183,9 @@ impl PoolConfig {
             let target = setup_target.clone();
             Box::pin(async move {
                 // The pool wants a diesel error: keep the whole chain in its message.
-                let mut conn =
+                let conn =
                     open(&target).await.map_err(|e| diesel::ConnectionError::BadConnection(with_causes(e.as_ref())))?;
-                match pooler {
-                    Pooler::None => conn
-                        .batch_execute(SESSION_SETUP)
-                        .await
-                        .map_err(diesel::ConnectionError::CouldntSetupConfiguration)?,
-                    Pooler::Transaction => conn.set_prepared_statement_cache_size(CacheSize::Disabled),
-                }
-                Ok(conn)
+                set_up(conn, pooler).await
             })
         });
         // A checkout does not ping: a `SELECT 1` before every claim and every finalize flush was a
@@ -209,6 +205,11 @@ impl PoolConfig {
             .build(manager)
             .await
             .map_err(|e| StoreError::Connect(Box::new(e)))?;
+        // Opened here, with its cause kept whole: bb8 would keep retrying a refused connection
+        // until the checkout timed out, and report only the timeout. It is the pool's first.
+        let first = open(&target).await.map_err(StoreError::Connect)?;
+        let first = set_up(first, pooler).await.map_err(StoreError::from)?;
+        let _ = pool.add(first);
         let session = match (direct, pooler) {
             (Some(direct), _) => Some(direct),
             (None, Pooler::None) => Some(target),
@@ -218,9 +219,33 @@ impl PoolConfig {
     }
 }
 
+/// Sets a new pooled connection up for `pooler` (see [`SESSION_SETUP`]).
+async fn set_up(mut conn: AsyncPgConnection, pooler: Pooler) -> Result<AsyncPgConnection, diesel::ConnectionError> {
+    match pooler {
+        Pooler::None => {
+            conn.batch_execute(SESSION_SETUP).await.map_err(diesel::ConnectionError::CouldntSetupConfiguration)?
+        }
+        Pooler::Transaction => conn.set_prepared_statement_cache_size(CacheSize::Disabled),
+    }
+    Ok(conn)
+}
+
 /// Opens a pool of `size` connections straight to `database_url` (a URL or `key=value` pairs,
 /// see [`ConnectionString`]): [`PoolConfig::new`] with that size, connected. Behind a
 /// transaction pooler, use [`PoolConfig`] with [`Pooler::Transaction`].
+///
+/// Its first connection is opened here: a database that refuses or does not answer fails it at
+/// once with the server's words ([`PoolConfig::connect`]).
+///
+/// ```no_run
+/// # async fn f() {
+/// match actix_outbox::connect_pool("postgres://nobody@127.0.0.1:5432/app", 4).await {
+///     Ok(pool) => { /* ... */ }
+///     // database connection failed: db error: FATAL: role "nobody" does not exist
+///     Err(e) => eprintln!("{e}"),
+/// }
+/// # }
+/// ```
 pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, StoreError> {
     PoolConfig::new(database_url).size(size).connect().await
 }

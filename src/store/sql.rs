@@ -18,7 +18,9 @@
 //!   `extract(epoch FROM ...)` of a difference of timestamps, on the database clock;
 //! - the producer's advisory lock ([`LOCK_AGGREGATE_SQL`]): a function returning `void`;
 //! - the outbox's default source name ([`SOURCE_SQL`]) and the schemas that hold an outbox
-//!   ([`OUTBOX_SCHEMAS_SQL`]): catalog and control functions.
+//!   ([`OUTBOX_SCHEMAS_SQL`]): catalog and control functions;
+//! - with the `testkit` feature, the server's clock in seconds and the test databases left
+//!   behind ([`SERVER_SECONDS_SQL`], [`STALE_TEST_DATABASES_SQL`]): the shared catalogs.
 //!
 //! Statuses are spelled here as SQL literals; everywhere else in the crate's Rust code they are
 //! [`Status`](crate::admin::Status) values. The fenced writes after a claim are built with the DSL
@@ -484,54 +486,89 @@ pub(super) const BLOCKED_COUNT_SQL: &str = concat!("\nSELECT count(*) AS n", blo
 /// aggregate_id.
 pub(super) const LOCK_AGGREGATE_SQL: &str = "SELECT pg_advisory_xact_lock(hashtextextended($1 || ':' || $2, 0))";
 
-/// For `stats` ([`super::sample`]): rows per status, the age in seconds of the oldest pending or
-/// processing row (NULL when none) and the count of processing rows whose lease ran out, in one
-/// pass over the table, on the database clock. Exact, so it reads every row, history included.
-pub(super) const SAMPLE_SQL: &str = "
+// A pending row the producer scheduled for later (`NewEvent::not_before`) and not yet due: never
+// claimed (lease_version 0, unlike a row backing off or deferred) and available later. Not
+// backlog, and not counted in the age of the oldest unfinished row.
+macro_rules! scheduled {
+    () => {
+        "lease_version = 0 AND available_at > now()"
+    };
+}
+
+// Since when an unfinished row has been due: a row never claimed, since its scheduled time (its
+// available_at, which is its created_at unless the producer scheduled it); any other, since it
+// was created.
+macro_rules! due_since {
+    () => {
+        "CASE WHEN lease_version = 0 THEN greatest(created_at, available_at) ELSE created_at END"
+    };
+}
+
+/// For `stats` ([`super::sample`]): rows per status, the scheduled ones among the pending, the
+/// age in seconds of the oldest pending or processing row that is due (NULL when none) and the
+/// count of processing rows whose lease ran out, in one pass over the table, on the database
+/// clock. Exact, so it reads every row, history included.
+pub(super) const SAMPLE_SQL: &str = concat!(
+    "
 SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND ",
+    scheduled!(),
+    ") AS scheduled,
        count(*) FILTER (WHERE status = 'processing') AS processing,
        count(*) FILTER (WHERE status = 'done') AS done,
        count(*) FILTER (WHERE status = 'dead') AS dead,
-       extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
-           AS oldest,
+       extract(epoch FROM now() - min(",
+    due_since!(),
+    ") FILTER (WHERE status IN ('pending', 'processing') AND NOT (",
+    scheduled!(),
+    ")))::float8 AS oldest,
        count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
-FROM outbox";
+FROM outbox"
+);
 
 /// The same for the dispatcher's gauges ([`super::sample_unfinished`]), every few seconds: it
 /// reads only the rows that can be unfinished, so its cost follows the backlog, not the
 /// history: the new rows after the outbox's horizon (through `outbox_txid`: those of later
 /// transactions as a range, those of the transactions in progress at the horizon one probe each,
 /// as a lateral subquery that `OFFSET 0` keeps from being flattened into a join, so that no
-/// statistics can turn it into a scan of the table) and the rows
-/// that wait in `outbox_later` (dead ones included). The `done` count is the statistics
-/// collector's estimate of the table's live rows less the others (0 rather than negative).
-pub(super) const SAMPLE_UNFINISHED_SQL: &str = "
+/// statistics can turn it into a scan of the table) and the rows that wait in `outbox_later`
+/// (scheduled and dead ones included). The `done` count is the statistics collector's estimate of
+/// the table's live rows less the others (0 rather than negative).
+pub(super) const SAMPLE_UNFINISHED_SQL: &str = concat!(
+    "
 WITH rows AS (
-    SELECT o.status, o.created_at, o.lease_until FROM outbox AS o
+    SELECT o.status, o.created_at, o.lease_until, o.lease_version, o.available_at FROM outbox AS o
     WHERE o.txid >= (SELECT pg_snapshot_xmax(horizon) FROM outbox_horizon LIMIT 1)
       AND o.available_at <= o.created_at AND o.status IN ('pending', 'processing')
     UNION ALL
-    SELECT o.status, o.created_at, o.lease_until
+    SELECT o.status, o.created_at, o.lease_until, o.lease_version, o.available_at
     FROM (SELECT horizon FROM outbox_horizon LIMIT 1) AS h
     CROSS JOIN LATERAL pg_snapshot_xip(h.horizon) AS x(txid)
-    CROSS JOIN LATERAL (SELECT status, created_at, lease_until FROM outbox
+    CROSS JOIN LATERAL (SELECT status, created_at, lease_until, lease_version, available_at FROM outbox
                         WHERE txid = x.txid AND available_at <= created_at AND status IN ('pending', 'processing')
                         OFFSET 0) AS o
     UNION ALL
-    SELECT o.status, o.created_at, o.lease_until FROM outbox AS o
+    SELECT o.status, o.created_at, o.lease_until, o.lease_version, o.available_at FROM outbox AS o
     WHERE o.available_at > o.created_at AND o.status <> 'done'
 ), counts AS (
     SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE status = 'pending' AND ",
+    scheduled!(),
+    ") AS scheduled,
            count(*) FILTER (WHERE status = 'processing') AS processing,
            count(*) FILTER (WHERE status = 'dead') AS dead,
-           extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing')))::float8
-               AS oldest,
+           extract(epoch FROM now() - min(",
+    due_since!(),
+    ") FILTER (WHERE status IN ('pending', 'processing') AND NOT (",
+    scheduled!(),
+    ")))::float8 AS oldest,
            count(*) FILTER (WHERE status = 'processing' AND lease_until < now()) AS expired
     FROM rows
 )
-SELECT pending, processing, dead, oldest, expired,
+SELECT pending, scheduled, processing, dead, oldest, expired,
        greatest(pg_stat_get_live_tuples('outbox'::regclass) - pending - processing - dead, 0) AS done
-FROM counts";
+FROM counts"
+);
 
 /// One stretch of the prune ([`super::prune_step`]): of the $2 rows after id $1 in primary-key
 /// order, deletes the `done` ones finished more than $3 ago, and says where the stretch ended,
@@ -593,3 +630,21 @@ pub(super) const OUTBOX_SCHEMAS_SQL: &str = "
 SELECT n.nspname AS name FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid
 WHERE c.relname = 'outbox' AND c.relkind IN ('r', 'p') AND n.nspname LIKE $1
 ORDER BY n.nspname";
+
+/// The server's clock, in whole seconds since the epoch: what a test database's name carries.
+#[cfg(feature = "testkit")]
+pub(crate) const SERVER_SECONDS_SQL: &str = "SELECT extract(epoch FROM now())::int8 AS seconds";
+
+/// The test databases the kit made and nobody uses any more, older than `$1` seconds by the
+/// server's clock (see `testkit::drop_stale_databases`): named exactly as the kit names them
+/// (ten digits of seconds first, which no pid has: the names of earlier versions,
+/// `outbox_test_<pid>_<n>_<nanoseconds>`, never match), owned by the connecting role, and with
+/// no session connected.
+#[cfg(feature = "testkit")]
+pub(crate) const STALE_TEST_DATABASES_SQL: &str = "
+SELECT d.datname::text AS name FROM pg_database d
+WHERE d.datname ~ '^outbox_test_[0-9]{10}_[0-9]{1,10}_[0-9]{1,19}$'
+  AND d.datdba = (SELECT oid FROM pg_roles WHERE rolname = current_user)
+  AND split_part(d.datname, '_', 3)::int8 <= extract(epoch FROM now()) - $1
+  AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)
+ORDER BY d.datname";

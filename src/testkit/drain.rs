@@ -16,7 +16,7 @@ const CHECK_EVERY: Duration = Duration::from_millis(10);
 const DEAD_ROWS_KEPT: i64 = 100;
 
 /// Why a drain did not end idle.
-#[derive(Debug, thiserror::Error)]
+#[derive(thiserror::Error)]
 #[non_exhaustive]
 pub enum DrainError {
     /// The dispatcher did not start (its configuration is invalid).
@@ -38,6 +38,8 @@ pub enum DrainError {
     },
 }
 
+crate::error::readable_debug!(DrainError);
+
 /// The outbox table after a drain.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
@@ -46,8 +48,8 @@ pub struct Drained {
     pub done: i64,
     /// Rows `dead`.
     pub dead: i64,
-    /// Rows still `pending`: only rows due later than the drain's horizon (deferred, or backing
-    /// off for longer).
+    /// Rows still `pending`: only rows due later than the drain's horizon (deferred, backing off
+    /// for longer, or scheduled by their producer for later: `NewEvent::not_before`).
     pub pending: i64,
     /// The dead rows, oldest first (the first 100), with their `last_error`.
     pub dead_rows: Vec<OutboxRow>,

@@ -1,8 +1,10 @@
 //! The consumer side without a broker: one message through an inbox handler's transaction.
 
+use std::time::Duration;
+
 use crate::error::StoreError;
 use crate::inbox::attempt::{Attempt, Settled, transact};
-use crate::inbox::{InboxConfig, InboxHandler, InboxMessage};
+use crate::inbox::{InboxConfig, InboxHandler, InboxMessage, LateEvents};
 use crate::model::OutboxMessage;
 use crate::sink::RabbitConfig;
 use crate::store::PgPool;
@@ -41,35 +43,125 @@ pub enum Delivered {
     },
 }
 
-/// Runs `message` through `handler` as the inbox consumer of `config` does with a delivery: one
-/// transaction on a connection of `pool` that records the message under `config`'s consumer
-/// name (and, for an ordered consumer, checks and advances its aggregate's order), calls the
+/// The consumer [`deliver`] plays: its name, and the settings of an [`InboxConfig`] that decide
+/// what becomes of a message in its transaction (whether it is ordered, what it does with late
+/// messages, its attempts, its handler's timeout). No broker is involved, so it has no URL or
+/// queue.
+///
+/// [`deliver`] takes one, or what makes one: a consumer's name (every setting at
+/// [`InboxConfig::new`]'s default) or a consumer's real [`InboxConfig`] (its URL and queue are
+/// not used).
+///
+/// ```
+/// use actix_outbox::inbox::LateEvents;
+/// use actix_outbox::testkit::TestConsumer;
+///
+/// let billing = TestConsumer::new("billing").ordered(true).late_events(LateEvents::Flag);
+/// assert_eq!(billing.name(), "billing");
+/// ```
+#[derive(Debug, Clone)]
+pub struct TestConsumer {
+    config: InboxConfig,
+}
+
+impl TestConsumer {
+    /// The consumer named `consumer`, every setting at its default (unordered, 5 attempts, a
+    /// 30 s handler timeout).
+    pub fn new(consumer: impl Into<String>) -> Self {
+        // The URL and the queue are the broker's part, which `deliver` leaves out.
+        Self { config: InboxConfig::new(consumer, "", "") }
+    }
+
+    /// The consumer's name: the inbox records each message under it.
+    pub fn name(&self) -> &str {
+        &self.config.consumer
+    }
+
+    /// Sets [`InboxConfig::ordered`]: each aggregate's messages are checked for order.
+    #[must_use]
+    pub fn ordered(mut self, ordered: bool) -> Self {
+        self.config.ordered = ordered;
+        self
+    }
+
+    /// Sets [`InboxConfig::late_events`]: what an ordered consumer does with a late message.
+    #[must_use]
+    pub fn late_events(mut self, late: LateEvents) -> Self {
+        self.config.late_events = late;
+        self
+    }
+
+    /// Sets [`InboxConfig::max_attempts`]: a retryable failure on a message's last attempt
+    /// dead-letters it.
+    #[must_use]
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.config.max_attempts = attempts;
+        self
+    }
+
+    /// Sets [`InboxConfig::handler_timeout`].
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.config.handler_timeout = timeout;
+        self
+    }
+}
+
+/// A consumer of this name, every setting at its default.
+impl From<&str> for TestConsumer {
+    fn from(consumer: &str) -> Self {
+        Self::new(consumer)
+    }
+}
+
+/// The consumer a real configuration describes (its URL and queue are not used).
+impl From<&InboxConfig> for TestConsumer {
+    fn from(config: &InboxConfig) -> Self {
+        Self { config: config.clone() }
+    }
+}
+
+impl From<&TestConsumer> for TestConsumer {
+    fn from(consumer: &TestConsumer) -> Self {
+        consumer.clone()
+    }
+}
+
+/// Runs `message` through `handler` as the inbox consumer `consumer` does with a delivery: one
+/// transaction on a connection of `pool` that records the message under the consumer's name
+/// (and, for an ordered consumer, checks and advances its aggregate's order), calls the
 /// handler for a new message, and commits only if all of it succeeded; a handler's panic or
 /// timeout rolls back like a retryable failure. Only the broker is missing: nothing is
-/// acknowledged, republished or dead-lettered, and `config`'s URL and queue are not used.
+/// acknowledged, republished or dead-lettered.
+///
+/// `consumer` is the consumer's name, a [`TestConsumer`] with settings of its own, or a real
+/// [`InboxConfig`].
 ///
 /// ```no_run
 /// # async fn example(db: actix_outbox::testkit::TestDatabase) {
-/// use actix_outbox::inbox::{InboxConfig, InboxMessage, handler_fn};
-/// use actix_outbox::testkit::{Delivered, deliver};
+/// use actix_outbox::inbox::{InboxMessage, handler_fn};
+/// use actix_outbox::testkit::{Delivered, TestConsumer, deliver};
 ///
-/// let config = InboxConfig::new("billing", "amqp://unused", "orders");
 /// let handler = handler_fn(|_conn, _message| Box::pin(async { Ok(()) }));
 /// let message = InboxMessage::new(41, "order.placed", serde_json::json!({"total": 12}));
-/// assert_eq!(deliver(db.pool(), &config, &handler, &message).await.unwrap(), Delivered::Applied);
-/// assert_eq!(deliver(db.pool(), &config, &handler, &message).await.unwrap(), Delivered::Duplicate);
+/// assert_eq!(deliver(db.pool(), "billing", &handler, &message).await.unwrap(), Delivered::Applied);
+/// assert_eq!(deliver(db.pool(), "billing", &handler, &message).await.unwrap(), Delivered::Duplicate);
+/// // Another consumer applies it once too.
+/// let shipping = TestConsumer::new("shipping").ordered(true);
+/// assert_eq!(deliver(db.pool(), &shipping, &handler, &message).await.unwrap(), Delivered::Applied);
 /// # }
 /// ```
 ///
 /// `Err` only when no connection could be checked out of `pool`.
 pub async fn deliver(
     pool: &PgPool,
-    config: &InboxConfig,
+    consumer: impl Into<TestConsumer>,
     handler: &impl InboxHandler,
     message: &InboxMessage,
 ) -> Result<Delivered, StoreError> {
+    let config = consumer.into().config;
     let mut conn = pool.get().await?;
-    Ok(match transact(&mut conn, config, handler, message).await {
+    Ok(match transact(&mut conn, &config, handler, message).await {
         Attempt::Done(Settled::Duplicate) => Delivered::Duplicate,
         Attempt::Done(Settled::LateSkipped) => Delivered::SkippedLate,
         Attempt::Done(Settled::LateFlagged) => Delivered::AppliedLate,

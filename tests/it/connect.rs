@@ -10,7 +10,9 @@ use diesel::QueryableByName;
 use diesel::sql_types::Text;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
-use actix_outbox_test_support::{ScratchDb, TestDb, database_exists};
+use crate::roles::Role;
+use actix_outbox_test_support::proxy::Proxy;
+use actix_outbox_test_support::{ScratchDb, TestDb, database_addr, database_exists};
 
 /// The server of the default `TEST_DATABASE_URL`, spelled out in each form (root, trust auth).
 const HOST: &str = "127.0.0.1";
@@ -178,6 +180,7 @@ async fn rabbitmq_configs_and_errors_never_show_the_password() {
             e.to_string(),
             format!("RabbitMQ is unreachable at {masked}: IO error: Connection refused (os error 111)")
         );
+        assert_eq!(format!("{e:?}"), e.to_string(), "a readable line after `Error: ` too");
         assert!(!format!("{e:?}").contains("s3cret"), "{e:?}");
     }
 
@@ -187,4 +190,90 @@ async fn rabbitmq_configs_and_errors_never_show_the_password() {
         "invalid RabbitMQ sink configuration: malformed AMQP URL \"amqp:guest:***@rabbit\": \
          Invalid URL: 'amqp:guest:***@rabbit'"
     );
+}
+
+/// `connect_pool` opens its first connection at once: a role, a database or a server that
+/// refuses, or one that does not answer, fails it there in the server's or the driver's words
+/// (the SQLSTATE kept in its source), rather than every checkout after it with a pool timeout.
+/// `{:?}` prints the same line, which is what a `main` returning `Box<dyn Error>` shows.
+#[tokio::test]
+async fn connect_pool_fails_at_once_in_the_servers_words() {
+    let db = TestDb::new().await;
+    let addr = database_addr();
+    let unknown_role = format!("postgres://nobody_{}@{addr}/{}", std::process::id(), db.name);
+    let e = actix_outbox::connect_pool(&unknown_role, 4).await.unwrap_err();
+    let expected =
+        format!("database connection failed: db error: FATAL: role \"nobody_{}\" does not exist", std::process::id());
+    assert_eq!(e.to_string(), expected);
+    assert_eq!(format!("{e:?}"), expected);
+    assert_eq!(format!("Error: {:?}", Box::<dyn std::error::Error>::from(e)), format!("Error: {expected}"));
+    let e = actix_outbox::connect_pool(&unknown_role, 4).await.unwrap_err();
+    let driver = e.source().unwrap().downcast_ref::<tokio_postgres::Error>().expect("the driver's error");
+    assert_eq!(driver.code(), Some(&tokio_postgres::error::SqlState::INVALID_AUTHORIZATION_SPECIFICATION));
+    assert!(format!("{e:#?}").starts_with("StoreError {\n    message: "), "{e:#?}");
+
+    let missing = ScratchDb::new();
+    let e = actix_outbox::connect_pool(&missing.url, 4).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!("database connection failed: db error: FATAL: database \"{}\" does not exist", missing.name)
+    );
+
+    let e = actix_outbox::connect_pool("postgres://root@127.0.0.1:1/outbox", 4).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "database connection failed: error connecting to server: Connection refused (os error 111)"
+    );
+
+    // A server that accepts the connection and never answers: the string's connect timeout.
+    let silent = Proxy::start(addr.clone()).await;
+    silent.blackhole();
+    let url = format!("{}?connect_timeout=1", silent.route(&db.url));
+    let e = actix_outbox::connect_pool(&url, 4).await.unwrap_err();
+    assert_eq!(e.to_string(), "database connection failed: no answer within 1s");
+    assert!(e.is_transient());
+
+    // And one that works is open, its first connection in it.
+    let pool = actix_outbox::connect_pool(&db.url, 4).await.unwrap();
+    assert_eq!(pool.state().connections, 1);
+}
+
+/// The test kit's database reports a refused server with the driver's cause, as `migrate` does.
+#[tokio::test]
+async fn a_test_database_on_a_wrong_port_says_connection_refused() {
+    let e = actix_outbox::testkit::TestDatabase::create("postgres://root@127.0.0.1:1/postgres").await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "database connection failed: error connecting to server: Connection refused (os error 111)"
+    );
+    assert!(matches!(e, StoreError::Connect(_)), "{e:#?}");
+}
+
+/// A URL that names no database (PostgreSQL would use the one named after the user) is refused
+/// by `ensure_database`, `migrate` and `pending_migrations`, naming the fix, before anything is
+/// created or migrated; `key=value` pairs without `dbname` keep libpq's default on purpose.
+#[tokio::test]
+async fn a_url_that_names_no_database_is_refused_with_the_fix() {
+    let addr = database_addr();
+    // A user of the test's own (removed with the database named after it, whatever happens).
+    let role = Role::new(10).await;
+    let user = role.name.clone();
+    for url in [format!("postgres://{user}@{addr}/"), format!("postgres://{user}@{addr}")] {
+        let expected = format!(
+            "database URL {url:?} names no database (PostgreSQL would use the one named after the user, \"{user}\"): \
+             name it in the path, postgres://{user}@{addr}/DATABASE (or with ?dbname=DATABASE)"
+        );
+        let e = actix_outbox::admin::ensure_database(&url).await.unwrap_err();
+        assert!(matches!(e, StoreError::BadUrl(_)) && !e.is_transient(), "{e:#?}");
+        assert_eq!(e.to_string(), expected);
+        assert_eq!(actix_outbox::migrate(&url).await.unwrap_err().to_string(), expected);
+        assert_eq!(actix_outbox::admin::pending_migrations(&url).await.unwrap_err().to_string(), expected);
+        assert!(!database_exists(&user).await, "nothing created for {url}");
+    }
+    let (host, port) = addr.split_once(':').unwrap();
+    let pairs = format!("host={host} port={port} user={user}");
+    assert!(actix_outbox::admin::ensure_database(&pairs).await.unwrap(), "the user's database, on purpose");
+    assert!(database_exists(&user).await);
+    assert!(!actix_outbox::migrate(&pairs).await.unwrap().is_empty(), "migrated");
+    assert_eq!(role.databases().await, std::slice::from_ref(&user));
 }

@@ -247,8 +247,9 @@ async fn counters_gauges_and_histograms_match_the_table() {
     assert!(health.is_ready() && health.database_reachable && !health.claiming_paused, "{health:?}");
 }
 
-/// The sampled gauges follow the table: an expired lease, an old pending row and, under FIFO,
-/// an aggregate blocked by its dead head. Sampling off: none of them is emitted.
+/// The sampled gauges follow the table: an expired lease, an old pending row backing off, a
+/// scheduled row (counted apart, not in the age) and, under FIFO, an aggregate blocked by its
+/// dead head. Sampling off: none of them is emitted.
 #[actix_rt::test]
 async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
     let recorder = DebuggingRecorder::new();
@@ -258,13 +259,14 @@ async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
     for (agg, event) in [("A", "a.1"), ("A", "a.2"), ("B", "b.1"), ("C", "c.1")] {
         actix_outbox::enqueue(&mut conn, &NewEvent::new("order", agg, event, serde_json::json!({}))).await.unwrap();
     }
-    // A's head is dead (A's second row waits behind it; a dead row waits in `outbox_later`, never
-    // due, as the dispatcher leaves it); B's row is processing with a lease
-    // that ran out an hour ago; C's row is pending, created two minutes ago and not yet
-    // available (so the dispatcher leaves it alone).
+    // A's head is dead (a dead row waits in `outbox_later`, never due, as the dispatcher leaves
+    // it; A's second row, scheduled an hour ahead, waits behind it); B's row is processing with a
+    // lease that ran out an hour ago; C's row is pending, created two minutes ago and backing off
+    // for an hour after a failed attempt (so the dispatcher leaves it alone).
     conn.batch_execute(
         "UPDATE outbox SET status = 'dead', attempts = 3, available_at = '9999-12-31 00:00:00+00' WHERE event_type = 'a.1';
          UPDATE outbox SET available_at = now() + interval '1 hour' WHERE event_type IN ('a.2', 'c.1');
+         UPDATE outbox SET attempts = 1, lease_version = 1 WHERE event_type = 'c.1';
          UPDATE outbox SET status = 'processing', attempts = 1, lease_version = 1, lease_owner = 'gone:1:worker-0',
                 lease_until = now() - interval '1 hour', created_at = now() - interval '1 minute'
           WHERE event_type = 'b.1';
@@ -294,6 +296,7 @@ async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
     assert_eq!(seen.gauge("outbox_rows{status=dead}"), 1.0);
     assert_eq!(seen.gauge("outbox_rows{status=done}"), 0.0);
     assert_eq!(seen.gauge("outbox_expired_leases"), 1.0);
+    assert_eq!(seen.gauge("outbox_scheduled_rows"), 1.0, "A's second row, never claimed, due in an hour");
     let age = seen.gauge("outbox_oldest_unfinished_age_seconds");
     assert!((120.0..130.0).contains(&age), "the pending row created two minutes ago: {age}");
     assert_eq!(seen.gauge("outbox_blocked_aggregates"), 1.0);
@@ -313,6 +316,10 @@ async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let seen = Seen::take(&recorder);
     dispatcher.send(Shutdown).await.unwrap();
-    assert!(seen.gauges.keys().all(|k| !k.starts_with("outbox_rows") && !k.contains("expired")), "{:?}", seen.gauges);
+    assert!(
+        seen.gauges.keys().all(|k| !k.starts_with("outbox_rows") && !k.contains("expired") && !k.contains("scheduled")),
+        "{:?}",
+        seen.gauges
+    );
     assert_eq!(seen.gauge("outbox_sink_up"), 1.0);
 }

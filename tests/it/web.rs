@@ -175,7 +175,8 @@ async fn the_first_order_reaches_the_demo_queue_instead_of_going_dead() {
     tokio::time::timeout(Duration::from_secs(30), served).await.expect("stops").unwrap().expect("cleanly");
 }
 
-// [testing-md] begin: the test docs/testing.md shows, as a service would write it.
+// The example's route with the test kit, as a service would test it (docs/testing.md shows the
+// same with a handler of its own).
 use actix_outbox::testkit::{MemorySink, TestDatabase, drain_until_idle};
 use actix_web::{App, test, web};
 
@@ -183,9 +184,8 @@ use actix_web::{App, test, web};
 /// order's row and its event commit together, and a dispatcher publishes `order.created` once.
 #[actix_web::test]
 async fn posting_an_order_publishes_order_created() {
-    let _counter = ORDERS_COUNTER.lock().await; // not in docs/testing.md: see ORDERS_COUNTER
-    let server = std::env::var("TEST_DATABASE_URL").unwrap_or("postgres://root@127.0.0.1/postgres".into());
-    let db = TestDatabase::create(&server).await.unwrap();
+    let _counter = ORDERS_COUNTER.lock().await;
+    let db = TestDatabase::from_env().await.unwrap();
     app::create_orders_table(db.pool()).await.unwrap();
     let orders = web::Data::new(app::Orders { pool: db.pool().clone() });
     let service = test::init_service(App::new().app_data(orders).configure(app::order_routes)).await;
@@ -205,4 +205,3 @@ async fn posting_an_order_publishes_order_created() {
     let payload: serde_json::Value = serde_json::from_str(event.payload.get()).unwrap();
     assert_eq!(payload, serde_json::json!({"order_id": created["order_id"], "customer": "ada", "total_cents": 1200}));
 }
-// [testing-md] end

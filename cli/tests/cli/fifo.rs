@@ -71,6 +71,7 @@ async fn stats_with_fifo_adds_the_blocked_aggregates_and_without_it_leaves_them_
     let before = db.rows().await;
     let counts = json!({
         "by_status": {"pending": 4, "processing": 0, "done": 1, "dead": 3},
+        "scheduled": 0,
         "expired_leases": 0,
         "attempts": {"0": 4},
     });

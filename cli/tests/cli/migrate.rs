@@ -2,7 +2,7 @@
 
 use std::collections::BTreeSet;
 
-use actix_outbox_test_support::ScratchDb;
+use actix_outbox_test_support::{ScratchDb, database_exists};
 use diesel::sql_types::Text;
 use diesel_async::RunQueryDsl;
 
@@ -143,4 +143,22 @@ async fn migrate_fifo_builds_the_gate_index_once() {
         ok(&db.url, &["migrate", "--fifo"]).await,
         format!("database {} is up to date: no pending migrations\nthe FIFO gate's index is there\n", db.name)
     );
+}
+
+/// A URL cut short, naming no database, is bad input for every command, with the fix named:
+/// `migrate` installs nothing in the database named after the user, and `stats` does not send
+/// the user to `migrate` it.
+#[tokio::test]
+async fn a_url_that_names_no_database_is_bad_input_with_the_fix() {
+    let url = "postgres://root@127.0.0.1:5432/";
+    let expected = "error: database URL \"postgres://root@127.0.0.1:5432/\" names no database (PostgreSQL would use the \
+                    one named after the user, \"root\"): name it in the path, postgres://root@127.0.0.1:5432/DATABASE \
+                    (or with ?dbname=DATABASE)";
+    let existed = database_exists("root").await;
+    for args in [&["migrate"][..], &["stats"], &["dead", "list"], &["run", "--amqp-url", "amqp://127.0.0.1:1/%2f"]] {
+        let ran = cli(url, args).await;
+        assert_eq!(ran.code, 2, "{args:?}: {ran:?}");
+        assert_eq!(ran.error_line(), expected, "{args:?}");
+    }
+    assert_eq!(database_exists("root").await, existed, "nothing created");
 }

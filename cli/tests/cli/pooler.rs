@@ -145,6 +145,7 @@ async fn enqueue_and_stats_through_a_transaction_pooler() {
         stats,
         json!({
             "by_status": {"pending": 3, "processing": 1, "done": 2, "dead": 1},
+            "scheduled": 0,
             "expired_leases": 1,
             "attempts": {"0": 3, "1": 1},
             "source": b.db.source().await,

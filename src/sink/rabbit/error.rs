@@ -2,7 +2,7 @@
 
 /// Why a [`RabbitSink`](super::RabbitSink) could not start. Once started, the sink never fails as a whole: a lost
 /// broker turns into retryable publishes while it reconnects.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RabbitError {
     /// The configuration breaks a rule; retrying will not help.
@@ -32,6 +32,8 @@ pub enum RabbitError {
     #[error("could not start the RabbitMQ sink's connection thread: {0}")]
     Thread(String),
 }
+
+crate::error::readable_debug!(RabbitError);
 
 impl RabbitError {
     /// Whether connecting again later may succeed (the broker may come up), as opposed to a
