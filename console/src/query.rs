@@ -1,70 +1,21 @@
 //! The console's own reads of the table. The table keeps its history (possibly millions of
 //! `done` rows), and the overview reloads itself, so every statement here reads only what an
-//! index bounds: unfinished and dead rows through the partial indexes on them, or one row by
-//! its primary key. None counts the `done` rows. Each read is a transaction of its own, so that it works
+//! index bounds: the figures of the library's overview, dead rows through `outbox_later` (where
+//! they wait, never due), or one row by its primary key. None counts the `done` rows. Each read is a transaction of its own, so that it works
 //! through a transaction pooler too.
 
 use actix_outbox::StoreError;
 use actix_outbox::admin::{OutboxRow, Status};
 use actix_outbox::schema::outbox;
 use diesel::prelude::*;
-use diesel::sql_types::{BigInt, Double, Nullable};
+
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 
-/// The overview's figures, read in one statement, one status at a time through that status's
-/// partial index (`outbox_ready`, `outbox_leased`, `outbox_dead`), so the planner reads those
-/// rows and no `done` one. Scheduled rows and the age of the oldest unfinished row are what
-/// `actix_outbox::admin::stats` calls them (`Stats::scheduled`, `Stats::oldest_unfinished_age_s`),
-/// which `console/tests/http.rs` compares this with: pending rows never claimed whose
-/// `available_at` is ahead are scheduled, and a row never claimed is due since its
-/// `available_at` (its `created_at` unless it was scheduled).
-const OVERVIEW_SQL: &str = "
-SELECT pending, scheduled, processing, dead,
-       extract(epoch FROM now() - least(p.oldest, l.oldest))::float8 AS oldest_unfinished_age_s, expired_leases
-FROM (SELECT count(*) AS pending,
-             count(*) FILTER (WHERE lease_version = 0 AND available_at > now()) AS scheduled,
-             min(CASE WHEN lease_version = 0 THEN greatest(created_at, available_at) ELSE created_at END)
-                 FILTER (WHERE NOT (lease_version = 0 AND available_at > now())) AS oldest
-      FROM outbox WHERE status = 'pending') AS p,
-     (SELECT count(*) AS processing, min(created_at) AS oldest,
-             count(*) FILTER (WHERE lease_until < now()) AS expired_leases
-      FROM outbox WHERE status = 'processing') AS l,
-     (SELECT count(*) AS dead FROM outbox WHERE status = 'dead') AS d";
-
-/// Rows of the table that are not history: what is still to do, and what failed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, QueryableByName)]
-pub(crate) struct Overview {
-    #[diesel(sql_type = BigInt)]
-    pub(crate) pending: i64,
-    /// Pending rows a producer scheduled for later, not yet due: part of `pending`, not backlog.
-    #[diesel(sql_type = BigInt)]
-    pub(crate) scheduled: i64,
-    #[diesel(sql_type = BigInt)]
-    pub(crate) processing: i64,
-    #[diesel(sql_type = BigInt)]
-    pub(crate) dead: i64,
-    /// Seconds since the oldest due pending or processing row became due (database clock).
-    #[diesel(sql_type = Nullable<Double>)]
-    pub(crate) oldest_unfinished_age_s: Option<f64>,
-    /// Processing rows whose lease ran out.
-    #[diesel(sql_type = BigInt)]
-    pub(crate) expired_leases: i64,
-}
-
-impl Overview {
-    /// Rows still to publish now: pending and not scheduled, and processing.
-    pub(crate) fn backlog(&self) -> i64 {
-        self.pending - self.scheduled + self.processing
-    }
-
-    /// Pending rows that are not scheduled: due now, or backing off.
-    pub(crate) fn ready(&self) -> i64 {
-        self.pending - self.scheduled
-    }
-}
+/// The overview's figures: the library's, read through indexes only (never the `done` rows).
+pub(crate) use actix_outbox::admin::Overview;
 
 pub(crate) async fn overview(conn: &mut AsyncPgConnection) -> Result<Overview, StoreError> {
-    conn.transaction(async |c| Ok(diesel::sql_query(OVERVIEW_SQL).get_result(c).await?)).await
+    actix_outbox::admin::overview(conn).await
 }
 
 /// What `/dead` is filtered by; blank fields filter nothing.
@@ -94,9 +45,13 @@ fn contains_pattern(text: &str) -> String {
     pattern
 }
 
-/// The dead rows `filter` selects (through the partial index that holds dead rows).
+/// The dead rows `filter` selects (through `outbox_later`, where dead rows wait, never due).
 fn dead_matching(filter: &DeadFilter) -> outbox::BoxedQuery<'static, diesel::pg::Pg> {
-    let mut query = outbox::table.filter(outbox::status.eq(Status::Dead)).into_boxed();
+    let mut query = outbox::table
+        .filter(outbox::available_at.gt(outbox::created_at))
+        .filter(outbox::available_at.eq(actix_outbox::admin::dead_available_at()))
+        .filter(outbox::status.eq(Status::Dead))
+        .into_boxed();
     let event_type = filter.event_type.trim();
     if !event_type.is_empty() {
         query = query.filter(outbox::event_type.eq(event_type.to_owned()));

@@ -167,6 +167,54 @@ pub(crate) async fn sample(conn: &mut AsyncPgConnection) -> Result<Sample, Store
     in_transaction(conn, async |conn| Ok(diesel::sql_query(SAMPLE_SQL).get_result(conn).await?)).await
 }
 
+/// The rows of the table that are not history, counted: what is still to do (pending, scheduled
+/// among them, processing, expired leases, the age of the oldest due row) and what failed (dead).
+/// Read by [`overview`] through indexes only, so its cost follows the backlog, never the history
+/// the table keeps (`done` rows are not counted: [`stats`] counts them, reading the whole table).
+/// What the console's overview shows, and the dispatcher's gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[non_exhaustive]
+pub struct Overview {
+    /// `pending` rows, the scheduled ones included.
+    pub pending: i64,
+    /// Pending rows a producer scheduled for later, not yet due (see [`Stats::scheduled`]).
+    pub scheduled: i64,
+    /// `processing` rows.
+    pub processing: i64,
+    /// `dead` rows.
+    pub dead: i64,
+    /// Seconds since the oldest pending or processing row that is due became due (see
+    /// [`Stats::oldest_unfinished_age_s`]); `None` when none.
+    pub oldest_unfinished_age_s: Option<f64>,
+    /// `processing` rows whose lease ran out (a worker crashed or stalled).
+    pub expired_leases: i64,
+}
+
+impl Overview {
+    /// Rows still to publish now: pending and not scheduled, and processing.
+    pub fn backlog(&self) -> i64 {
+        self.pending - self.scheduled + self.processing
+    }
+
+    /// Pending rows that are not scheduled: due now, or backing off.
+    pub fn ready(&self) -> i64 {
+        self.pending - self.scheduled
+    }
+}
+
+/// Reads the [`Overview`] (database clock).
+pub async fn overview(conn: &mut AsyncPgConnection) -> Result<Overview, StoreError> {
+    let s = sample_unfinished(conn).await?;
+    Ok(Overview {
+        pending: s.pending,
+        scheduled: s.scheduled,
+        processing: s.processing,
+        dead: s.dead,
+        oldest_unfinished_age_s: s.oldest,
+        expired_leases: s.expired,
+    })
+}
+
 /// Reads a [`Sample`] from the unfinished rows only, its `done` count estimated: for the
 /// dispatcher's gauges, whose cost must not grow with the history a table keeps.
 pub(crate) async fn sample_unfinished(conn: &mut AsyncPgConnection) -> Result<Sample, StoreError> {
@@ -211,6 +259,27 @@ pub async fn dead_retry_all(conn: &mut AsyncPgConnection) -> Result<Vec<i64>, St
     })
     .await
 }
+
+/// The `available_at` of every dead row: 9999-12-31 00:00 UTC. A dead row is never due, and
+/// waits there in the index `outbox_later` (rows whose `available_at` is past their
+/// `created_at`), through which queries of one's own find dead rows without reading the history:
+///
+/// ```
+/// # use diesel::prelude::*;
+/// use actix_outbox::admin::{Status, dead_available_at};
+/// use actix_outbox::schema::outbox;
+///
+/// let dead = outbox::table
+///     .filter(outbox::available_at.gt(outbox::created_at)) // the index's predicate, for the planner
+///     .filter(outbox::available_at.eq(dead_available_at()))
+///     .filter(outbox::status.eq(Status::Dead));
+/// ```
+pub fn dead_available_at() -> DateTime<Utc> {
+    DateTime::from_timestamp(DEAD_AVAILABLE_AT_SECONDS, 0).unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// 9999-12-31T00:00:00Z in seconds since the epoch (the literal of `never()`).
+const DEAD_AVAILABLE_AT_SECONDS: i64 = 253_402_214_400;
 
 /// The dead rows, as the index `outbox_later` finds them: dead rows wait there at
 /// `available_at = 9999-12-31` (the first test is the index's predicate, which the planner must
@@ -428,4 +497,12 @@ pub async fn erase(
     // Not the aggregate id: it identifies the person, and a log is one more copy nobody erases.
     info!(aggregate_type, done = erasure.done, dead = erasure.dead, "erased aggregate");
     Ok(erasure)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dead_rows_wait_at_9999_12_31() {
+        assert_eq!(super::dead_available_at().to_rfc3339(), "9999-12-31T00:00:00+00:00");
+    }
 }

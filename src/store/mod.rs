@@ -35,8 +35,8 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{
-    Erasure, SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, erase, outbox_source, purge_done,
-    stats,
+    Erasure, Overview, SKIPPED_PREFIX, Stats, dead_available_at, dead_list, dead_retry, dead_retry_all, dead_skip,
+    erase, outbox_source, overview, purge_done, stats,
 };
 pub(crate) use admin::{Sample, prune_step, sample_unfinished};
 #[cfg(feature = "testkit")]

@@ -40,7 +40,7 @@ pub(crate) fn claim_params(fifo: &Fifo, batch: usize) -> ClaimParams<'_> {
         lease: Duration::from_secs(60),
         max_attempts: 12,
         fifo,
-        resume: None,
+        cursor: None,
         heads_after: None,
     }
 }
