@@ -249,16 +249,17 @@ impl ClaimActor {
             self.unanswered.then(|| self.shared.publishing(self.worker).iter().map(|f| f.id).collect::<Vec<_>>());
         // What was handed back is reported even when the claim after it fails.
         let query = async move {
-            let mut conn = match shared.pool.get().await {
+            // Each statement within the pool's query timeout: a silent link fails the claim
+            // (the connection dropped) instead of holding the worker.
+            let mut conn = match shared.pool.checkout().await {
                 Ok(conn) => conn,
-                Err(e) => return (None, Err(e.into())),
+                Err(e) => return (None, Err(e)),
             };
-            let pooler = shared.pool.pooler();
+            let pool = &shared.pool;
             let released = match unanswered {
-                Some(publishing) => match store::unit(&mut conn, pooler, async |c| {
-                    store::release_unanswered(c, &owner, &publishing).await
-                })
-                .await
+                Some(publishing) => match pool
+                    .unit(&mut conn, async |c| store::release_unanswered(c, &owner, &publishing).await)
+                    .await
                 {
                     Ok(ids) => Some(ids),
                     Err(e) => return (None, Err(e)),
@@ -282,8 +283,7 @@ impl ClaimActor {
                 resume,
                 heads_after: heads_after.as_ref(),
             };
-            let claimed =
-                store::unit(&mut conn, pooler, async |c| store::claim(c, &params).await).await.map(|mut claim| {
+            let claimed = pool.unit(&mut conn, async |c| store::claim(c, &params).await).await.map(|mut claim| {
                     for message in &mut claim.messages {
                         message.source = source.clone();
                     }

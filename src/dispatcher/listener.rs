@@ -30,6 +30,13 @@
 //! shared by the whole fleet. A follower tries the lock every [`FOLLOW_CHECK`]: when the
 //! leader's process dies or stops, its session ends, the lock is free, and a follower leads
 //! within that time (meanwhile the polls find new rows).
+//!
+//! **A silent connection.** Every statement of the listener is bounded by the pool's query
+//! timeout, and an armed listener, which otherwise only waits for notifications, asks its
+//! connection for an answer every [`ARMED_CHECK`] it hears nothing: a link that went silent
+//! without closing would otherwise hold the lead (and leave inserts unannounced) for ever. A
+//! connection that misses its deadline is closed, and the listener reconnects (the workers'
+//! polls find new rows meanwhile).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -42,6 +49,7 @@ use tracing::{debug, info, warn};
 
 use crate::error::StoreError;
 use crate::store::PgPool;
+use crate::url::ConnectionString;
 
 /// The channel the migration's trigger notifies on every `INSERT` statement into an outbox
 /// table, with the table's qualified name (`tenant_a.outbox`) as the payload: several outboxes
@@ -64,6 +72,10 @@ FROM (SELECT (SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_names
 
 /// How often a following listener tries to lead.
 pub(crate) const FOLLOW_CHECK: Duration = Duration::from_secs(1);
+
+/// How long an armed listener waits for a notification before it asks its connection for an
+/// answer (and the dispatcher whether it is still there).
+const ARMED_CHECK: Duration = Duration::from_secs(5);
 
 /// While disarmed, the first pause between two wake-ups.
 pub(crate) const BUSY_TICK: Duration = Duration::from_millis(2);
@@ -151,7 +163,9 @@ impl Wakeups {
 pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wake) -> bool) {
     let mut backoff = Duration::from_millis(100);
     let mut reconnecting = false;
-    while wake(Wake::Check) {
+    // A pool that found a transaction pooler it was not told about may have no session left
+    // to give: then the workers poll.
+    while wake(Wake::Check) && pool.has_session() {
         let result = listen_once(&pool, &wakeups, &wake, reconnecting).await;
         reconnecting = true;
         wakeups.armed.store(false, Relaxed);
@@ -172,6 +186,38 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wa
 /// pooler and the fix rather than the server's bare `prepared statement "s1" does not exist`.
 fn query_failed(e: diesel::result::Error) -> String {
     StoreError::from(e).to_string()
+}
+
+/// A failure of the listener's, in words, for [`crate::store::within`].
+struct Failed(String);
+
+impl From<StoreError> for Failed {
+    fn from(e: StoreError) -> Self {
+        Failed(e.to_string())
+    }
+}
+
+/// The listener's session: its connection, where it goes, and how long a statement on it may
+/// wait for its answer.
+struct Session {
+    conn: AsyncPgConnection,
+    server: ConnectionString,
+    limit: Duration,
+}
+
+impl Session {
+    /// Runs `f` on the connection within the query timeout: past it, the connection is given
+    /// up (the listener reconnects).
+    async fn run<T>(&mut self, f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, String>) -> Result<T, String> {
+        crate::store::within(&mut self.conn, self.limit, &self.server, async |c| f(c).await.map_err(Failed))
+            .await
+            .map_err(|Failed(e)| e)
+    }
+
+    /// A statement, within the query timeout.
+    async fn statement(&mut self, sql: &str) -> Result<(), String> {
+        self.run(async |c| c.batch_execute(sql).await.map_err(query_failed)).await
+    }
 }
 
 #[derive(diesel::QueryableByName)]
@@ -292,37 +338,38 @@ async fn listen_once(
     // and the connection is held for as long as we listen. The supervisor starts no listener
     // on a pool that has no session to give.
     let Some(conn) = pool.session().await else { return Ok(()) };
-    let mut conn = conn.map_err(|e| e.to_string())?;
-    let server = server_of(&mut conn).await?;
-    let (outbox, armed_key, lead_key) = keys_of(&mut conn).await?;
+    let Some(url) = pool.session_url() else { return Ok(()) };
+    let mut session = Session { conn: conn.map_err(|e| e.to_string())?, server: url, limit: pool.query_timeout() };
+    let server = session.run(server_of).await?;
+    let (outbox, armed_key, lead_key) = session.run(keys_of).await?;
     if reconnecting {
         info!(%server, %outbox, "insert listener reconnected");
     } else {
         info!(%server, %outbox, "insert listener connected");
     }
     let mut followed = false;
-    while !try_lock(&mut conn, lead_key).await? {
+    while !session.run(async |c| try_lock(c, lead_key).await).await? {
         if !followed {
             debug!("another dispatcher's listener leads on this outbox: following");
-            conn.batch_execute(&format!("LISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
+            session.statement(&format!("LISTEN {HELP_CHANNEL}")).await?;
             wakeups.following.store(true, Relaxed);
             followed = true;
         }
         // The leader found a backlog: every worker claims, and goes on while its claims come
         // back whole.
-        let help = notified(&mut conn, &outbox, FOLLOW_CHECK).await?;
-        let _ = swallow(&mut conn)?;
-        if !wake(if help { Wake::All } else { Wake::Check }) {
+        let help = notified(&mut session.conn, &outbox, FOLLOW_CHECK).await?;
+        let _ = swallow(&mut session.conn)?;
+        if !wake(if help { Wake::All } else { Wake::Check }) || !pool.has_session() {
             return Ok(());
         }
     }
     if followed {
-        conn.batch_execute(&format!("UNLISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
-        let _ = swallow(&mut conn)?;
+        session.statement(&format!("UNLISTEN {HELP_CHANNEL}")).await?;
+        let _ = swallow(&mut session.conn)?;
         wakeups.following.store(false, Relaxed);
         info!("the dispatcher that led the insert wake-ups is gone: this one leads them now");
     }
-    conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(query_failed)?;
+    session.statement(&format!("LISTEN {CHANNEL}")).await?;
     debug!("insert listener connected and leading");
     // Rows inserted while nobody was armed (or before we listened) are found by the claim that
     // follows the first arming, or by the busy ticks.
@@ -334,22 +381,23 @@ async fn listen_once(
     loop {
         if wakeups.armed() {
             // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the
-            // connection.
-            if !notified(&mut conn, &outbox, Duration::from_secs(5)).await? {
-                if wake(Wake::Check) {
+            // connection, and the connection's: a silent one would never notify.
+            if !notified(&mut session.conn, &outbox, ARMED_CHECK).await? {
+                session.statement("SELECT 1").await?;
+                if wake(Wake::Check) && pool.has_session() {
                     continue;
                 }
                 return Ok(());
             }
             // A burst of inserts is one wake-up: swallow what has already arrived.
-            let burst = 1 + swallow(&mut conn)?;
+            let burst = 1 + swallow(&mut session.conn)?;
             debug!(burst, "rows inserted; waking a worker and disarming");
             if !wake(Wake::One) {
                 return Ok(());
             }
             // Rows are coming: stop the producers' notifications (each serialises their commits)
             // and tick instead.
-            disarm(&mut conn, armed_key).await?;
+            session.run(async |c| disarm(c, armed_key).await).await?;
             wakeups.armed.store(false, Relaxed);
             tick = BUSY_TICK;
             seen = wakeups.counts();
@@ -368,11 +416,11 @@ async fn listen_once(
         // Arm after a few empty claims in a row (the pause has doubled twice), not after the
         // first: a producer committing row after row would otherwise find it armed between
         // two rows, and notify.
-        if (try_now || (drained && tick >= ARM_AFTER)) && try_lock(&mut conn, armed_key).await? {
+        if (try_now || (drained && tick >= ARM_AFTER)) && session.run(async |c| try_lock(c, armed_key).await).await? {
             debug!("table drained: armed, inserts notify");
             wakeups.armed.store(true, Relaxed);
             // Every producer that saw the lock free has committed: one more claim finds its rows.
-            let _ = swallow(&mut conn)?;
+            let _ = swallow(&mut session.conn)?;
             if !wake(Wake::One) {
                 return Ok(());
             }
@@ -381,17 +429,17 @@ async fn listen_once(
         try_now = false;
         // No other listener arms while this one leads; a notification is a producer that saw
         // the lock taken just before the disarm.
-        if notified(&mut conn, &outbox, tick).await? {
-            let _ = swallow(&mut conn)?;
+        if notified(&mut session.conn, &outbox, tick).await? {
+            let _ = swallow(&mut session.conn)?;
         }
-        if !wake(Wake::One) {
+        if !wake(Wake::One) || !pool.has_session() {
             return Ok(());
         }
         // The workers found a backlog since the last call (more than one whole batch: one is
         // a pause of this process as often as a backlog): the followers help.
         let whole = AtomicU64::load(&wakeups.whole_batches, Relaxed);
         if whole >= whole_seen + HELP_AFTER && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
-            notify(&mut conn, HELP_CHANNEL, &outbox).await?;
+            session.run(async |c| notify(c, HELP_CHANNEL, &outbox).await).await?;
             help_sent = Some(std::time::Instant::now());
             whole_seen = whole;
         }

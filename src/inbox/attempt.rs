@@ -22,16 +22,11 @@ use super::metrics::Counters;
 use super::settle::{Forward, ack, forward, requeue};
 use super::store::{self, AggregateOrder};
 use crate::backoff::half_jitter;
-use crate::error::StoreError;
 
 /// Once a shutdown started, how much longer a delivery may wait for a pooled connection before
 /// it is given back to the broker (a healthy pool answers far sooner; a dead database would
 /// otherwise hold the shutdown for the pool's whole checkout timeout).
 const DRAIN_CHECKOUT_GRACE: Duration = Duration::from_secs(2);
-/// What a whole transaction may take beyond the handler's timeout (the inbox's statements and
-/// the commit) before the database counts as unreachable: a connection that went silent
-/// without closing would otherwise hold its delivery for ever.
-const STATEMENTS_GRACE: Duration = Duration::from_secs(30);
 
 /// Where a delivery came from and how to settle it.
 pub(super) struct Envelope {
@@ -168,7 +163,7 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
     let config = &shared.config;
     let mut draining = drain.clone();
     let checkout = tokio::select! {
-        checkout = shared.pool.get() => checkout,
+        checkout = shared.pool.checkout() => checkout,
         () = async {
             let _ = draining.wait_for(|draining| *draining).await;
             tokio::time::sleep(DRAIN_CHECKOUT_GRACE).await;
@@ -176,9 +171,9 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
     };
     let mut conn = match checkout {
         Ok(conn) => conn,
-        Err(e) => return Attempt::Outage(StoreError::from(e).to_string()),
+        Err(e) => return Attempt::Outage(e.to_string()),
     };
-    let attempt = transact(&mut conn, config, &*shared.handler, message).await;
+    let attempt = transact(&mut conn, config, &*shared.handler, message, shared.pool.query_timeout()).await;
     if let Attempt::Failed { panicked: true, .. } = attempt {
         Counters::add(&shared.counters.panics, 1);
     }
@@ -186,12 +181,16 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
 }
 
 /// The transaction of one attempt on `conn`, classified. The consumer's lanes and the test
-/// kit's `deliver` both run a message through here.
+/// kit's `deliver` both run a message through here. The database has the handler's timeout
+/// plus `query_timeout` (the pool's) to answer the whole transaction: the inbox's own
+/// statements and the commit are each a statement's work, and a connection that went silent
+/// without closing would otherwise hold its delivery for ever.
 pub(crate) async fn transact(
     conn: &mut diesel_async::AsyncPgConnection,
     config: &InboxConfig,
     handler: &dyn InboxHandler,
     message: &InboxMessage,
+    query_timeout: Duration,
 ) -> Attempt {
     let consumer = config.consumer.as_str();
     let mut failure: Option<HandlerFailure> = None;
@@ -240,10 +239,12 @@ pub(crate) async fn transact(
         }
     });
     // Dropping a transaction that did not finish drops its connection (the pool discards a
-    // connection left inside a transaction): nothing it did commits, unless its COMMIT had gone
-    // out, in which case the next try finds the message recorded.
-    let bound = config.handler_timeout + STATEMENTS_GRACE;
+    // connection left inside a transaction, or in the middle of its COMMIT): nothing it did
+    // commits, unless its COMMIT had gone out, in which case the next try finds the message
+    // recorded.
+    let bound = config.handler_timeout + query_timeout;
     let Ok(result) = tokio::time::timeout(bound, transaction).await else {
+        crate::store::abandon(conn);
         return Attempt::Outage(format!("the database did not answer within {}", humantime::format_duration(bound)));
     };
     match (result, failure) {

@@ -17,6 +17,31 @@
 //!   `plan_cache_mode = force_custom_plan` buys a direct connection), no session advisory lock,
 //!   no `LISTEN`. What needs a session (the insert listener, the FIFO gate's index build) gets a
 //!   connection of its own to [`PoolConfig::direct_url`], or is done without.
+//!
+//! **A transaction pooler nobody named.** A pool set up for a direct connection
+//! ([`Pooler::None`]) whose statements turn out to go through a transaction pooler (the server
+//! says a prepared statement of the driver's is missing, or its name taken:
+//! [`StoreError::BehindTransactionPooler`]) switches itself to the transaction pooler's path at
+//! the first such failure: every connection it hands out from then on keeps no prepared
+//! statement and runs each unit of work in a transaction of its own, exactly as
+//! [`Pooler::Transaction`] would have from the start, and what needs a session goes to the
+//! direct URL or is done without (the insert listener stops, and the workers poll). It logs
+//! once, at WARN, which setting to make. The statement that failed had not run (a statement
+//! whose prepared form is missing or taken fails before it executes), so nothing is lost; what
+//! the switch cannot undo is a session lock or a `LISTEN` that the insert listener took through
+//! the pooler before the switch, which stays with a server connection of the pooler until the
+//! pooler closes it: give such a deployment a direct URL, or set the pooler.
+//!
+//! **Deadlines.** Every unit of work of the crate is bounded by [`PoolConfig::query_timeout`]
+//! (see `deadline`); a connection that misses it is dropped, never returned to the pool. For a
+//! while after one did, every checkout first asks its connection for a quick answer
+//! ([`SUSPECT_PING`]), so that the other connections of the same silent link are found and
+//! dropped in a second each, rather than each costing a caller the whole timeout.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use diesel::connection::CacheSize;
 use diesel_async::pooled_connection::bb8::Pool;
@@ -24,6 +49,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfi
 use diesel_async::{AnsiTransactionManager, TransactionManager};
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
+use super::deadline::{self, DEFAULT_QUERY_TIMEOUT};
 use super::open;
 use crate::error::StoreError;
 use crate::url::{ConnectionString, with_causes};
@@ -42,6 +68,16 @@ const CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The default number of connections of a pool.
 const DEFAULT_SIZE: u32 = 8;
+
+/// The shortest query timeout: below it, a healthy database under load would look silent.
+const MIN_QUERY_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// After a connection missed its deadline, how long every checkout pings its connection first.
+const SUSPECT_FOR: Duration = Duration::from_secs(15);
+
+/// How long a checkout's ping may take while the pool suspects its connections (at most the
+/// query timeout): a connection of a silent link costs its caller this, not the whole timeout.
+const SUSPECT_PING: Duration = Duration::from_secs(1);
 
 /// What stands between this process and PostgreSQL; see the [`PoolConfig`] docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -118,6 +154,24 @@ pub struct PoolConfig {
     /// for that work when [`PoolConfig::pooler`] is [`Pooler::None`], and the work is done
     /// without behind a transaction pooler. Default `None`.
     pub direct_url: Option<String>,
+    /// How long the database may take to answer one unit of work of the crate (a claim, a
+    /// finalize statement, a table sample, a statement of the insert listener, a page of the
+    /// console, [`PgPool::run`]) before the connection is given up: dropped, never returned
+    /// to the pool, its statement cancelled on the server, and the work failed with
+    /// [`StoreError::NoAnswer`] (transient: the dispatcher retries on a fresh connection).
+    /// Default 5 s; at least 100 ms.
+    ///
+    /// This is what notices a link that went silent without closing (a frozen VM, a storage
+    /// stall, a NAT that dropped its state, a hung pooler), which TCP keepalives cannot see
+    /// when the other end's kernel still acknowledges. What it costs: a dispatcher notices
+    /// such a link this long after its last statement went out (a WARN names the server then,
+    /// and health goes not-ready); and any statement slower than this fails, however healthy
+    /// the database: a claim or finalize held by a lock (a migration's `ALTER TABLE`), a
+    /// table sample over a backlog of millions. Raise it where statements are legitimately
+    /// slow; lower it to notice silence sooner. The connections also set TCP keepalives and a
+    /// user timeout (unless the connection string sets its own `keepalives_*` and
+    /// `tcp_user_timeout`), for a peer that is really gone.
+    pub query_timeout: Duration,
 }
 
 impl std::fmt::Debug for PoolConfig {
@@ -127,6 +181,7 @@ impl std::fmt::Debug for PoolConfig {
             .field("size", &self.size)
             .field("pooler", &self.pooler)
             .field("direct_url", &self.direct_url.as_deref().map(crate::url::mask_url))
+            .field("query_timeout", &self.query_timeout)
             .finish()
     }
 }
@@ -134,7 +189,20 @@ impl std::fmt::Debug for PoolConfig {
 impl PoolConfig {
     /// A pool of `url`, every other setting at its default (each named on its field).
     pub fn new(url: impl Into<String>) -> Self {
-        Self { url: url.into(), size: DEFAULT_SIZE, pooler: Pooler::None, direct_url: None }
+        Self {
+            url: url.into(),
+            size: DEFAULT_SIZE,
+            pooler: Pooler::None,
+            direct_url: None,
+            query_timeout: DEFAULT_QUERY_TIMEOUT,
+        }
+    }
+
+    /// Sets [`PoolConfig::query_timeout`] (at least 100 ms).
+    #[must_use]
+    pub fn query_timeout(mut self, timeout: Duration) -> Self {
+        self.query_timeout = timeout;
+        self
     }
 
     /// Sets [`PoolConfig::size`].
@@ -169,16 +237,18 @@ impl PoolConfig {
     pub async fn connect(&self) -> Result<PgPool, StoreError> {
         let target = ConnectionString::parse(&self.url)?;
         let direct = self.direct_url.as_deref().map(ConnectionString::parse).transpose()?;
-        let pooler = self.pooler;
+        let transaction_pooler = Arc::new(AtomicBool::new(self.pooler == Pooler::Transaction));
         let mut config = ManagerConfig::<AsyncPgConnection>::default();
         let setup_target = target.clone();
+        let setup_mode = transaction_pooler.clone();
         config.custom_setup = Box::new(move |_| {
             let target = setup_target.clone();
+            let mode = setup_mode.clone();
             Box::pin(async move {
                 // The pool wants a diesel error: keep the whole chain in its message.
                 let mut conn =
                     open(&target).await.map_err(|e| diesel::ConnectionError::BadConnection(with_causes(e.as_ref())))?;
-                match pooler {
+                match pooler_of(&mode) {
                     Pooler::None => conn
                         .batch_execute(SESSION_SETUP)
                         .await
@@ -205,13 +275,20 @@ impl PoolConfig {
             .build(manager)
             .await
             .map_err(|e| StoreError::Connect(Box::new(e)))?;
-        let session = match (direct, pooler) {
-            (Some(direct), _) => Some(direct),
-            (None, Pooler::None) => Some(target),
-            (None, Pooler::Transaction) => None,
-        };
-        Ok(PgPool { pool, pooler, session })
+        Ok(PgPool {
+            pool,
+            transaction_pooler,
+            target,
+            direct,
+            query_timeout: self.query_timeout.max(MIN_QUERY_TIMEOUT),
+            health: Arc::default(),
+        })
     }
+}
+
+/// What the mode flag of a pool says.
+fn pooler_of(transaction_pooler: &AtomicBool) -> Pooler {
+    if transaction_pooler.load(Ordering::Relaxed) { Pooler::Transaction } else { Pooler::None }
 }
 
 /// Opens a pool of `size` connections straight to `database_url` (a URL or `key=value` pairs,
@@ -229,10 +306,23 @@ pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, Store
 #[derive(Clone)]
 pub struct PgPool {
     pool: Pool<AsyncPgConnection>,
-    pooler: Pooler,
-    /// Where session work connects: the direct URL, the pool's own without a transaction
-    /// pooler, nowhere behind one without a direct URL.
-    session: Option<ConnectionString>,
+    /// Whether the statements go through a transaction pooler: as configured, or found out
+    /// (see the module's docs). Shared by the clones and by the connection setup.
+    transaction_pooler: Arc<AtomicBool>,
+    /// The pooled connections' server, for the words of a [`StoreError::NoAnswer`].
+    target: ConnectionString,
+    /// [`PoolConfig::direct_url`].
+    direct: Option<ConnectionString>,
+    query_timeout: Duration,
+    /// What the pool has seen of its connections' answers.
+    health: Arc<Mutex<Seen>>,
+}
+
+/// What a pool has seen of its connections' answers.
+#[derive(Debug, Default)]
+struct Seen {
+    /// When a connection last missed its deadline.
+    silent_at: Option<Instant>,
 }
 
 impl std::ops::Deref for PgPool {
@@ -249,21 +339,31 @@ impl std::fmt::Debug for PgPool {
         f.debug_struct("PgPool")
             .field("connections", &state.connections)
             .field("idle", &state.idle_connections)
-            .field("pooler", &self.pooler)
-            .field("session", &self.session.as_ref().map(ToString::to_string))
+            .field("pooler", &self.pooler())
+            .field("direct", &self.direct.as_ref().map(ToString::to_string))
+            .field("query_timeout", &self.query_timeout)
             .finish()
     }
 }
 
 impl PgPool {
-    /// What stands between this pool and the server.
+    /// What stands between this pool and the server: as configured, or
+    /// [`Pooler::Transaction`] once the pool found that its statements go through a
+    /// transaction pooler (see the module's docs).
     pub fn pooler(&self) -> Pooler {
-        self.pooler
+        pooler_of(&self.transaction_pooler)
+    }
+
+    /// How long the database may take to answer one unit of work ([`PoolConfig::query_timeout`]).
+    pub fn query_timeout(&self) -> Duration {
+        self.query_timeout
     }
 
     /// Checks out a connection and runs `f` on it as one unit of work: in a transaction of its
     /// own behind a transaction pooler (so that all of it runs on one server connection), as it
-    /// is otherwise. A unit that fails behind a pooler is rolled back.
+    /// is otherwise. A unit that fails behind a pooler is rolled back. The database has the
+    /// query timeout ([`PoolConfig::query_timeout`]) to answer it all: past it, the connection
+    /// is dropped and the unit fails with [`StoreError::NoAnswer`].
     ///
     /// ```no_run
     /// # async fn f(pool: actix_outbox::PgPool) -> Result<(), actix_outbox::StoreError> {
@@ -274,14 +374,142 @@ impl PgPool {
     where
         E: From<StoreError> + From<diesel::result::Error>,
     {
-        let mut conn = self.pool.get().await.map_err(StoreError::from)?;
-        unit(&mut conn, self.pooler, f).await
+        let mut conn = self.checkout().await?;
+        let pooler = self.pooler();
+        deadline::within(&mut conn, self.query_timeout, &self.target, async |c| unit(c, pooler, f).await).await
+    }
+
+    /// Checks a connection out, set up for the pooler as it stands now. While the pool suspects
+    /// its connections (one missed its deadline lately), each is first asked for a quick
+    /// answer, and one that does not give it is dropped and the next one tried.
+    pub(crate) async fn checkout(
+        &self,
+    ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
+        // Every connection the pool holds, plus a fresh one, at most, and for no longer than
+        // the query timeout: a silent link costs a checkout a ping per connection it had opened.
+        let started = Instant::now();
+        for _ in 0..=self.pool.state().connections {
+            if started.elapsed() >= self.query_timeout {
+                break;
+            }
+            let mut conn = self.pool.get().await?;
+            if self.pooler() == Pooler::Transaction {
+                // A connection set up before the pool found its pooler keeps no statement from
+                // now on (a no-op on one set up for it).
+                conn.set_prepared_statement_cache_size(CacheSize::Disabled);
+            }
+            if !self.suspicious() {
+                return Ok(conn);
+            }
+            let ping = SUSPECT_PING.min(self.query_timeout);
+            let pinged = deadline::within(&mut conn, ping, &self.target, async |c| {
+                c.batch_execute("SELECT 1").await.map_err(StoreError::from)
+            })
+            .await;
+            match pinged {
+                Ok(()) => return Ok(conn),
+                // Marked broken by the deadline (or broken already): the pool drops it.
+                Err(e) => tracing::debug!(error = %e, "a pooled connection did not answer a ping; dropped"),
+            }
+        }
+        Ok(self.pool.get().await?)
+    }
+
+    /// Runs `f` on `conn` (checked out of this pool) as one unit of work for the pooler as it
+    /// stands now (see [`unit`]), within the query timeout. A failure that shows the
+    /// statements go through a transaction pooler the pool was not told about switches the
+    /// pool to that pooler's path (see the module's docs).
+    pub(crate) async fn unit<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.unit_until(conn, None, f).await
+    }
+
+    /// [`PgPool::unit`], given up at `until` if that comes before the query timeout (a
+    /// shutdown's deadline).
+    pub(crate) async fn unit_until<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        until: Option<Instant>,
+        f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let pooler = self.pooler();
+        let limit = until.map_or(self.query_timeout, |until| {
+            self.query_timeout.min(until.saturating_duration_since(Instant::now())).max(MIN_QUERY_TIMEOUT)
+        });
+        let result = deadline::within(conn, limit, &self.target, async |c| unit(c, pooler, f).await).await;
+        self.observe(result)
+    }
+
+    /// Runs `f` on `conn` within `limit` (the query timeout when `None`), as it is: for work
+    /// that must not be wrapped in a transaction, or that may take longer than one statement
+    /// should (a FIFO index build).
+    pub(crate) async fn bounded<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        limit: Option<Duration>,
+        f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let limit = limit.unwrap_or(self.query_timeout);
+        let result = deadline::within(conn, limit, &self.target, f).await;
+        self.observe(result)
+    }
+
+    /// Learns from a unit's outcome: a connection that missed its deadline makes the pool
+    /// suspect the others for a while; a lost prepared statement means a transaction pooler.
+    fn observe<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        match &result {
+            Err(StoreError::NoAnswer { .. }) => {
+                self.health.lock().unwrap_or_else(|e| e.into_inner()).silent_at = Some(Instant::now());
+            }
+            Err(StoreError::BehindTransactionPooler(e)) => self.found_transaction_pooler(e),
+            _ => {}
+        }
+        result
+    }
+
+    /// Whether a connection missed its deadline lately.
+    fn suspicious(&self) -> bool {
+        self.health.lock().unwrap_or_else(|e| e.into_inner()).silent_at.is_some_and(|at| at.elapsed() < SUSPECT_FOR)
+    }
+
+    /// The statements go through a transaction pooler: from now on, every connection is used
+    /// as [`Pooler::Transaction`] wants it. Logged once (the first caller to see it).
+    fn found_transaction_pooler(&self, e: &diesel::result::Error) {
+        if self.transaction_pooler.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let session = match &self.direct {
+            Some(direct) => format!("session work (the insert listener) goes to the direct URL {direct}"),
+            None => "with no direct URL, the insert listener stops and the workers poll for new rows; give a direct                      URL to the server (PoolConfig::direct_url, `--direct-url`) to have inserts wake them"
+                .to_owned(),
+        };
+        tracing::warn!(server = %self.target, error = %e,
+            "the pool's statements go through a transaction pooler (PgBouncer with pool_mode = transaction?) that the              pool was not told about: switched to the transaction pooler's path (no statement kept prepared, every              unit of work in a transaction of its own) and carrying on; set it at start to skip the failures that              found it out: `--pooler transaction` (PoolConfig::pooler(Pooler::Transaction)); {session}");
     }
 
     /// Whether [`PgPool::session`] can give a session: false behind a transaction pooler with
     /// no direct URL.
     pub(crate) fn has_session(&self) -> bool {
-        self.session.is_some()
+        self.session_target().is_some()
+    }
+
+    /// Where session work connects: the direct URL, the pool's own without a transaction
+    /// pooler, nowhere behind one without a direct URL.
+    fn session_target(&self) -> Option<&ConnectionString> {
+        match (&self.direct, self.pooler()) {
+            (Some(direct), _) => Some(direct),
+            (None, Pooler::None) => Some(&self.target),
+            (None, Pooler::Transaction) => None,
+        }
+    }
+
+    /// The connection string session work connects to, when there is one (for the words of
+    /// a [`StoreError::NoAnswer`] about it).
+    pub(crate) fn session_url(&self) -> Option<ConnectionString> {
+        self.session_target().cloned()
     }
 
     /// A connection of its own, outside the pool, for work that holds a session (`LISTEN`, a
@@ -289,7 +517,7 @@ impl PgPool {
     /// own server without a transaction pooler. `None` behind a transaction pooler with no
     /// direct URL.
     pub(crate) async fn session(&self) -> Option<Result<AsyncPgConnection, StoreError>> {
-        let target = self.session.as_ref()?;
+        let target = self.session_target()?;
         Some(open(target).await.map_err(StoreError::Connect))
     }
 }

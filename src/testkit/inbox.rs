@@ -68,8 +68,8 @@ pub async fn deliver(
     handler: &impl InboxHandler,
     message: &InboxMessage,
 ) -> Result<Delivered, StoreError> {
-    let mut conn = pool.get().await?;
-    Ok(match transact(&mut conn, config, handler, message).await {
+    let mut conn = pool.checkout().await?;
+    Ok(match transact(&mut conn, config, handler, message, pool.query_timeout()).await {
         Attempt::Done(Settled::Duplicate) => Delivered::Duplicate,
         Attempt::Done(Settled::LateSkipped) => Delivered::SkippedLate,
         Attempt::Done(Settled::LateFlagged) => Delivered::AppliedLate,

@@ -274,8 +274,10 @@ fn classify(confirmed: Confirmed, exchange: &str, routing_key: &str) -> (Publish
             ))),
             LinkHealth::Healthy,
         ),
+        // A nack is the broker saying it cannot take the message now (a full queue with
+        // overflow=reject-publish): pushback, not the message's fault.
         Confirmed::Nacked(reply) => (
-            Err(PublishError::Retryable(match reply {
+            Err(PublishError::Refused(match reply {
                 Some(reply) => format!("broker nacked the message ({reply})"),
                 None => format!(
                     "broker nacked the message on exchange {exchange:?} with routing key {routing_key:?} \
@@ -310,7 +312,7 @@ mod tests {
         );
         assert_eq!(health, LinkHealth::Broken);
         let (result, health) = classify(Confirmed::Nacked(None), "outbox", "a.b");
-        assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");
+        assert!(matches!(result, Err(PublishError::Refused(ref m)) if m.contains("nack")), "{result:?}");
         assert_eq!(health, LinkHealth::Healthy);
         assert_eq!(classify(Confirmed::Delivered, "outbox", "a.b").0, Ok(()));
         let returned = Reply { code: 312, text: "NO_ROUTE".into(), message_id: Some("7".into()) };
