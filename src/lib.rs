@@ -138,7 +138,7 @@ pub mod admin {
         BlockedAggregate, Erasure, MIGRATIONS, SKIPPED_PREFIX, Stats, blocked_aggregates, blocked_aggregates_count,
         check_connection, connect, dead_list, dead_retry, dead_retry_all, dead_skip, ensure_database,
         ensure_fifo_index, ensure_schema, erase, migrate_blocking, outbox_schemas, outbox_source, pending_migrations,
-        purge_done, stats,
+        purge_done, purge_done_batch, stats,
     };
 }
 

@@ -59,9 +59,10 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
         event = event.exchange(name);
     }
     // In a transaction, as a producer's insert is, so that it works through a transaction pooler.
-    let id = conn
-        .transaction(async |tx| actix_outbox::enqueue(tx, &event).await)
-        .await
+    let id = args
+        .database
+        .answered(&url, conn.transaction(async |tx| actix_outbox::enqueue(tx, &event).await))
+        .await?
         .map_err(|e| CliError::store(&url, e))?;
     println!("{id}");
     Ok(())

@@ -27,9 +27,16 @@ pub struct PurgeArgs {
 pub(super) async fn purge(args: PurgeArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let deleted = actix_outbox::admin::purge_done(&mut conn, args.older_than.into(), args.batch)
-        .await
-        .map_err(|e| CliError::store(&url, e))?;
+    // A batch a statement, each within --query-timeout: a long purge is many short statements.
+    let mut deleted = 0;
+    loop {
+        let batch = actix_outbox::admin::purge_done_batch(&mut conn, args.older_than.into(), args.batch);
+        let n = args.database.answered(&url, batch).await?.map_err(|e| CliError::store(&url, e))?;
+        deleted += n;
+        if (n as i64) < args.batch {
+            break;
+        }
+    }
     println!("purged {deleted} done rows older than {}", args.older_than);
     Ok(())
 }

@@ -257,13 +257,13 @@ impl ClaimActor {
             };
             let pool = &shared.pool;
             let released = match unanswered {
-                Some(publishing) => match pool
-                    .unit(&mut conn, async |c| store::release_unanswered(c, &owner, &publishing).await)
-                    .await
-                {
-                    Ok(ids) => Some(ids),
-                    Err(e) => return (None, Err(e)),
-                },
+                Some(publishing) => {
+                    match pool.unit(&mut conn, async |c| store::release_unanswered(c, &owner, &publishing).await).await
+                    {
+                        Ok(ids) => Some(ids),
+                        Err(e) => return (None, Err(e)),
+                    }
+                }
                 None => None,
             };
             let source = match shared.source(&mut conn).await {
@@ -284,11 +284,11 @@ impl ClaimActor {
                 heads_after: heads_after.as_ref(),
             };
             let claimed = pool.unit(&mut conn, async |c| store::claim(c, &params).await).await.map(|mut claim| {
-                    for message in &mut claim.messages {
-                        message.source = source.clone();
-                    }
-                    claim
-                });
+                for message in &mut claim.messages {
+                    message.source = source.clone();
+                }
+                claim
+            });
             (released, claimed)
         };
         ctx.spawn(query.into_actor(self).map(move |(released, result): (_, Result<_, StoreError>), act, ctx| {

@@ -234,7 +234,9 @@ where
     loop {
         let deadline = shared.drain_by.get().map_or(deadline, |&by| by.min(deadline));
         let result = match shared.pool.checkout().await {
-            Ok(mut conn) => shared.pool.unit_until(&mut conn, shared.drain_by.get().copied(), async |c| f(c).await).await,
+            Ok(mut conn) => {
+                shared.pool.unit_until(&mut conn, shared.drain_by.get().copied(), async |c| f(c).await).await
+            }
             Err(e) => Err(e),
         };
         match result {

@@ -106,8 +106,10 @@ impl Shared {
             }
             Pooler::Transaction => match self.pool.session().await.zip(self.pool.session_url()) {
                 Some((session, url)) => {
-                    crate::store::within(&mut session?, build, &url, async |c| crate::store::ensure_fifo_index(c).await)
-                        .await?;
+                    crate::store::within(&mut session?, build, &url, async |c| {
+                        crate::store::ensure_fifo_index(c).await
+                    })
+                    .await?;
                 }
                 None if self.pool.bounded(conn, None, async |c| crate::store::fifo_index_valid(c).await).await? => {}
                 None => {

@@ -66,9 +66,9 @@ impl Summary {
     pub(crate) fn log(&self, outbox: Option<&str>, now: MetricsSnapshot, fresh_for: Duration) {
         let m = self.since_last(now);
         let last = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
-        let stale = last.filter(|(_, at)| at.elapsed() > fresh_for).map(|(_, at)| {
-            format!("{} ago", humantime::format_duration(Duration::from_secs(at.elapsed().as_secs())))
-        });
+        let stale = last
+            .filter(|(_, at)| at.elapsed() > fresh_for)
+            .map(|(_, at)| format!("{} ago", humantime::format_duration(Duration::from_secs(at.elapsed().as_secs()))));
         let sample = last.filter(|_| stale.is_none()).map(|(sample, _)| sample);
         let backlog = sample.map(|s| s.pending + s.processing);
         let oldest = sample

@@ -235,25 +235,37 @@ extern "SQL" {
 /// so that no statement holds many locks for long. Returns how many it deleted.
 pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batch: i64) -> Result<u64, StoreError> {
     let mut total = 0u64;
-    let batch = batch.max(1);
-    // The subquery reads the table under an alias of its own, as a self-join needs.
-    let old = diesel::alias!(outbox as old);
     loop {
-        // A batch at a time, locked, passing over rows another purge holds.
-        let purgeable = old
-            .select(old.field(outbox::id))
-            .filter(old.field(outbox::status).eq(Status::Done))
-            .filter(old.field(outbox::done_at).lt((now.into_sql::<Timestamptz>() - interval(older_than)).nullable()))
-            .limit(batch)
-            .for_update()
-            .skip_locked();
-        let delete = diesel::delete(outbox::table.filter(outbox::id.eq_any(purgeable)));
-        let n = in_transaction(conn, async |conn| Ok::<_, StoreError>(delete.execute(conn).await?)).await?;
-        total += n as u64;
-        if (n as i64) < batch {
+        let n = purge_done_batch(conn, older_than, batch).await?;
+        total += n;
+        if (n as i64) < batch.max(1) {
             return Ok(total);
         }
     }
+}
+
+/// One statement of [`purge_done`]: deletes at most `batch` of the `done` rows whose
+/// `done_at` is older than `older_than`, and returns how many it deleted (fewer than `batch`:
+/// none are left). For a caller that bounds each statement (`actix-outbox purge` gives each
+/// its `--query-timeout`) or paces them.
+pub async fn purge_done_batch(
+    conn: &mut AsyncPgConnection,
+    older_than: Duration,
+    batch: i64,
+) -> Result<u64, StoreError> {
+    // The subquery reads the table under an alias of its own, as a self-join needs.
+    let old = diesel::alias!(outbox as old);
+    // A batch at a time, locked, passing over rows another purge holds.
+    let purgeable = old
+        .select(old.field(outbox::id))
+        .filter(old.field(outbox::status).eq(Status::Done))
+        .filter(old.field(outbox::done_at).lt((now.into_sql::<Timestamptz>() - interval(older_than)).nullable()))
+        .limit(batch.max(1))
+        .for_update()
+        .skip_locked();
+    let delete = diesel::delete(outbox::table.filter(outbox::id.eq_any(purgeable)));
+    let n = in_transaction(conn, async |conn| Ok::<_, StoreError>(delete.execute(conn).await?)).await?;
+    Ok(n as u64)
 }
 
 /// What [`erase`] deleted: the aggregate's `done` and `dead` rows.

@@ -33,23 +33,25 @@ use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{
     Erasure, SKIPPED_PREFIX, Stats, dead_list, dead_retry, dead_retry_all, dead_skip, erase, outbox_source, purge_done,
-    stats,
+    purge_done_batch, stats,
 };
 pub(crate) use admin::{Sample, sample_unfinished};
 #[cfg(feature = "testkit")]
 pub(crate) use admin::{Unsettled, unsettled};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, ReadyPosition, claim, explain_claim, release_unanswered};
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
+pub(crate) use deadline::abandon;
+pub(crate) use deadline::within;
 pub(crate) use fifo::fifo_index_valid;
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, ensure_fifo_index};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use finalize::{
     Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,
 };
-pub(crate) use deadline::{abandon, within};
-pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
 pub(crate) use pool::in_transaction;
+pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 
 use crate::error::StoreError;
