@@ -172,6 +172,13 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wa
         wakeups.following.store(false, Relaxed);
         match result {
             Ok(()) => return,
+            Err(Failed::Store(e @ StoreError::BehindTransactionPooler(_))) => {
+                // The pool learns of its pooler (and says once what to set); without a session
+                // of its own the listener stops at the top of the loop, and the workers poll.
+                pool.learn(&e);
+                debug!(error = %e, "the insert listener's session goes through a transaction pooler");
+                tokio::time::sleep(backoff).await;
+            }
             Err(e) => {
                 warn!(error = %e, retry_in = ?backoff, "insert listener lost its connection; polling meanwhile");
                 tokio::time::sleep(backoff).await;
@@ -181,19 +188,34 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wa
     }
 }
 
-/// A failed statement of the listener's, in words: as the store's errors say it, so that a lost
-/// prepared statement (a listener session that goes through a transaction pooler) names the
-/// pooler and the fix rather than the server's bare `prepared statement "s1" does not exist`.
-fn query_failed(e: diesel::result::Error) -> String {
-    StoreError::from(e).to_string()
+/// Why the listener's session failed: a statement (in the store's words, so that a lost
+/// prepared statement of a session that goes through a transaction pooler names the pooler and
+/// the fix rather than the server's bare `prepared statement "s1" does not exist`), or the
+/// session itself.
+#[derive(Debug)]
+enum Failed {
+    Store(StoreError),
+    Session(String),
 }
 
-/// A failure of the listener's, in words, for [`crate::store::within`].
-struct Failed(String);
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failed::Store(e) => e.fmt(f),
+            Failed::Session(why) => f.write_str(why),
+        }
+    }
+}
 
 impl From<StoreError> for Failed {
     fn from(e: StoreError) -> Self {
-        Failed(e.to_string())
+        Failed::Store(e)
+    }
+}
+
+impl From<diesel::result::Error> for Failed {
+    fn from(e: diesel::result::Error) -> Self {
+        Failed::Store(e.into())
     }
 }
 
@@ -208,15 +230,13 @@ struct Session {
 impl Session {
     /// Runs `f` on the connection within the query timeout: past it, the connection is given
     /// up (the listener reconnects).
-    async fn run<T>(&mut self, f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, String>) -> Result<T, String> {
-        crate::store::within(&mut self.conn, self.limit, &self.server, async |c| f(c).await.map_err(Failed))
-            .await
-            .map_err(|Failed(e)| e)
+    async fn run<T>(&mut self, f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, Failed>) -> Result<T, Failed> {
+        crate::store::within(&mut self.conn, self.limit, &self.server, f).await
     }
 
     /// A statement, within the query timeout.
-    async fn statement(&mut self, sql: &str) -> Result<(), String> {
-        self.run(async |c| c.batch_execute(sql).await.map_err(query_failed)).await
+    async fn statement(&mut self, sql: &str) -> Result<(), Failed> {
+        self.run(async |c| Ok(c.batch_execute(sql).await?)).await
     }
 }
 
@@ -238,11 +258,11 @@ struct Keys {
 }
 
 /// The outbox `conn` reaches and its keys: (qualified name, armed key, lead key).
-async fn keys_of(conn: &mut AsyncPgConnection) -> Result<(String, i64, i64), String> {
-    let keys: Keys = diesel::sql_query(KEYS_SQL).get_result(conn).await.map_err(query_failed)?;
+async fn keys_of(conn: &mut AsyncPgConnection) -> Result<(String, i64, i64), Failed> {
+    let keys: Keys = diesel::sql_query(KEYS_SQL).get_result(conn).await?;
     match keys {
         Keys { outbox: Some(outbox), armed: Some(armed), lead: Some(lead) } => Ok((outbox, armed, lead)),
-        _ => Err("no outbox table on the listener's search_path (is the database migrated?)".into()),
+        _ => Err(Failed::Session("no outbox table on the listener's search_path (is the database migrated?)".into())),
     }
 }
 
@@ -254,57 +274,49 @@ struct Server {
 
 /// The address of the server `conn` reached (`host:port`), as the server sees itself: with a
 /// connection string that lists several hosts, the one actually connected.
-async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, String> {
+async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, Failed> {
     let row: Server = diesel::sql_query(
         "SELECT coalesce(host(inet_server_addr()), 'socket') || ':' || current_setting('port') AS addr",
     )
     .get_result(conn)
-    .await
-    .map_err(query_failed)?;
+    .await?;
     Ok(row.addr)
 }
 
 /// Takes the session lock `key` if nobody holds it: the lead if no other listener of the
 /// outbox holds it, the armed lock if no producer transaction holds it in shared mode.
-async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> Result<bool, String> {
-    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok")
-        .bind::<BigInt, _>(key)
-        .get_result(conn)
-        .await
-        .map_err(query_failed)?;
+async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> Result<bool, Failed> {
+    let row: Locked =
+        diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok").bind::<BigInt, _>(key).get_result(conn).await?;
     Ok(row.ok)
 }
 
 /// Releases the armed lock `key`.
-async fn disarm(conn: &mut AsyncPgConnection, key: i64) -> Result<(), String> {
-    let _: Locked = diesel::sql_query("SELECT pg_advisory_unlock($1) AS ok")
-        .bind::<BigInt, _>(key)
-        .get_result(conn)
-        .await
-        .map_err(query_failed)?;
+async fn disarm(conn: &mut AsyncPgConnection, key: i64) -> Result<(), Failed> {
+    let _: Locked =
+        diesel::sql_query("SELECT pg_advisory_unlock($1) AS ok").bind::<BigInt, _>(key).get_result(conn).await?;
     Ok(())
 }
 
 /// Notifies `channel` with `outbox` as the payload.
-async fn notify(conn: &mut AsyncPgConnection, channel: &str, outbox: &str) -> Result<(), String> {
+async fn notify(conn: &mut AsyncPgConnection, channel: &str, outbox: &str) -> Result<(), Failed> {
     diesel::sql_query("SELECT pg_notify($1, $2)")
         .bind::<diesel::sql_types::Text, _>(channel)
         .bind::<diesel::sql_types::Text, _>(outbox)
         .execute(conn)
-        .await
-        .map_err(query_failed)?;
+        .await?;
     Ok(())
 }
 
 /// Notifications already arrived, without waiting.
-fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, String> {
+fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, Failed> {
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     let mut burst = 0usize;
     loop {
         match notifications.next().now_or_never() {
             Some(Some(Ok(_))) => burst += 1,
-            Some(Some(Err(e))) => return Err(e.to_string()),
-            Some(None) => return Err("notification stream ended".into()),
+            Some(Some(Err(e))) => return Err(e.into()),
+            Some(None) => return Err(Failed::Session("notification stream ended".into())),
             None => return Ok(burst),
         }
     }
@@ -312,7 +324,7 @@ fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, String> {
 
 /// The next notification about `outbox` (`Ok(false)` when `within` passed first); those
 /// about the database's other outboxes are passed over.
-async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) -> Result<bool, String> {
+async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) -> Result<bool, Failed> {
     let deadline = tokio::time::Instant::now() + within;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     loop {
@@ -320,9 +332,9 @@ async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) 
             Err(_elapsed) => return Ok(false),
             Ok(Some(Ok(n))) if n.payload == outbox => return Ok(true),
             Ok(Some(Ok(_))) => continue,
-            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(Some(Err(e))) => return Err(e.into()),
             // The backend went away; polling this stream again would panic.
-            Ok(None) => return Err("notification stream ended".into()),
+            Ok(None) => return Err(Failed::Session("notification stream ended".into())),
         }
     }
 }
@@ -333,13 +345,13 @@ async fn listen_once(
     wakeups: &Wakeups,
     wake: &impl Fn(Wake) -> bool,
     reconnecting: bool,
-) -> Result<(), String> {
+) -> Result<(), Failed> {
     // Not a pooled connection: LISTEN state and the session lock must not leak to other users,
     // and the connection is held for as long as we listen. The supervisor starts no listener
     // on a pool that has no session to give.
     let Some(conn) = pool.session().await else { return Ok(()) };
     let Some(url) = pool.session_url() else { return Ok(()) };
-    let mut session = Session { conn: conn.map_err(|e| e.to_string())?, server: url, limit: pool.query_timeout() };
+    let mut session = Session { conn: conn?, server: url, limit: pool.query_timeout() };
     let server = session.run(server_of).await?;
     let (outbox, armed_key, lead_key) = session.run(keys_of).await?;
     if reconnecting {
@@ -459,10 +471,12 @@ mod tests {
             DatabaseErrorKind::Unknown,
             Box::new(r#"prepared statement "s16" does not exist"#.to_owned()),
         );
-        let message = query_failed(lost);
+        let failed = Failed::from(lost);
+        assert!(matches!(failed, Failed::Store(StoreError::BehindTransactionPooler(_))), "{failed:?}");
+        let message = failed.to_string();
         assert!(message.contains(r#"prepared statement "s16" does not exist"#), "{message}");
         assert!(message.contains("transaction pooler") && message.contains("`--pooler transaction`"), "{message}");
         let other = Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new("canceling statement".to_owned()));
-        assert_eq!(query_failed(other), "database query failed: canceling statement");
+        assert_eq!(Failed::from(other).to_string(), "database query failed: canceling statement");
     }
 }

@@ -181,10 +181,13 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
 }
 
 /// The transaction of one attempt on `conn`, classified. The consumer's lanes and the test
-/// kit's `deliver` both run a message through here. The database has the handler's timeout
-/// plus `query_timeout` (the pool's) to answer the whole transaction: the inbox's own
-/// statements and the commit are each a statement's work, and a connection that went silent
-/// without closing would otherwise hold its delivery for ever.
+/// kit's `deliver` both run a message through here.
+///
+/// A connection that went silent without closing would hold its delivery for ever, so the
+/// database gets `query_timeout` (the pool's) to answer the inbox's own part of the transaction
+/// (`BEGIN`, the order check and the inbox row; then the commit or the rollback), and the
+/// handler its own timeout (plus that, for the statement it may be in): past it, the connection
+/// is given up and the attempt is an outage (the delivery is held and tried again).
 pub(crate) async fn transact(
     conn: &mut diesel_async::AsyncPgConnection,
     config: &InboxConfig,
@@ -195,6 +198,10 @@ pub(crate) async fn transact(
     let consumer = config.consumer.as_str();
     let mut failure: Option<HandlerFailure> = None;
     let failure_slot = &mut failure;
+    // Until when the part of the transaction under way may wait for the database, moved on as
+    // it goes from our statements to the handler and back.
+    let phase = Phase::new(query_timeout);
+    let phase = &phase;
     let transaction = conn.transaction(async |c| {
         let mut newest = None;
         if config.ordered && message.has_aggregate() {
@@ -222,7 +229,11 @@ pub(crate) async fn transact(
         // The handler is called inside the guarded future, so that a panic while building
         // its future is caught as well as one while polling it.
         let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
-        match tokio::time::timeout(config.handler_timeout, call).await {
+        phase.allow(config.handler_timeout + query_timeout);
+        let called = tokio::time::timeout(config.handler_timeout, call).await;
+        // The commit or the rollback: one statement's answer.
+        phase.allow(query_timeout);
+        match called {
             Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),
             Ok(Ok(Err(e))) => {
                 *failure_slot = Some(HandlerFailure::Error(e));
@@ -242,10 +253,12 @@ pub(crate) async fn transact(
     // connection left inside a transaction, or in the middle of its COMMIT): nothing it did
     // commits, unless its COMMIT had gone out, in which case the next try finds the message
     // recorded.
-    let bound = config.handler_timeout + query_timeout;
-    let Ok(result) = tokio::time::timeout(bound, transaction).await else {
+    let Some(result) = phase.watch(transaction).await else {
         crate::store::abandon(conn);
-        return Attempt::Outage(format!("the database did not answer within {}", humantime::format_duration(bound)));
+        return Attempt::Outage(format!(
+            "the database did not answer within {} (the pool's query timeout)",
+            humantime::format_duration(query_timeout)
+        ));
     };
     match (result, failure) {
         (Ok(settled), _) => Attempt::Done(settled),
@@ -265,6 +278,51 @@ pub(crate) async fn transact(
         },
         // Our own statements (or the commit) failed: the database, not the message, is at fault.
         (Err(e), None) => Attempt::Outage(format!("inbox transaction failed: {e}")),
+    }
+}
+
+/// Until when the part of a transaction under way may wait for the database: a deadline that
+/// the transaction moves on as it goes from one part to the next, and that [`Phase::watch`]
+/// holds it to.
+struct Phase {
+    started: tokio::time::Instant,
+    /// Milliseconds from `started`.
+    until: std::sync::atomic::AtomicU64,
+}
+
+impl Phase {
+    /// A deadline `first` from now.
+    fn new(first: Duration) -> Self {
+        let phase = Phase { started: tokio::time::Instant::now(), until: Default::default() };
+        phase.allow(first);
+        phase
+    }
+
+    /// The part starting now may take `d`.
+    fn allow(&self, d: Duration) {
+        let until = self.started.elapsed() + d;
+        self.until.store(until.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn deadline(&self) -> tokio::time::Instant {
+        self.started + Duration::from_millis(self.until.load(Ordering::Relaxed))
+    }
+
+    /// `work`'s output, or `None` once a part of it outlived its deadline.
+    async fn watch<T>(&self, work: impl std::future::Future<Output = T>) -> Option<T> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            let deadline = self.deadline();
+            tokio::select! {
+                out = &mut work => return Some(out),
+                () = tokio::time::sleep_until(deadline) => {
+                    // The deadline may have moved on meanwhile.
+                    if tokio::time::Instant::now() >= self.deadline() {
+                        return None;
+                    }
+                }
+            }
+        }
     }
 }
 

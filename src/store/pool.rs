@@ -460,14 +460,23 @@ impl PgPool {
     /// Learns from a unit's outcome: a connection that missed its deadline makes the pool
     /// suspect the others for a while; a lost prepared statement means a transaction pooler.
     fn observe<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
-        match &result {
-            Err(StoreError::NoAnswer { .. }) => {
-                self.health.lock().unwrap_or_else(|e| e.into_inner()).silent_at = Some(Instant::now());
-            }
-            Err(StoreError::BehindTransactionPooler(e)) => self.found_transaction_pooler(e),
-            _ => {}
+        if let Err(e) = &result {
+            self.learn(e);
         }
         result
+    }
+
+    /// Learns from a failure of work on a connection of this pool's (or of its session): a
+    /// connection that missed its deadline makes the pool suspect the others for a while; a
+    /// lost prepared statement means a transaction pooler.
+    pub(crate) fn learn(&self, e: &StoreError) {
+        match e {
+            StoreError::NoAnswer { .. } => {
+                self.health.lock().unwrap_or_else(|e| e.into_inner()).silent_at = Some(Instant::now());
+            }
+            StoreError::BehindTransactionPooler(e) => self.found_transaction_pooler(e),
+            _ => {}
+        }
     }
 
     /// Whether a connection missed its deadline lately.
