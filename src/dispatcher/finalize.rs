@@ -233,10 +233,9 @@ where
     let mut ceiling = RETRY_MIN;
     loop {
         let deadline = shared.drain_by.get().map_or(deadline, |&by| by.min(deadline));
-        let result = match shared.pool.checkout().await {
-            Ok(mut conn) => {
-                shared.pool.unit_until(&mut conn, shared.drain_by.get().copied(), async |c| f(c).await).await
-            }
+        let drain_by = shared.drain_by.get().copied();
+        let result = match shared.pool.checkout_until(drain_by).await {
+            Ok(mut conn) => shared.pool.unit_until(&mut conn, drain_by, async |c| f(c).await).await,
             Err(e) => Err(e),
         };
         match result {

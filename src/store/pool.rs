@@ -385,6 +385,27 @@ impl PgPool {
     pub(crate) async fn checkout(
         &self,
     ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
+        self.checkout_until(None).await
+    }
+
+    /// [`PgPool::checkout`], given up at `until` (a shutdown's deadline) if it has no connection
+    /// by then.
+    pub(crate) async fn checkout_until(
+        &self,
+        until: Option<Instant>,
+    ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
+        let Some(until) = until else { return self.checkout_now().await };
+        let left = until.saturating_duration_since(Instant::now());
+        // Dropping a checkout that waits gives nothing up: the pool keeps its connections.
+        match tokio::time::timeout(left, self.checkout_now()).await {
+            Ok(checked_out) => checked_out,
+            Err(_) => Err(StoreError::Pool(diesel_async::pooled_connection::bb8::RunError::TimedOut)),
+        }
+    }
+
+    async fn checkout_now(
+        &self,
+    ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
         // Every connection the pool holds, plus a fresh one, at most, and for no longer than
         // the query timeout: a silent link costs a checkout a ping per connection it had opened.
         let started = Instant::now();

@@ -53,7 +53,6 @@ async fn a_connection_that_misses_its_deadline_is_dropped_not_handed_out_again()
         .await
     };
     one(&pool).await.expect("the first unit answers");
-    assert_eq!(proxy.connections(), 1);
 
     proxy.freeze();
     let silent = one(&pool).await.expect_err("a frozen link does not answer");
@@ -64,10 +63,12 @@ async fn a_connection_that_misses_its_deadline_is_dropped_not_handed_out_again()
     assert!(silent.to_string().contains("did not answer within 500ms"), "{silent}");
 
     // The frozen connection was dropped: the next unit opens a fresh one, which passes.
+    // The frozen connection was dropped: the next units run on a fresh one, which answers (a
+    // frozen one handed out again would miss its deadline again). The proxy also saw the
+    // request that cancels the frozen statement, on a connection of its own.
     one(&pool).await.expect("a fresh connection answers");
-    assert_eq!(proxy.connections(), 2, "one new connection, and the frozen one never reused");
     one(&pool).await.expect("and keeps answering");
-    assert_eq!(proxy.connections(), 2);
+    assert!(proxy.connections() >= 2, "a fresh connection was opened");
 }
 
 /// The run: a third of the rows done, then every connection open at that moment
@@ -147,17 +148,26 @@ async fn silent_database() {
     let proxy = Proxy::start(database_addr()).await;
     let pool = PoolConfig::new(proxy.route(&db.url)).connect().await.expect("a pool through the proxy");
     let (sink, _rx) = ChannelSink::new();
-    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(200)));
-    db.seed(3000, "silent").await;
+    // Slow enough that the silence finds rows in flight.
+    let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_secs(1)));
+    db.seed(20_000, "silent").await;
     let config = DispatcherConfig::default()
         .table_metrics_interval(Some(Duration::from_millis(200)))
         .summary_interval(Some(Duration::from_secs(1)));
     let publish_timeout = config.publish_timeout;
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "rows in flight, and a summary with the backlog", || async {
-        db.count_status("processing").await >= 100 && captured.text().contains("backlog=")
+    let ready = tokio::time::timeout(WITHIN, async {
+        while !(db.count_status("processing").await >= 100 && captured.text().contains("backlog=")) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     })
     .await;
+    assert!(
+        ready.is_ok(),
+        "no rows in flight ({} processing) or no summary with the backlog:\n{}",
+        db.count_status("processing").await,
+        captured.text()
+    );
     assert!(dispatcher.send(GetHealth).await.unwrap().is_ready());
 
     proxy.freeze();
@@ -229,9 +239,12 @@ async fn full_queue() {
     assert_eq!(db.count_status("dead").await, 0);
 
     let consumer_at = Instant::now();
-    let delivered = broker.message_ids(&queue, ROWS).await;
+    let mut delivered = broker.message_ids(&queue, ROWS).await;
     eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
     let done_after = consumer_at.elapsed();
+    // Whatever came after the first 5,000 (duplicates would push rows past them).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    delivered.extend(broker.message_ids(&queue, broker.depth(&queue).await as usize).await);
     eventually(WITHIN, "the pace lifted", || async { dispatcher.send(GetPace).await.unwrap().rate.is_none() }).await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
@@ -251,8 +264,14 @@ async fn full_queue() {
         warns.len(),
         episodes.len()
     );
-    assert_eq!(delivered.iter().copied().collect::<BTreeSet<_>>(), ids, "every row arrived");
-    assert_eq!(delivered.len(), ROWS, "once each");
+    let mut per_id: BTreeMap<i64, usize> = BTreeMap::new();
+    for id in &delivered {
+        *per_id.entry(*id).or_default() += 1;
+    }
+    let missing: Vec<_> = ids.iter().filter(|id| !per_id.contains_key(id)).collect();
+    let twice: Vec<_> = per_id.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(missing.is_empty(), "{} rows never arrived: {missing:?}", missing.len());
+    assert!(twice.is_empty(), "{} rows arrived more than once: {twice:?}", twice.len());
     assert_eq!((db.count_status("dead").await, metrics.dead), (0, 0));
     assert!(max_attempts <= 2, "the refusals spent attempts: max {max_attempts}");
     assert!(held.refused > 0, "the broker refused: {held:?}");
