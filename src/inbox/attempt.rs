@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use diesel_async::AsyncConnection;
 use futures_util::FutureExt;
 use lapin::{Acker, BasicProperties, Channel};
 use tokio::sync::watch;
@@ -173,7 +172,7 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
         Ok(conn) => conn,
         Err(e) => return Attempt::Outage(e.to_string()),
     };
-    let attempt = transact(&mut conn, config, &*shared.handler, message, shared.pool.query_timeout()).await;
+    let attempt = transact(&mut conn, config, &*shared.handler, message, &shared.pool).await;
     if let Attempt::Failed { panicked: true, .. } = attempt {
         Counters::add(&shared.counters.panics, 1);
     }
@@ -184,17 +183,19 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
 /// kit's `deliver` both run a message through here.
 ///
 /// A connection that went silent without closing would hold its delivery for ever, so the
-/// database gets `query_timeout` (the pool's) to answer the inbox's own part of the transaction
-/// (`BEGIN`, the order check and the inbox row; then the commit or the rollback), and the
-/// handler its own timeout (plus that, for the statement it may be in): past it, the connection
-/// is given up and the attempt is an outage (the delivery is held and tried again).
+/// database gets the query timeout of `pool` (the pool `conn` came from) to answer the inbox's
+/// own part of the transaction (`BEGIN`, the order check and the inbox row; then the commit or
+/// the rollback), and the handler its own timeout (plus that, for the statement it may be in):
+/// past it, the connection is given up (the pool then tries its other connections before it
+/// hands them out) and the attempt is an outage (the delivery is held and tried again).
 pub(crate) async fn transact(
     conn: &mut diesel_async::AsyncPgConnection,
     config: &InboxConfig,
     handler: &dyn InboxHandler,
     message: &InboxMessage,
-    query_timeout: Duration,
+    pool: &crate::store::PgPool,
 ) -> Attempt {
+    let query_timeout = pool.query_timeout();
     let consumer = config.consumer.as_str();
     let mut failure: Option<HandlerFailure> = None;
     let failure_slot = &mut failure;
@@ -202,7 +203,11 @@ pub(crate) async fn transact(
     // it goes from our statements to the handler and back.
     let phase = Phase::new(query_timeout);
     let phase = &phase;
-    let transaction = conn.transaction(async |c| {
+    // A transaction the server ends by itself (releasing the inbox row's lock) if the link goes
+    // silent for longer than the handler may take: the next try of the message, on another
+    // connection, would otherwise wait for that lock for ever.
+    let idle = config.handler_timeout + query_timeout;
+    let transaction = crate::store::in_transaction_idle(conn, idle, async |c| {
         let mut newest = None;
         if config.ordered && message.has_aggregate() {
             let order =
@@ -255,10 +260,9 @@ pub(crate) async fn transact(
     // recorded.
     let Some(result) = phase.watch(transaction).await else {
         crate::store::abandon(conn);
-        return Attempt::Outage(format!(
-            "the database did not answer within {} (the pool's query timeout)",
-            humantime::format_duration(query_timeout)
-        ));
+        let silent = crate::error::StoreError::NoAnswer { server: pool.server(), waited: query_timeout };
+        pool.learn(&silent);
+        return Attempt::Outage(silent.to_string());
     };
     match (result, failure) {
         (Ok(settled), _) => Attempt::Done(settled),

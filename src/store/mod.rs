@@ -51,6 +51,8 @@ pub use finalize::{
 };
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
 pub(crate) use pool::in_transaction;
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
+pub(crate) use pool::in_transaction_idle;
 pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 

@@ -10,8 +10,10 @@
 //!
 //! - the pool's connections keep no prepared statement: each statement is prepared, run and
 //!   closed inside the transaction it belongs to;
-//! - every unit of work runs in a transaction of its own ([`PgPool::run`], [`unit`]), so that
-//!   all of it stays on one server connection;
+//! - every unit of work runs in a transaction of its own ([`PgPool::run`]), so that all of it
+//!   stays on one server connection; the transaction sets `idle_in_transaction_session_timeout`
+//!   (`SET LOCAL`, to the query timeout), so that a client whose link goes silent between two
+//!   statements does not leave the server holding its locks for ever;
 //! - nothing relies on the session: no `SET` when a connection opens (a statement that is
 //!   never reused is always planned with its real values, which is what
 //!   `plan_cache_mode = force_custom_plan` buys a direct connection), no session advisory lock,
@@ -359,6 +361,12 @@ impl PgPool {
         self.query_timeout
     }
 
+    /// The pooled connections' server, password masked, as errors name it.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    pub(crate) fn server(&self) -> String {
+        self.target.to_string()
+    }
+
     /// Checks out a connection and runs `f` on it as one unit of work: in a transaction of its
     /// own behind a transaction pooler (so that all of it runs on one server connection), as it
     /// is otherwise. A unit that fails behind a pooler is rolled back. The database has the
@@ -376,7 +384,12 @@ impl PgPool {
     {
         let mut conn = self.checkout().await?;
         let pooler = self.pooler();
-        deadline::within(&mut conn, self.query_timeout, &self.target, async |c| unit(c, pooler, f).await).await
+        let limit = self.query_timeout;
+        deadline::within(&mut conn, limit, &self.target, async |c| match pooler {
+            Pooler::None => f(c).await,
+            Pooler::Transaction => in_transaction_idle(c, limit, f).await,
+        })
+        .await
     }
 
     /// Checks a connection out, set up for the pooler as it stands now. While the pool suspects
@@ -437,7 +450,8 @@ impl PgPool {
     }
 
     /// Runs `f` on `conn` (checked out of this pool) as one unit of work for the pooler as it
-    /// stands now (see [`unit`]), within the query timeout. A failure that shows the
+    /// stands now (in a transaction behind a transaction pooler, as it is otherwise), within
+    /// the query timeout. A failure that shows the
     /// statements go through a transaction pooler the pool was not told about switches the
     /// pool to that pooler's path (see the module's docs).
     pub(crate) async fn unit<T>(
@@ -460,7 +474,12 @@ impl PgPool {
         let limit = until.map_or(self.query_timeout, |until| {
             self.query_timeout.min(until.saturating_duration_since(Instant::now())).max(MIN_QUERY_TIMEOUT)
         });
-        let result = deadline::within(conn, limit, &self.target, async |c| unit(c, pooler, f).await).await;
+        let result = deadline::within(conn, limit, &self.target, async |c| match pooler {
+            Pooler::None => f(c).await,
+            // A transaction the server ends itself if the link goes silent between statements.
+            Pooler::Transaction => in_transaction_idle(c, limit, f).await,
+        })
+        .await;
         self.observe(result)
     }
 
@@ -552,22 +571,6 @@ impl PgPool {
     }
 }
 
-/// Runs `f` on `conn` as one unit of work for `pooler`: in a transaction of its own behind a
-/// transaction pooler unless `conn` is in one already, as it is otherwise.
-pub(crate) async fn unit<T, E>(
-    conn: &mut AsyncPgConnection,
-    pooler: Pooler,
-    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
-) -> Result<T, E>
-where
-    E: From<diesel::result::Error>,
-{
-    match pooler {
-        Pooler::None => f(conn).await,
-        Pooler::Transaction => in_transaction(conn, f).await,
-    }
-}
-
 /// Runs `f` on `conn` in a transaction of its own (committed when `f` succeeds, rolled back
 /// when it fails), or as part of the one `conn` is in. The store's operator functions run this
 /// way whatever the pooler, so that they work on any connection.
@@ -578,11 +581,43 @@ pub(crate) async fn in_transaction<T, E>(
 where
     E: From<diesel::result::Error>,
 {
+    transaction(conn, None, f).await
+}
+
+/// [`in_transaction`], the transaction ended by the server (its session terminated, its locks
+/// released) if it waits longer than `idle` for the client's next statement: a client whose
+/// link went silent between two statements holds no lock for longer than that.
+pub(crate) async fn in_transaction_idle<T, E>(
+    conn: &mut AsyncPgConnection,
+    idle: Duration,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
+    transaction(conn, Some(idle), f).await
+}
+
+async fn transaction<T, E>(
+    conn: &mut AsyncPgConnection,
+    idle: Option<Duration>,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth();
     if !matches!(depth, Ok(None)) {
         return f(conn).await;
     }
-    AnsiTransactionManager::begin_transaction(conn).await?;
+    match idle {
+        // One round trip, as a plain BEGIN.
+        Some(idle) => {
+            let begin = format!("{}{}", super::sql::BEGIN_IDLE_BOUNDED, idle.as_millis().max(1));
+            AnsiTransactionManager::begin_transaction_sql(conn, &begin).await?;
+        }
+        None => AnsiTransactionManager::begin_transaction(conn).await?,
+    }
     match f(conn).await {
         Ok(value) => {
             AnsiTransactionManager::commit_transaction(conn).await?;

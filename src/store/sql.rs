@@ -378,3 +378,9 @@ pub(super) const OUTBOX_SCHEMAS_SQL: &str = "
 SELECT n.nspname AS name FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid
 WHERE c.relname = 'outbox' AND c.relkind IN ('r', 'p') AND n.nspname LIKE $1
 ORDER BY n.nspname";
+
+/// Opens a transaction that the server ends by itself (terminating the session, which releases
+/// its locks) once it has waited longer than the number of milliseconds appended for the client's
+/// next statement: a client whose link went silent mid-transaction cannot hold its row locks for
+/// ever. `SET LOCAL` lasts as long as the transaction, so it works through a transaction pooler.
+pub(super) const BEGIN_IDLE_BOUNDED: &str = "BEGIN; SET LOCAL idle_in_transaction_session_timeout = ";

@@ -69,7 +69,7 @@ pub async fn deliver(
     message: &InboxMessage,
 ) -> Result<Delivered, StoreError> {
     let mut conn = pool.checkout().await?;
-    Ok(match transact(&mut conn, config, handler, message, pool.query_timeout()).await {
+    Ok(match transact(&mut conn, config, handler, message, pool).await {
         Attempt::Done(Settled::Duplicate) => Delivered::Duplicate,
         Attempt::Done(Settled::LateSkipped) => Delivered::SkippedLate,
         Attempt::Done(Settled::LateFlagged) => Delivered::AppliedLate,

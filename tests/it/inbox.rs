@@ -541,7 +541,10 @@ async fn a_frozen_database_link_is_given_up_and_every_message_has_one_effect() {
     broker.publish(&queue, &events).await;
 
     let handler = Recorder::ok().pausing(Duration::from_millis(2));
-    let consumer = InboxSupervisor::start(config(amqp_url(), &queue), pool, handler).unwrap();
+    // A handler caught in a statement on a frozen connection waits out its own timeout: a short
+    // one, so that the test does not wait the default 30 s for each.
+    let config = config(amqp_url(), &queue).handler_timeout(Duration::from_secs(2));
+    let consumer = InboxSupervisor::start(config, pool, handler).unwrap();
     eventually(WITHIN, "200 effects", || async { effect_count(&db).await >= 200 }).await;
     let open = proxy.connections();
     proxy.freeze();

@@ -112,6 +112,7 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
         "outbox_finalized_total{outcome=retried}",
         "outbox_lost_leases_total",
         "outbox_publish_crashes_total",
+        "outbox_publish_refused_total",
         "outbox_published_total",
         "outbox_reaped_total",
         "outbox_sink_outages_total",
