@@ -402,31 +402,23 @@ impl PgPool {
     }
 
     /// [`PgPool::checkout`], given up at `until` (a shutdown's deadline) if it has no connection
-    /// by then.
+    /// by then (and at the query timeout in any case).
     pub(crate) async fn checkout_until(
         &self,
         until: Option<Instant>,
     ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
-        let Some(until) = until else { return self.checkout_now().await };
-        let left = until.saturating_duration_since(Instant::now());
-        // Dropping a checkout that waits gives nothing up: the pool keeps its connections.
-        match tokio::time::timeout(left, self.checkout_now()).await {
-            Ok(checked_out) => checked_out,
-            Err(_) => Err(StoreError::Pool(diesel_async::pooled_connection::bb8::RunError::TimedOut)),
-        }
-    }
-
-    async fn checkout_now(
-        &self,
-    ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
         // Every connection the pool holds, plus a fresh one, at most, and for no longer than
         // the query timeout: a silent link costs a checkout a ping per connection it had opened.
         let started = Instant::now();
+        let until = until.map_or(started + self.query_timeout, |until| until.min(started + self.query_timeout));
+        let left = || until.saturating_duration_since(Instant::now());
         for _ in 0..=self.pool.state().connections {
-            if started.elapsed() >= self.query_timeout {
+            if left().is_zero() {
                 break;
             }
-            let mut conn = self.pool.get().await?;
+            // Dropping a checkout that waits gives nothing up: the pool keeps its connections.
+            let Ok(got) = tokio::time::timeout(left(), self.pool.get()).await else { break };
+            let mut conn = got?;
             if self.pooler() == Pooler::Transaction {
                 // A connection set up before the pool found its pooler keeps no statement from
                 // now on (a no-op on one set up for it).
@@ -435,7 +427,9 @@ impl PgPool {
             if !self.suspicious() {
                 return Ok(conn);
             }
-            let ping = SUSPECT_PING.min(self.query_timeout);
+            // The ping has a deadline of its own, which drops a connection that misses it (a
+            // timeout around it would hand a silent connection back to the pool).
+            let ping = SUSPECT_PING.min(left()).max(MIN_QUERY_TIMEOUT);
             let pinged = deadline::within(&mut conn, ping, &self.target, async |c| {
                 c.batch_execute("SELECT 1").await.map_err(StoreError::from)
             })
@@ -446,7 +440,7 @@ impl PgPool {
                 Err(e) => tracing::debug!(error = %e, "a pooled connection did not answer a ping; dropped"),
             }
         }
-        Ok(self.pool.get().await?)
+        Err(StoreError::Pool(diesel_async::pooled_connection::bb8::RunError::TimedOut))
     }
 
     /// Runs `f` on `conn` (checked out of this pool) as one unit of work for the pooler as it
