@@ -369,35 +369,64 @@ async fn run_through_a_transaction_pooler_without_a_direct_url_polls_and_relays_
     stop_and_check(run, &b, &broker, &queue, &ids).await;
 }
 
-/// `run` through the bouncer with the default `--pooler none`: its statements are prepared
-/// for a direct connection, and the bouncer hands the next transaction another server
-/// connection. The first lost prepared statement switches the pool to the pooler's path by
-/// itself: every row is relayed and done, none dead, and exactly one line (a WARN) names the
-/// flag to set; no line speaks of a prepared statement without it. SIGTERM ends it with exit 0.
+/// `run` through the bouncer with the default `--pooler none` (and a direct URL, as the issue
+/// ran it): its statements are prepared for a direct connection, and the bouncer hands the next
+/// transaction another server connection. The first lost prepared statement switches the pool
+/// to the pooler's path by itself: every row is relayed and done, none dead, and exactly one line
+/// (a WARN) names the flag to set; no line speaks of a prepared statement without it. SIGTERM
+/// ends it with exit 0. The same 5,000 waiting rows through another bouncer with the flag set, for
+/// the time each run took (printed, not asserted).
 #[tokio::test]
 async fn run_with_the_default_pooler_through_a_transaction_pooler_switches_and_says_to_set_it() {
-    let b = behind().await;
-    let ids = b.db.seed(300, "agg").await;
-    let mut broker = TestBroker::new("cli-pooler").await;
-    let queue = actix_outbox_test_support::unique("cli-pooler-q");
-    broker.remove_queue_at_end(queue.clone());
-    let mut flags = run_flags(&broker.exchange, &format!("{queue}:#"), &amqp_url(), "100ms");
-    flags.drain(..2); // the default pooler
-    let run = Dispatcher::start(&b.url, &flags.iter().map(String::as_str).collect::<Vec<_>>());
-    eventually(WITHIN, "every row done", || async { b.db.count_status("done").await == 300 }).await;
-    let mut run = run;
-    run.signal("TERM");
-    let status = run.exit(Duration::from_secs(30)).await;
-    let log = run.log();
-    assert_eq!(status.code(), Some(0), "log:\n{}", log.join("\n"));
-    assert!(log.iter().any(|l| l.contains("starting the dispatcher") && l.contains("pooler=none")), "{log:#?}");
-    let named: Vec<&String> = log.iter().filter(|l| l.contains("`--pooler transaction`")).collect();
-    assert_eq!(named.len(), 1, "one line names the flag: {named:#?}");
-    assert!(named[0].contains(" WARN "), "{}", named[0]);
-    let bare: Vec<&String> =
-        log.iter().filter(|l| l.contains("prepared statement") && !l.contains("`--pooler transaction`")).collect();
-    assert!(bare.is_empty(), "lines without the fix: {bare:#?}");
-    assert_eq!(b.db.count_status("dead").await, 0);
-    let got: BTreeSet<i64> = broker.message_ids(&queue, ids.len()).await.into_iter().collect();
-    assert_eq!(got, ids.iter().copied().collect::<BTreeSet<_>>(), "every row relayed");
+    const ROWS: usize = 5_000;
+    let mut took = Vec::new();
+    for pooler in [None, Some("transaction")] {
+        let b = behind().await;
+        let ids = b.db.seed(ROWS, "agg").await;
+        let mut broker = TestBroker::new("cli-pooler").await;
+        let queue = actix_outbox_test_support::unique("cli-pooler-q");
+        broker.remove_queue_at_end(queue.clone());
+        let mut flags = run_flags(&broker.exchange, &format!("{queue}:#"), &amqp_url(), "100ms");
+        flags.drain(..2); // the default pooler
+        flags.extend(["--direct-url".to_owned(), b.db.url.clone()]);
+        if let Some(pooler) = pooler {
+            flags.extend(["--pooler".to_owned(), pooler.to_owned()]);
+        }
+        let started = std::time::Instant::now();
+        let mut run = Dispatcher::start(&b.url, &flags.iter().map(String::as_str).collect::<Vec<_>>());
+        eventually(WITHIN, "every row done", || async { b.db.count_status("done").await == ROWS as i64 }).await;
+        took.push((pooler, started.elapsed()));
+        run.signal("TERM");
+        let status = run.exit(Duration::from_secs(30)).await;
+        let log = run.log();
+        assert_eq!(status.code(), Some(0), "log:\n{}", log.join("\n"));
+        let named: Vec<&String> = log.iter().filter(|l| l.contains("`--pooler transaction`")).collect();
+        let warns = log.iter().filter(|l| l.contains(" WARN ")).count();
+        let rows = b.db.rows().await;
+        let done_at = |pick: fn(_, _) -> _| rows.iter().filter_map(|r| r.done_at).reduce(pick).unwrap();
+        let drained = (done_at(std::cmp::max) - done_at(std::cmp::min)).to_std().unwrap();
+        eprintln!(
+            "grey (cli): {ROWS} rows through PgBouncer, --pooler {}: done {:.1}s after start, first to last done \
+             {:.2}s ({:.0} rows/s), {} line(s) naming the flag, {warns} WARN lines",
+            pooler.unwrap_or("none (default)"),
+            took.last().unwrap().1.as_secs_f64(),
+            drained.as_secs_f64(),
+            ROWS as f64 / drained.as_secs_f64(),
+            named.len()
+        );
+        if pooler.is_none() {
+            assert!(log.iter().any(|l| l.contains("starting the dispatcher") && l.contains("pooler=none")), "{log:#?}");
+            assert_eq!(named.len(), 1, "one line names the flag: {named:#?}");
+            assert!(named[0].contains(" WARN "), "{}", named[0]);
+        } else {
+            assert!(named.is_empty(), "{named:#?}");
+        }
+        let bare: Vec<&String> =
+            log.iter().filter(|l| l.contains("prepared statement") && !l.contains("`--pooler transaction`")).collect();
+        assert!(bare.is_empty(), "lines without the fix: {bare:#?}");
+        assert_eq!(b.db.count_status("dead").await, 0);
+        assert_eq!(b.db.rows().await.iter().map(|r| r.attempts).max(), Some(1), "no attempt spent on the pooler");
+        let got: BTreeSet<i64> = broker.message_ids(&queue, ids.len()).await.into_iter().collect();
+        assert_eq!(got, ids.iter().copied().collect::<BTreeSet<_>>(), "every row relayed");
+    }
 }
