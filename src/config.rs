@@ -154,7 +154,9 @@ pub struct DispatcherConfig {
     /// held by a blocked connection), halving its pace per second of pushback and giving back a
     /// tenth of the cap per calm second. Changed while it runs with
     /// [`SetMaxRate`](crate::dispatcher::SetMaxRate); a fleet shares a cap by dividing it
-    /// between its processes. `None` (the default): not paced.
+    /// between its processes. `None` (the default): not paced, except while the broker refuses
+    /// messages (nacks): then the claims slow down until it takes them again (see
+    /// [`PublishError::Refused`](crate::PublishError::Refused)).
     pub max_rate: Option<f64>,
     /// The outbox's name where one process relays several (`tenant_a.outbox`): the label
     /// `outbox` on every metric series of this dispatcher, and a field of its log lines, so that

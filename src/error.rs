@@ -275,7 +275,7 @@ impl From<RunError> for StoreError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
-    /// A transient failure (timeout, broker nack, lost connection): retried after a full-jitter
+    /// A transient failure of the message (a timeout, a missing exchange): retried after a full-jitter
     /// backoff, dead once the row's attempts reach the maximum.
     #[error("retryable: {0}")]
     Retryable(String),
