@@ -516,9 +516,9 @@ async fn database_outage_pauses_consumption_and_loses_nothing() {
 /// The consumer's database link freezes mid-stream (the connections open then forward nothing
 /// and stay open; new ones pass): each transaction caught on a frozen connection misses the
 /// pool's query timeout, is given up with its connection, and is tried again on a fresh one,
-/// its delivery held meanwhile. Every message has exactly one effect (a commit whose answer the
-/// freeze swallowed is found recorded and counted a duplicate), nothing is dead-lettered, and
-/// the queue ends empty.
+/// its delivery held meanwhile, and the server ends the transaction it left open (its locks
+/// with it). Every message has exactly one effect (a commit whose answer the freeze swallowed is
+/// found recorded and counted a duplicate), nothing is dead-lettered, and the queue ends empty.
 #[actix_rt::test]
 async fn a_frozen_database_link_is_given_up_and_every_message_has_one_effect() {
     let db = database().await;
@@ -540,7 +540,10 @@ async fn a_frozen_database_link_is_given_up_and_every_message_has_one_effect() {
     }
     broker.publish(&queue, &events).await;
 
-    let handler = Recorder::ok().pausing(Duration::from_millis(2));
+    // A handler that takes its time after its write, so that the freeze finds transactions
+    // holding their inbox row's lock: given up by the client, they must not keep it on the server
+    // (the message's next try, on a fresh connection, would wait for it for ever).
+    let handler = Recorder::ok().pausing(Duration::from_millis(50));
     // A handler caught in a statement on a frozen connection waits out its own timeout: a short
     // one, so that the test does not wait the default 30 s for each.
     let config = config(amqp_url(), &queue).handler_timeout(Duration::from_secs(2));
