@@ -60,7 +60,9 @@ async fn a_frozen_database_link_mid_run_is_found_out_and_every_row_done() {
     assert!(warned[0].contains(&proxy.addr().to_string()), "the WARN names the server: {}", warned[0]);
     assert_eq!(rows.iter().filter(|r| r.status != Status::Done).count(), 0, "every row done");
     assert!(max_attempts <= 2, "max attempts {max_attempts}");
-    let delivered: BTreeSet<i64> = broker.message_ids(&queue, ROWS).await.into_iter().collect();
+    // At least once: every row, maybe some twice (a confirm or a finalize lost to the freeze).
+    let queued = broker.depth(&queue).await as usize;
+    let delivered: BTreeSet<i64> = broker.message_ids(&queue, queued).await.into_iter().collect();
     assert_eq!(delivered, ids, "every row delivered");
 }
 
@@ -103,6 +105,10 @@ async fn sigterm_while_the_database_is_silent_exits_0_within_the_publish_timeout
     again.signal("TERM");
     assert_eq!(again.exit(Duration::from_secs(20)).await.code(), Some(0));
     assert_eq!(db.count_status("dead").await, 0);
-    let delivered: BTreeSet<i64> = broker.message_ids(&queue, ROWS).await.into_iter().collect();
-    assert_eq!(delivered, ids, "every row delivered");
+    // At least once: a row published and not finalized before the silence is published again.
+    let queued = broker.depth(&queue).await as usize;
+    let delivered: Vec<i64> = broker.message_ids(&queue, queued).await;
+    let distinct: BTreeSet<i64> = delivered.iter().copied().collect();
+    eprintln!("grey (cli): after the silence, {} deliveries of {} rows", delivered.len(), distinct.len());
+    assert_eq!(distinct, ids, "every row delivered");
 }
