@@ -130,7 +130,9 @@ pub struct DispatcherConfig {
     pub table_metrics_interval: Option<Duration>,
     /// How often the dispatcher logs a summary at `info`: messages published, retried, deferred
     /// and dead, rows reaped and leases lost since the last one, with the backlog and the oldest
-    /// unfinished row's age as the last table sample saw them. Per-batch lines are at `debug`,
+    /// unfinished row's age as the last table sample saw them (left out, and the sample's age
+    /// given instead, when that sample is too old to stand for now: the database did not answer
+    /// the later ones). Per-batch lines are at `debug`,
     /// so this is what a busy dispatcher writes at the default level, beside the changes of
     /// state (sink down and up, an outage, a lost lease) logged as they happen. `None`: no
     /// summary. Default 60 s.

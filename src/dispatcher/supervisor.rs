@@ -288,8 +288,9 @@ pub struct Health {
     pub sink: SinkState,
     /// The sink gate holds claiming back (the sink was found unavailable, or is being probed).
     pub claiming_paused: bool,
-    /// The last statement the dispatcher ran (claim, finalize, table sample) answered; true
-    /// before the first.
+    /// The last statement the dispatcher ran (claim, finalize, table sample) answered, within
+    /// the pool's query timeout ([`PoolConfig::query_timeout`](crate::PoolConfig::query_timeout));
+    /// true before the first.
     pub database_reachable: bool,
     /// The database refused the dispatcher's last statement as read-only (SQLSTATE 25006): it
     /// reached a standby, not the primary. Claiming waits, spending no attempt; false once a
