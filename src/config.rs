@@ -130,7 +130,9 @@ pub struct DispatcherConfig {
     pub table_metrics_interval: Option<Duration>,
     /// How often the dispatcher logs a summary at `info`: messages published, retried, deferred
     /// and dead, rows reaped and leases lost since the last one, with the backlog and the oldest
-    /// unfinished row's age as the last table sample saw them. Per-batch lines are at `debug`,
+    /// unfinished row's age as the last table sample saw them (left out, and the sample's age
+    /// given instead, when that sample is too old to stand for now: the database did not answer
+    /// the later ones). Per-batch lines are at `debug`,
     /// so this is what a busy dispatcher writes at the default level, beside the changes of
     /// state (sink down and up, an outage, a lost lease) logged as they happen. `None`: no
     /// summary. Default 60 s.
@@ -155,7 +157,9 @@ pub struct DispatcherConfig {
     /// held by a blocked connection), halving its pace per second of pushback and giving back a
     /// tenth of the cap per calm second. Changed while it runs with
     /// [`SetMaxRate`](crate::dispatcher::SetMaxRate); a fleet shares a cap by dividing it
-    /// between its processes. `None` (the default): not paced.
+    /// between its processes. `None` (the default): not paced, except while the broker refuses
+    /// messages (nacks): then the claims slow down until it takes them again (see
+    /// [`PublishError::Refused`](crate::PublishError::Refused)).
     pub max_rate: Option<f64>,
     /// The outbox's name where one process relays several (`tenant_a.outbox`): the label
     /// `outbox` on every metric series of this dispatcher, and a field of its log lines, so that

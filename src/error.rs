@@ -57,6 +57,23 @@ pub enum StoreError {
     /// A statement failed.
     #[error("database query failed: {0}")]
     Query(diesel::result::Error),
+    /// The database did not answer within the pool's query timeout
+    /// ([`PoolConfig::query_timeout`](crate::PoolConfig::query_timeout)): a link that went
+    /// silent without closing (a frozen VM, a storage stall, a NAT or load balancer that
+    /// dropped its state, a hung pooler), or a statement slower than the timeout. The
+    /// connection was given up (never returned to the pool) and the server asked to cancel the
+    /// statement. The statement may still have committed: the dispatcher treats it as it
+    /// treats a connection lost mid-statement. Transient.
+    #[error(
+        "database at {server} did not answer within {}: the connection was dropped (a frozen or silent link, a          stalled server or storage, or a statement slower than the query timeout)",
+        humantime::format_duration(*waited)
+    )]
+    NoAnswer {
+        /// The connection string of the silent connection, password masked.
+        server: String,
+        /// How long it waited for the answer.
+        waited: std::time::Duration,
+    },
     /// A statement failed because the prepared statement it ran on was missing, or its name
     /// was taken, on the server connection it reached: what a transaction pooler (PgBouncer in
     /// `pool_mode = transaction`) does to a client that keeps statements prepared from one
@@ -160,6 +177,7 @@ impl StoreError {
             StoreError::Query(E::DatabaseError(K::ReadOnlyTransaction, _)) => true,
             StoreError::Query(_)
             | StoreError::Pool(_)
+            | StoreError::NoAnswer { .. }
             | StoreError::Connect(_)
             | StoreError::Migration(_)
             | StoreError::NoDatabase { .. }
@@ -178,7 +196,10 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
         match self {
-            StoreError::Pool(_) | StoreError::Connect(_) | StoreError::BehindTransactionPooler(_) => true,
+            StoreError::Pool(_)
+            | StoreError::Connect(_)
+            | StoreError::NoAnswer { .. }
+            | StoreError::BehindTransactionPooler(_) => true,
             StoreError::Query(e) => match e {
                 // diesel-async reports a connection that died mid-statement as
                 // `UnableToSendCommand` ("connection closed"): the next checkout gets a new one.
@@ -277,10 +298,12 @@ impl From<RunError> for StoreError {
 /// [`PublishError::Permanent`] are the message's: they spend one of its attempts.
 /// [`PublishError::Unavailable`] is the sink's: the message is put back untouched and the
 /// dispatcher pauses until the sink is back, so an outage of any length costs no attempt.
+/// [`PublishError::Refused`] is the sink's too (a full queue): the message is put back
+/// untouched and the dispatcher slows down until the sink takes messages again.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PublishError {
-    /// A transient failure (timeout, broker nack, lost connection): retried after a full-jitter
+    /// A transient failure of the message (a timeout, a missing exchange): retried after a full-jitter
     /// backoff, dead once the row's attempts reach the maximum.
     #[error("retryable: {0}")]
     Retryable(String),
@@ -292,6 +315,17 @@ pub enum PublishError {
     /// the same id.
     #[error("sink unavailable: {0}")]
     Unavailable(String),
+    /// The sink refused the message for now, for its own sake rather than the message's: a
+    /// broker's nack (RabbitMQ nacks a publish that a queue at its length limit with
+    /// `overflow=reject-publish` turns away, or that a queue cannot take for a reason of its
+    /// own). Pushback, as a blocked broker is: the row goes back to pending after about a second
+    /// with its attempt refunded (never dead, however long the refusals last), and the
+    /// dispatcher slows its claims while refusals go on, with or without
+    /// [`DispatcherConfig::max_rate`](crate::DispatcherConfig::max_rate), speeding up again as
+    /// soon as the sink takes messages. A message the broker returns as unroutable is
+    /// [`PublishError::Permanent`], not this: it is about the message.
+    #[error("refused for now: {0}")]
+    Refused(String),
     /// A failure that will not heal by retrying (unroutable, rejected): dead at once.
     #[error("permanent: {0}")]
     Permanent(String),
@@ -311,7 +345,10 @@ impl PublishError {
     /// Whether the row is tried again (after a backoff or a deferral).
     pub fn will_retry(&self) -> bool {
         match self {
-            PublishError::Retryable(_) | PublishError::Unavailable(_) | PublishError::Defer { .. } => true,
+            PublishError::Retryable(_)
+            | PublishError::Unavailable(_)
+            | PublishError::Refused(_)
+            | PublishError::Defer { .. } => true,
             PublishError::Permanent(_) => false,
         }
     }
@@ -321,7 +358,10 @@ impl PublishError {
     pub fn is_unavailable(&self) -> bool {
         match self {
             PublishError::Unavailable(_) => true,
-            PublishError::Retryable(_) | PublishError::Permanent(_) | PublishError::Defer { .. } => false,
+            PublishError::Retryable(_)
+            | PublishError::Refused(_)
+            | PublishError::Permanent(_)
+            | PublishError::Defer { .. } => false,
         }
     }
 
@@ -329,7 +369,7 @@ impl PublishError {
     pub fn spends_attempt(&self) -> bool {
         match self {
             PublishError::Retryable(_) | PublishError::Permanent(_) => true,
-            PublishError::Unavailable(_) | PublishError::Defer { .. } => false,
+            PublishError::Unavailable(_) | PublishError::Refused(_) | PublishError::Defer { .. } => false,
         }
     }
 }

@@ -135,10 +135,10 @@ pub mod admin {
     pub use crate::error::EraseError;
     pub use crate::model::{OutboxRow, Status, UnknownStatus};
     pub use crate::store::{
-        BlockedAggregate, Erasure, MIGRATIONS, Overview, SKIPPED_PREFIX, Stats, blocked_aggregates,
+        BlockedAggregate, Erasure, MIGRATIONS, Overview, PurgeStretch, SKIPPED_PREFIX, Stats, blocked_aggregates,
         blocked_aggregates_count, check_connection, connect, dead_available_at, dead_list, dead_retry, dead_retry_all,
         dead_skip, ensure_database, ensure_fifo_index, ensure_schema, erase, migrate_blocking, outbox_schemas,
-        outbox_source, overview, pending_migrations, purge_done, stats,
+        outbox_source, overview, pending_migrations, purge_done, purge_done_batch, stats,
     };
 }
 

@@ -27,11 +27,12 @@
 //! | `outbox_finalize_errors_total` | counter | | finalize statements that failed after every retry (their rows wait for lease expiry) |
 //! | `outbox_finalize_retries_total` | counter | | finalize statements retried after a transient database failure |
 //! | `outbox_sink_outages_total` | counter | | times claiming paused because the sink became unavailable |
+//! | `outbox_publish_refused_total` | counter | | publishes the sink refused for now (a broker's nack: a queue at its length limit with `overflow=reject-publish`); their rows went back to pending, attempt refunded, and claims slowed (see `outbox_pace_rate`) |
 //! | `outbox_in_flight` | gauge | | rows claimed and not yet finalized |
 //! | `outbox_in_flight_bytes` | gauge | | their payload bytes |
 //! | `outbox_in_flight_limit` | gauge | | rows the dispatcher keeps in flight at most now: between one worker's `max_in_flight` and all the workers', found from the sink's answer times |
 //! | `outbox_max_rate` | gauge | | the cap on messages a second, 0 when not paced |
-//! | `outbox_pace_rate` | gauge | | the pace now: the cap, or less while the broker pushes back; 0 when not paced |
+//! | `outbox_pace_rate` | gauge | | the pace now: the cap, or less while the broker pushes back; without a cap, the pace a nacking broker holds the dispatcher to, 0 when not paced |
 //! | `outbox_sink_up` | gauge | | 1 while the sink says it is up and the sink gate is open, else 0 |
 //! | `outbox_claiming_paused` | gauge | | 1 while the sink gate holds claiming back (sink unavailable or being probed), else 0 |
 //! | `outbox_publish_seconds` | histogram | | from the sink call to its answer (not a panic nor a publish timeout) |
@@ -42,6 +43,7 @@
 //! | `outbox_expired_leases` | gauge | | `processing` rows whose lease ran out (sampled) |
 //! | `outbox_blocked_aggregates` | gauge | | aggregates held back by a dead head, under the FIFO gate only (sampled) |
 //! | `outbox_table_sample_errors_total` | counter | | table samples that failed on the database |
+//! | `outbox_table_sample_age_seconds` | gauge | | how old the sampled gauges are: seconds since the last table sample that answered (it grows while the database does not answer; the sampled gauges are that old) |
 //!
 //! Each series is described (its `# HELP` line in Prometheus) to the recorder installed when a
 //! supervisor starts; install the recorder first.
@@ -154,6 +156,9 @@ counters! {
     finalize_retries: counter("outbox_finalize_retries_total", &[]),
     /// Times claiming paused because the sink became unavailable.
     sink_outages: counter("outbox_sink_outages_total", &[]),
+    /// Publishes the sink refused for now (a broker's nack); their rows went back to pending,
+    /// attempt refunded.
+    refused: counter("outbox_publish_refused_total", &[]),
     /// Payload bytes held claimed right now (a gauge: it goes down as publishes finish).
     in_flight_bytes: gauge("outbox_in_flight_bytes"),
     /// Rows held claimed right now, not yet finalized (a gauge).
@@ -214,6 +219,7 @@ impl Metrics {
         }
         metrics::gauge!("outbox_oldest_unfinished_age_seconds", self.labels.iter()).increment(0.0);
         metrics::gauge!("outbox_expired_leases", self.labels.iter()).increment(0.0);
+        metrics::gauge!("outbox_table_sample_age_seconds", self.labels.iter()).increment(0.0);
     }
 
     /// `outbox_publish_seconds`.
@@ -253,9 +259,15 @@ impl Metrics {
         metrics::gauge!("outbox_oldest_unfinished_age_seconds", self.labels.iter())
             .set(sample.oldest.unwrap_or(0.0).max(0.0));
         metrics::gauge!("outbox_expired_leases", self.labels.iter()).set(sample.expired as f64);
+        self.sample_age(std::time::Duration::ZERO);
         if let Some(blocked) = blocked {
             metrics::gauge!("outbox_blocked_aggregates", self.labels.iter()).set(blocked as f64);
         }
+    }
+
+    /// `outbox_table_sample_age_seconds`.
+    pub(crate) fn sample_age(&self, age: std::time::Duration) {
+        metrics::gauge!("outbox_table_sample_age_seconds", self.labels.iter()).set(age.as_secs_f64());
     }
 
     /// `outbox_table_sample_errors_total`.
@@ -314,6 +326,12 @@ const HELP: &[(&str, MetricKind, &str)] = &[
         "Finalize statements retried after a transient database failure.",
     ),
     ("outbox_sink_outages_total", MetricKind::Counter, "Times claiming paused because the sink became unavailable."),
+    (
+        "outbox_publish_refused_total",
+        MetricKind::Counter,
+        "Publishes the sink refused for now (a broker's nack, as from a queue at its length limit with \
+         reject-publish); their rows went back to pending, attempt refunded.",
+    ),
     ("outbox_in_flight", MetricKind::Gauge, "Rows claimed and not yet finalized."),
     ("outbox_in_flight_bytes", MetricKind::Gauge, "Payload bytes of the rows claimed and not yet finalized."),
     (
@@ -353,6 +371,11 @@ const HELP: &[(&str, MetricKind, &str)] = &[
         "Aggregates held back by a dead head, under the FIFO gate only (sampled).",
     ),
     ("outbox_table_sample_errors_total", MetricKind::Counter, "Table samples that failed on the database."),
+    (
+        "outbox_table_sample_age_seconds",
+        MetricKind::Gauge,
+        "Seconds since the last table sample that answered: how old the sampled gauges are.",
+    ),
 ];
 
 /// The kind of a series, for [`HELP`].

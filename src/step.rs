@@ -1,12 +1,15 @@
 //! The state machine's publish edges: from a publish outcome to the row's next state. One pure function, shared by the finalize actor and by anyone driving the store by
 //! hand.
 
-use crate::backoff::full_jitter;
+use crate::backoff::{full_jitter, half_jitter};
 use crate::config::DispatcherConfig;
 use crate::error::PublishError;
 use crate::model::{Fence, OutboxMessage};
 use crate::publisher::PublishResult;
 use crate::store::{Bury, Reschedule};
+
+/// How long a row the sink refused waits before it is claimable again (half-jittered below).
+const REFUSED_PAUSE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The fenced write a publish outcome calls for.
 #[derive(Debug, Clone, PartialEq)]
@@ -37,6 +40,9 @@ impl Step {
 ///   attempts have reached `max_attempts`;
 /// - [`PublishError::Unavailable`] → pending at once with the attempt refunded (an outage is
 ///   not the message's fault, whatever its length);
+/// - [`PublishError::Refused`] → pending after about a second (0.5 to 1 s) with the attempt
+///   refunded (a full queue is not the message's fault either; the pause keeps a refused row
+///   from coming straight back to a queue that is still full);
 /// - [`PublishError::Defer`] → pending after the delay with the attempt refunded, or dead when
 ///   the row is older than `max_defer_age` (decided in SQL, on the database clock).
 ///
@@ -67,6 +73,13 @@ pub fn decide(message: &OutboxMessage, outcome: &PublishResult, config: &Dispatc
             dead_if_older_than: None,
         }),
         Err(PublishError::Unavailable(e)) => release(fence, format!("sink unavailable: {e}")),
+        Err(PublishError::Refused(e)) => Step::Reschedule(Reschedule {
+            fence,
+            delay: half_jitter(0, REFUSED_PAUSE, REFUSED_PAUSE),
+            error: format!("refused by the sink: {e}"),
+            refund_attempt: true,
+            dead_if_older_than: None,
+        }),
         Err(PublishError::Defer { delay, reason }) => Step::Reschedule(Reschedule {
             fence,
             delay: *delay,

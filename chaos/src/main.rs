@@ -276,7 +276,10 @@ async fn drive(
     }
 
     let log: world::Log = Default::default();
-    let consumer = tokio::spawn(world::consume(world.broker.url.clone(), world.queue.clone(), log.clone(), started));
+    // A full queue stops the consumer for its duration.
+    let (pause, paused) = watch::channel(false);
+    let consumer =
+        tokio::spawn(world::consume(world.broker.url.clone(), world.queue.clone(), log.clone(), started, paused));
     let (stop_tx, stop_rx) = watch::channel(false);
     let (poison_tx, poison_rx) = mpsc::unbounded_channel();
     let producer = tokio::spawn(world::produce(
@@ -296,9 +299,16 @@ async fn drive(
         let poison = poison_tx.clone();
         let url = world.url.clone();
         let cluster = cluster.clone();
+        let pause = pause.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until((started + fault.at).into()).await;
-            let ctx = Context { requests: &poison, url: &url, stop_allowance: lease + publish_timeout, cluster };
+            let ctx = Context {
+                requests: &poison,
+                url: &url,
+                stop_allowance: lease + publish_timeout,
+                cluster,
+                pause: &pause,
+            };
             inflict(index, &fault, &slot, &others, &ctx).await
         }));
     }
@@ -415,6 +425,8 @@ struct Context<'a> {
     stop_allowance: Duration,
     /// The run's cluster, with `--cluster`.
     cluster: Option<Cluster>,
+    /// Stops (`true`) and resumes the run's consumer.
+    pause: &'a watch::Sender<bool>,
 }
 
 /// Carries out fault `index` on `slot` and says how it went.
@@ -426,7 +438,7 @@ async fn inflict(index: usize, fault: &Fault, slot: &Arc<Slot>, others: &[Arc<Sl
         Service::Db => &slot.db,
         Service::Broker => &slot.broker,
     };
-    let on_db = |kind: Kind| matches!(kind, Kind::Cut(Service::Db) | Kind::Blackhole { service: Service::Db, .. });
+    let on_db = |kind: Kind| kind.holds_db();
     if on_db(fault.kind) {
         slot.db_faulted.store(true, Ordering::Relaxed);
     }
@@ -533,6 +545,19 @@ async fn inflict(index: usize, fault: &Fault, slot: &Arc<Slot>, others: &[Arc<Sl
             proxy(service).slow_reads(Some(bytes_per_second));
             tokio::time::sleep(fault.duration).await;
             proxy(service).slow_reads(None);
+        }
+        Kind::Freeze(service) => {
+            let p = proxy(service);
+            p.freeze();
+            tokio::time::sleep(fault.duration).await;
+            p.thaw();
+            out.note = "the connections open then frozen, thawed at the end".into();
+        }
+        Kind::FullQueue => {
+            let _ = ctx.pause.send(true);
+            tokio::time::sleep(fault.duration).await;
+            let _ = ctx.pause.send(false);
+            out.note = format!("consumer stopped, queue capped at {}", plan::QUEUE_LIMIT);
         }
         Kind::Alarm => {
             slot.broker.amqp_block();

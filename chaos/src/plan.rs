@@ -85,6 +85,15 @@ pub enum Kind {
     Blackhole { service: Service, downstream_only: bool },
     /// Every chunk held back this long, both ways.
     Delay { service: Service, latency: Duration },
+    /// A grey failure: the connections to the service open at the start of the fault forward
+    /// nothing either way and stay open (no FIN, no RST), while new connections pass; thawed at
+    /// its end (a frozen VM that resumes).
+    Freeze(Service),
+    /// A grey failure: the run's queue, capped at [`QUEUE_LIMIT`] messages with
+    /// `x-overflow = reject-publish`, fills up because its consumer stops for the duration; the
+    /// broker nacks what it cannot take, until the consumer comes back and empties it. Every
+    /// process meets it at once.
+    FullQueue,
     /// Reads limited to this many bytes a second, both ways.
     Slow { service: Service, bytes_per_second: u32 },
     /// The broker's memory alarm, as `connection.blocked` from the proxy.
@@ -107,6 +116,15 @@ impl Kind {
         matches!(self, Kind::PoisonUnroutable | Kind::PoisonHeader)
     }
 
+    /// Whether the fault holds a process's database link (a process that exits 1 at start, or
+    /// leaves rows processing after SIGTERM, meanwhile is excused).
+    pub fn holds_db(self) -> bool {
+        matches!(
+            self,
+            Kind::Cut(Service::Db) | Kind::Blackhole { service: Service::Db, .. } | Kind::Freeze(Service::Db)
+        )
+    }
+
     /// Faults that act on the process itself: at most one at a time per process.
     fn on_process(self) -> bool {
         matches!(self, Kind::Kill | Kind::Stop | Kind::Term | Kind::StaleWake)
@@ -115,7 +133,9 @@ impl Kind {
     /// The proxy a network fault holds: at most one fault at a time per proxy.
     fn service(self) -> Option<Service> {
         match self {
-            Kind::Cut(s) | Kind::Blackhole { service: s, .. } | Kind::Delay { service: s, .. } => Some(s),
+            Kind::Cut(s) | Kind::Blackhole { service: s, .. } | Kind::Delay { service: s, .. } | Kind::Freeze(s) => {
+                Some(s)
+            }
             Kind::Slow { service: s, .. } => Some(s),
             Kind::Alarm => Some(Service::Broker),
             _ => None,
@@ -134,6 +154,8 @@ impl fmt::Display for Kind {
             Kind::Blackhole { service, downstream_only: false } => write!(f, "blackhole {service}"),
             Kind::Blackhole { service, downstream_only: true } => write!(f, "blackhole {service} replies"),
             Kind::Delay { service, latency } => write!(f, "delay {service} {}ms", latency.as_millis()),
+            Kind::Freeze(service) => write!(f, "freeze {service} link"),
+            Kind::FullQueue => write!(f, "full queue"),
             Kind::Slow { service, bytes_per_second } => write!(f, "slow {service} {}B/s", bytes_per_second),
             Kind::Alarm => write!(f, "broker alarm"),
             Kind::PoisonUnroutable => write!(f, "poison: unroutable"),
@@ -175,6 +197,15 @@ pub struct Shape {
 /// other node loss starts before.
 const NODE_BACK: Duration = Duration::from_secs(45);
 
+/// The run's queue holds this many messages at most, and turns the rest away
+/// (`x-overflow = reject-publish`): its consumer keeps it near empty, except during a
+/// [`Kind::FullQueue`].
+pub const QUEUE_LIMIT: i64 = 200;
+
+/// How long a full queue's consumer takes to empty it and be back before another full queue:
+/// none starts before.
+const QUEUE_BACK: Duration = Duration::from_secs(3);
+
 /// Draws one fault of a kind, and its duration, given the lease.
 type Draw = fn(&mut Rng, Duration) -> (Kind, Duration);
 
@@ -188,7 +219,7 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
     let ms = Duration::from_millis;
     // Weights: process faults and alarms most often, since they exercise the lease and the
     // blocked-broker protocol, the parts most worth breaking.
-    let menu: [(u32, Draw); 12] = [
+    let menu: [(u32, Draw); 14] = [
         (3, |r, lease| (Kind::StaleWake, lease + r.duration(Duration::from_millis(300), Duration::from_millis(500)))),
         (4, |r, _| (Kind::Kill, r.duration(Duration::from_millis(300), Duration::from_secs(3)))),
         (4, |r, lease| (Kind::Stop, lease + r.duration(Duration::from_millis(200), Duration::from_secs(3)))),
@@ -215,6 +246,9 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
         // A second SIGSTOP flavour: just past the lease, so that the takeover and the stale
         // process's wake-up race each other.
         (2, |r, lease| (Kind::Stop, lease + r.duration(Duration::from_millis(0), Duration::from_millis(400)))),
+        // Grey failures: a database link frozen past the query timeout (5 s), a full queue.
+        (2, |r, _| (Kind::Freeze(Service::Db), r.duration(Duration::from_secs(3), Duration::from_secs(12)))),
+        (2, |r, _| (Kind::FullQueue, r.duration(Duration::from_secs(2), Duration::from_secs(10)))),
     ];
     // Node losses only against a cluster, drawn after the menu's other faults: a seed without
     // `--cluster` replays the schedule it always did.
@@ -224,6 +258,7 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
     });
     let menu: Vec<(u32, Draw)> = menu.into_iter().chain(shape.cluster.then_some(node_loss)).collect();
     let mut node_busy = Duration::ZERO;
+    let mut queue_busy = Duration::ZERO;
     let total: u32 = menu.iter().map(|(w, _)| w).sum();
     // Busy until: per process, and per (process, service) proxy.
     let mut process_busy = vec![Duration::ZERO; shape.processes];
@@ -253,6 +288,8 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
                 true
             } else if matches!(kind, Kind::NodeLoss { .. }) {
                 node_busy <= at
+            } else if kind == Kind::FullQueue {
+                queue_busy <= at
             } else if kind == Kind::StaleWake {
                 process_busy[p] <= at && (0..shape.processes).all(|q| q == p || proxy_busy[q][1] <= at)
             } else if kind.on_process() {
@@ -276,6 +313,8 @@ pub fn schedule(seed: u64, shape: &Shape) -> Vec<Fault> {
         }
         if matches!(kind, Kind::NodeLoss { .. }) {
             node_busy = at + duration + NODE_BACK;
+        } else if kind == Kind::FullQueue {
+            queue_busy = at + duration + QUEUE_BACK;
         } else if kind.on_process() {
             process_busy[process] = busy_until;
         } else if let Some(service) = kind.service() {
@@ -344,8 +383,17 @@ impl Window {
             }
             // A graceful stop finishes and finalizes what it started.
             Kind::Term => 0,
-            // Confirms or finalizes lost with the connection, or leases run out meanwhile.
-            Kind::Cut(_) | Kind::Blackhole { service: Service::Db, .. } => w,
+            // Confirms or finalizes lost with the connection, or leases run out meanwhile. A
+            // frozen database link is given up at the query timeout; what it held is handed
+            // back or finalized on a fresh connection, within the lease as a rule.
+            Kind::Cut(_) | Kind::Blackhole { service: Service::Db, .. } | Kind::Freeze(Service::Db) => w,
+            // A frozen broker link looks down once it confirmed nothing for its unresponsive
+            // time; what it held is published again on a new link.
+            Kind::Freeze(Service::Broker) => w,
+            // A nacked message is not in the queue: sent again, it arrives once. A channel
+            // whose first answer is a nack is replaced (see the sink), and what was in flight on
+            // it is published again: one window a process.
+            Kind::FullQueue => w * processes as u64,
             // The sink still says it is up until it has heard nothing for its unresponsive
             // time: meanwhile each publish times out and is sent again once per publish
             // timeout, and the proxy delivers every copy it held (or the broker got) when the
@@ -405,6 +453,21 @@ mod tests {
             losses += nodes.len();
         }
         assert!(losses >= 50, "{losses} node losses in 50 schedules");
+    }
+
+    #[test]
+    fn grey_faults_are_in_the_mix_and_full_queues_come_one_at_a_time() {
+        let (mut freezes, mut full) = (0, 0);
+        for seed in 0..50 {
+            let faults = schedule(seed, &shape());
+            freezes += faults.iter().filter(|f| f.kind == Kind::Freeze(Service::Db)).count();
+            let queues: Vec<&Fault> = faults.iter().filter(|f| f.kind == Kind::FullQueue).collect();
+            for pair in queues.windows(2) {
+                assert!(pair[0].at + pair[0].duration + QUEUE_BACK <= pair[1].at, "seed {seed}: {pair:?}");
+            }
+            full += queues.len();
+        }
+        assert!(freezes >= 50 && full >= 50, "{freezes} frozen links and {full} full queues in 50 schedules");
     }
 
     #[test]

@@ -115,6 +115,10 @@ impl World {
         let mut arguments = FieldTable::default();
         // A safety net for a run killed before its cleanup: the broker drops the queue itself.
         arguments.insert("x-expires".into(), AMQPValue::LongInt(3_600_000));
+        // A cap with reject-publish, as teams cap a queue whose consumer may fall behind: the
+        // consumer keeps it near empty, and a full queue (its consumer stopped) nacks.
+        arguments.insert("x-max-length".into(), AMQPValue::LongLongInt(crate::plan::QUEUE_LIMIT));
+        arguments.insert("x-overflow".into(), AMQPValue::LongString("reject-publish".into()));
         if broker.quorum {
             arguments.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
         }
@@ -305,36 +309,78 @@ pub struct Delivery {
 pub type Log = Arc<Mutex<Vec<Delivery>>>;
 
 /// Consumes the run's queue on a direct connection (no proxy, no fault) until dropped,
-/// appending each delivery to `log`. An error ends the run: its record would be incomplete.
-pub async fn consume(broker: String, queue: String, log: Log, started: Instant) -> Result<(), String> {
+/// appending each delivery to `log`; while `paused` says so (a full queue), it consumes
+/// nothing. An error ends the run: its record would be incomplete.
+pub async fn consume(
+    broker: String,
+    queue: String,
+    log: Log,
+    started: Instant,
+    mut paused: watch::Receiver<bool>,
+) -> Result<(), String> {
     let conn = Connection::connect(&broker, ConnectionProperties::default()).await.map_err(|e| e.to_string())?;
     let channel = conn.create_channel().await.map_err(|e| e.to_string())?;
     let options = BasicConsumeOptions { no_ack: true, ..BasicConsumeOptions::default() };
-    let mut consumer = channel
-        .basic_consume(queue.as_str().into(), "chaos-consumer".into(), options, FieldTable::default())
-        .await
-        .map_err(|e| e.to_string())?;
-    while let Some(delivery) = consumer.next().await {
-        let delivery = delivery.map_err(|e| format!("consumer: {e}"))?;
-        let p = &delivery.properties;
-        let Some(id) = p.message_id().as_ref().and_then(|m| m.as_str().parse().ok()) else {
-            return Err(format!("a delivery without a numeric message_id: {p:?}"));
+    let start = async |generation: u32| {
+        let tag = format!("chaos-consumer-{generation}");
+        channel
+            .basic_consume(queue.as_str().into(), tag.as_str().into(), options, FieldTable::default())
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let mut generation = 0;
+    let mut consumer = start(generation).await?;
+    loop {
+        let delivery = tokio::select! {
+            delivery = consumer.next() => delivery,
+            changed = paused.changed() => {
+                if changed.is_err() || !*paused.borrow_and_update() {
+                    continue;
+                }
+                // Stop consuming (what was delivered, unacknowledged-free, is logged as it
+                // arrives), then wait to be resumed with a consumer of a new tag.
+                let tag = format!("chaos-consumer-{generation}");
+                channel.basic_cancel(tag.as_str().into(), Default::default()).await.map_err(|e| e.to_string())?;
+                // Whatever the broker delivered before it took the cancel.
+                while let Ok(Some(delivery)) = tokio::time::timeout(Duration::from_millis(200), consumer.next()).await {
+                    record(&log, started, delivery.map_err(|e| format!("consumer: {e}"))?)?;
+                }
+                while *paused.borrow_and_update() {
+                    if paused.changed().await.is_err() {
+                        break;
+                    }
+                }
+                generation += 1;
+                consumer = start(generation).await?;
+                continue;
+            }
         };
-        let header = |name: &str| p.headers().as_ref().and_then(|h| h.inner().get(name).cloned());
-        let attempt = header("x-attempt").and_then(|v| match v {
-            AMQPValue::LongInt(n) => Some(i64::from(n)),
-            AMQPValue::LongLongInt(n) => Some(n),
-            _ => None,
-        });
-        let source = header("x-outbox-source").map(|v| match v {
-            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-            AMQPValue::ShortString(s) => s.as_str().to_owned(),
-            other => format!("{other:?}"),
-        });
-        let at = started.elapsed().as_secs_f64();
-        log.lock().unwrap_or_else(|e| e.into_inner()).push(Delivery { id, attempt, source, at });
+        let Some(delivery) = delivery else { break };
+        record(&log, started, delivery.map_err(|e| format!("consumer: {e}"))?)?;
     }
     Err("the consumer's stream ended".into())
+}
+
+/// Appends one delivery to `log`.
+fn record(log: &Log, started: Instant, delivery: lapin::message::Delivery) -> Result<(), String> {
+    let p = &delivery.properties;
+    let Some(id) = p.message_id().as_ref().and_then(|m| m.as_str().parse().ok()) else {
+        return Err(format!("a delivery without a numeric message_id: {p:?}"));
+    };
+    let header = |name: &str| p.headers().as_ref().and_then(|h| h.inner().get(name).cloned());
+    let attempt = header("x-attempt").and_then(|v| match v {
+        AMQPValue::LongInt(n) => Some(i64::from(n)),
+        AMQPValue::LongLongInt(n) => Some(n),
+        _ => None,
+    });
+    let source = header("x-outbox-source").map(|v| match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        other => format!("{other:?}"),
+    });
+    let at = started.elapsed().as_secs_f64();
+    log.lock().unwrap_or_else(|e| e.into_inner()).push(Delivery { id, attempt, source, at });
+    Ok(())
 }
 
 /// One row as the run leaves it.

@@ -177,8 +177,11 @@ pub(super) async fn list(args: DeadListArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     // One row more than asked tells whether the list was cut.
-    let mut rows =
-        actix_outbox::admin::dead_list(&mut conn, args.limit + 1).await.map_err(|e| CliError::store(&url, e))?;
+    let mut rows = args
+        .database
+        .answered(&url, actix_outbox::admin::dead_list(&mut conn, args.limit + 1))
+        .await?
+        .map_err(|e| CliError::store(&url, e))?;
     let more = rows.len() as i64 > args.limit;
     rows.truncate(args.limit as usize);
     if args.json {
@@ -224,7 +227,11 @@ pub(super) async fn blocked(args: DeadBlockedArgs) -> Result<(), CliError> {
     let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let view = BlockedView::read(&mut conn, &fifo, args.limit).await.map_err(|e| CliError::store(&url, e))?;
+    let view = args
+        .database
+        .answered(&url, BlockedView::read(&mut conn, &fifo, args.limit))
+        .await?
+        .map_err(|e| CliError::store(&url, e))?;
     if args.json {
         println!("{}", serde_json::to_string(&view.blocked_aggregates).expect("blocked aggregates serialize"));
         return Ok(());
@@ -302,11 +309,15 @@ pub(super) async fn retry(args: DeadRetryArgs) -> Result<(), CliError> {
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
     if args.all {
-        let ids = actix_outbox::admin::dead_retry_all(&mut conn).await.map_err(|e| CliError::store(&url, e))?;
+        let ids = args
+            .database
+            .answered(&url, actix_outbox::admin::dead_retry_all(&mut conn))
+            .await?
+            .map_err(|e| CliError::store(&url, e))?;
         println!("retried {} (now pending, attempts reset)", rows(ids.len()));
         return Ok(());
     }
-    let changed = all_or_nothing(&mut conn, &url, &args.ids, Repair::Retry).await?;
+    let changed = args.database.answered(&url, all_or_nothing(&mut conn, &url, &args.ids, Repair::Retry)).await??;
     println!("retried {} (now pending, attempts reset): {}", rows(changed.len()), id_list(&changed));
     Ok(())
 }
@@ -318,7 +329,8 @@ pub(super) async fn skip(args: DeadSkipArgs) -> Result<(), CliError> {
     }
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let changed = all_or_nothing(&mut conn, &url, &args.ids, Repair::Skip { reason }).await?;
+    let changed =
+        args.database.answered(&url, all_or_nothing(&mut conn, &url, &args.ids, Repair::Skip { reason })).await??;
     println!("skipped {} (now done): {}", rows(changed.len()), id_list(&changed));
     Ok(())
 }

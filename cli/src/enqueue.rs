@@ -90,24 +90,22 @@ pub(super) async fn enqueue(args: EnqueueArgs) -> Result<(), CliError> {
         Err(_) => return Err(CliError::BadInput("--delay is too long".into())),
     };
     // In a transaction, as a producer's insert is, so that it works through a transaction pooler.
-    let id = conn
-        .transaction::<_, StoreError, _>(async |tx| {
-            let event = match delay {
-                Some(delay) => {
-                    // The database's clock, which the claim compares `available_at` with.
-                    let now: DateTime<Utc> =
-                        diesel::select(diesel::dsl::now.into_sql::<Timestamptz>()).get_result(tx).await?;
-                    let at = now.checked_add_signed(delay).ok_or_else(|| {
-                        StoreError::InvalidEvent("--delay reaches past the latest time there is".into())
-                    })?;
-                    event.clone().not_before(at)
-                }
-                None => event.clone(),
-            };
-            actix_outbox::enqueue(tx, &event).await
-        })
-        .await
-        .map_err(|e| CliError::store(&url, e))?;
+    let transaction = conn.transaction::<_, StoreError, _>(async |tx| {
+        let event = match delay {
+            Some(delay) => {
+                // The database's clock, which the claim compares `available_at` with.
+                let now: DateTime<Utc> =
+                    diesel::select(diesel::dsl::now.into_sql::<Timestamptz>()).get_result(tx).await?;
+                let at = now
+                    .checked_add_signed(delay)
+                    .ok_or_else(|| StoreError::InvalidEvent("--delay reaches past the latest time there is".into()))?;
+                event.clone().not_before(at)
+            }
+            None => event.clone(),
+        };
+        actix_outbox::enqueue(tx, &event).await
+    });
+    let id = args.database.answered(&url, transaction).await?.map_err(|e| CliError::store(&url, e))?;
     println!("{id}");
     Ok(())
 }

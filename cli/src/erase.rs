@@ -92,7 +92,7 @@ pub(super) async fn erase(args: EraseArgs) -> Result<(), CliError> {
     let Aggregate { aggregate_type, aggregate_id } = &args.aggregate;
     let deadline = args.wait.map(|w| Instant::now() + Duration::from(w));
     let (outbox, inbox) = loop {
-        match erase_once(&mut conn, aggregate_type, aggregate_id).await {
+        match args.database.answered(&url, erase_once(&mut conn, aggregate_type, aggregate_id)).await? {
             Ok(done) => break done,
             Err(e @ EraseError::InFlight { .. }) => match deadline {
                 Some(deadline) if Instant::now() + RETRY_EVERY <= deadline => tokio::time::sleep(RETRY_EVERY).await,

@@ -281,6 +281,12 @@ impl CliError {
             StoreError::Connect(cause) => {
                 CliError::Failed(format!("cannot connect to PostgreSQL at {url}: {}", with_causes(cause.as_ref())))
             }
+            StoreError::NoAnswer { waited, .. } => CliError::Failed(format!(
+                "PostgreSQL at {url} did not answer within {} (--query-timeout): a silent link (a frozen host, a \
+                 dropped NAT or load-balancer state, a hung pooler), or statements slower than that; the connection \
+                 was given up",
+                humantime::format_duration(*waited)
+            )),
             _ if e.is_missing_outbox() => CliError::Failed(format!(
                 "the database at {url} has no outbox table: run `actix-outbox migrate --database-url '{url}'` first"
             )),
@@ -304,6 +310,18 @@ pub struct DatabaseArgs {
     /// The schema whose outbox (or inbox) to act on, for a database that keeps one a schema (one a tenant, one a module): every connection's search_path is set to it (the `options` startup parameter). Default: the URL's own search_path (`public`). Not through a transaction pooler, which refuses that parameter: there, give each tenant a role whose search_path is its schema
     #[arg(long, env = "DATABASE_SCHEMA", value_name = "NAME")]
     pub schema: Option<String>,
+    /// How long PostgreSQL may take to answer one unit of work (a claim, a finalize, a sample, a console page; a one-shot command's statements; a batch of `purge`) before the connection is given up and the work failed (`run` retries it on a fresh connection): what notices a link that went silent without closing. Raise it where statements are legitimately slow (a big table, lock waits); migrations have none
+    #[arg(long, env = "DATABASE_QUERY_TIMEOUT", value_name = "DURATION", default_value = "5s", value_parser = query_timeout)]
+    pub query_timeout: humantime::Duration,
+}
+
+/// `--query-timeout`: a duration of 100 ms at least.
+fn query_timeout(s: &str) -> Result<humantime::Duration, String> {
+    let d: humantime::Duration = s.parse().map_err(|e| format!("{e}"))?;
+    if std::time::Duration::from(d) < std::time::Duration::from_millis(100) {
+        return Err("must be at least 100ms".into());
+    }
+    Ok(d)
 }
 
 impl DatabaseArgs {
@@ -361,11 +379,26 @@ impl DatabaseArgs {
     /// A pool of `size` connections as these flags say.
     async fn pool(&self, size: u32) -> Result<PgPool, CliError> {
         let url = self.url()?;
-        let mut config = PoolConfig::new(url.expose()).size(size).pooler(self.pooler);
+        let mut config =
+            PoolConfig::new(url.expose()).size(size).pooler(self.pooler).query_timeout(self.query_timeout.into());
         if let Some(direct) = self.direct_url()? {
             config = config.direct_url(direct.expose());
         }
         config.connect().await.map_err(|e| CliError::store(&url, e))
+    }
+
+    /// `work` (a one-shot command's statements on its connection to `url`), given up when the
+    /// database has not answered it within `--query-timeout`: the command then fails with an
+    /// error naming the server, rather than wait for ever on a silent link.
+    async fn answered<T>(
+        &self,
+        url: &ConnectionString,
+        work: impl std::future::Future<Output = T>,
+    ) -> Result<T, CliError> {
+        let limit = std::time::Duration::from(self.query_timeout);
+        tokio::time::timeout(limit, work)
+            .await
+            .map_err(|_| CliError::store(url, StoreError::NoAnswer { server: url.to_string(), waited: limit }))
     }
 
     /// Where work that needs a session of its own connects: the direct URL, or the database
@@ -507,6 +540,7 @@ mod tests {
             pooler: Pooler::None,
             direct_url: None,
             schema: None,
+            query_timeout: "5s".parse().unwrap(),
         };
         for (url, masked) in [
             ("postgres://app:s3cret@db:5432/app", "postgres://app:***@db:5432/app"),

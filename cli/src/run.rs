@@ -399,7 +399,10 @@ async fn prepare(
 ) -> Result<Prepared, CliError> {
     let url = database.url()?;
     let mut conn = connect(&url).await?;
-    let pending = actix_outbox::admin::pending_migrations(url.expose()).await.map_err(|e| CliError::store(&url, e))?;
+    let pending = database
+        .answered(&url, actix_outbox::admin::pending_migrations(url.expose()))
+        .await?
+        .map_err(|e| CliError::store(&url, e))?;
     if !pending.is_empty() {
         let schema = database.schema.as_deref().map(|s| format!(" --schema {s}")).unwrap_or_default();
         return Err(CliError::Failed(format!(
@@ -410,8 +413,8 @@ async fn prepare(
     }
     let mut config = config.clone();
     if config.source.is_none() {
-        config.source =
-            Some(actix_outbox::admin::outbox_source(&mut conn).await.map_err(|e| CliError::store(&url, e))?);
+        let source = database.answered(&url, actix_outbox::admin::outbox_source(&mut conn)).await?;
+        config.source = Some(source.map_err(|e| CliError::store(&url, e))?);
     }
     drop(conn);
     if let Some(name) = &name {
@@ -425,7 +428,10 @@ async fn prepare(
 async fn discover(database: &DatabaseArgs, pattern: &str) -> Result<Vec<String>, CliError> {
     let url = database.url()?;
     let mut conn = connect(&url).await?;
-    actix_outbox::admin::outbox_schemas(&mut conn, pattern).await.map_err(|e| CliError::store(&url, e))
+    database
+        .answered(&url, actix_outbox::admin::outbox_schemas(&mut conn, pattern))
+        .await?
+        .map_err(|e| CliError::store(&url, e))
 }
 
 impl RunArgs {

@@ -141,15 +141,16 @@ async fn not_ready(state: &State) -> Option<String> {
 async fn outbox_not_ready(state: &State, outbox: &Relayed) -> Option<String> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let pool = outbox.pool.clone();
+    // The check itself runs to its end, bounded by the pool's query timeout, which drops a
+    // connection that misses it: cut short here, a silent connection would go back to the pool.
     state.home.spawn(async move {
-        let answer = tokio::time::timeout(PROBE_TIMEOUT, actix_outbox::admin::check_connection(&pool)).await;
-        let _ = tx.send(answer);
+        let _ = tx.send(actix_outbox::admin::check_connection(&pool).await);
     });
-    match rx.await {
+    match tokio::time::timeout(PROBE_TIMEOUT, rx).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => return Some(format!("the database does not answer: {}", crate::one_line(&e.to_string()))),
-        Ok(Err(_)) => return Some(format!("the database did not answer within {PROBE_TIMEOUT:?}")),
-        Err(_) => return Some("the dispatcher's arbiter is gone".to_owned()),
+        Err(_) => return Some(format!("the database did not answer within {PROBE_TIMEOUT:?}")),
+        Ok(Err(_)) => return Some("the dispatcher's arbiter is gone".to_owned()),
     }
     match tokio::time::timeout(PROBE_TIMEOUT, outbox.supervisor.send(GetHealth)).await {
         Ok(Ok(health)) => health.not_ready_reason(),

@@ -62,7 +62,11 @@ pub(super) async fn stats(args: StatsArgs) -> Result<(), CliError> {
     let fifo = args.fifo.fifo()?;
     let url = args.database.url()?;
     let mut conn = connect(&url).await?;
-    let report = StatsReport::read(&mut conn, &fifo).await.map_err(|e| CliError::store(&url, e))?;
+    let report = args
+        .database
+        .answered(&url, StatsReport::read(&mut conn, &fifo))
+        .await?
+        .map_err(|e| CliError::store(&url, e))?;
     if args.json {
         println!("{}", serde_json::to_string(&report).expect("stats serialize"));
     } else {

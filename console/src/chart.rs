@@ -87,10 +87,7 @@ pub(crate) async fn sample(config: Config, shared: Weak<Shared>) {
 }
 
 async fn sample_once(config: &Config, shared: &Arc<Shared>) {
-    let overview = async {
-        let mut conn = config.pool.get().await.map_err(|e| e.to_string())?;
-        query::overview(&mut conn).await.map_err(|e| e.to_string())
-    };
+    let overview = config.pool.run(async |conn| query::overview(conn).await);
     let overview = match overview.await {
         Ok(overview) => overview,
         Err(e) => {

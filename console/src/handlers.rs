@@ -76,20 +76,18 @@ pub(crate) async fn overview(req: HttpRequest, console: Data) -> HttpResponse {
     let base = base(&req, 0);
     let csrf = session(&req, &console);
     let fifo = console.config.fifo.clone();
-    let (table, blocked) = match console.config.pool.get().await {
-        Ok(mut conn) => {
-            let table = query::overview(&mut conn).await.map_err(one_line);
-            let blocked = if fifo.is_on() {
-                Some(actix_outbox::admin::blocked_aggregates_count(&mut conn, &fifo).await.map_err(one_line))
-            } else {
-                None
-            };
-            (table, blocked)
-        }
-        Err(e) => {
-            let why = format!("no database connection: {}", one_line(e));
-            (Err(why.clone()), fifo.is_on().then_some(Err(why)))
-        }
+    // Each read within the pool's query timeout: a database that does not answer shows as such
+    // rather than holding the page.
+    let pool = &console.config.pool;
+    let table = pool.run(async |conn| query::overview(conn).await).await.map_err(one_line);
+    let blocked = if fifo.is_on() {
+        Some(
+            pool.run(async |conn| actix_outbox::admin::blocked_aggregates_count(conn, &fifo).await)
+                .await
+                .map_err(one_line),
+        )
+    } else {
+        None
     };
     let health = match &console.config.supervisor {
         None => None,
@@ -120,10 +118,7 @@ pub(crate) async fn outboxes(req: HttpRequest, mount: web::Data<Mount>) -> HttpR
     };
     let mut lines = Vec::new();
     for (name, slug, console) in consoles.all() {
-        let table = match console.config.pool.get().await {
-            Ok(mut conn) => query::overview(&mut conn).await.map_err(one_line),
-            Err(e) => Err(format!("no database connection: {}", one_line(e))),
-        };
+        let table = console.config.pool.run(async |conn| query::overview(conn).await).await.map_err(one_line);
         lines.push(pages::OutboxLine { name, slug, source: console.config.source.clone(), table });
     }
     let picker = consoles.picker();
@@ -132,11 +127,9 @@ pub(crate) async fn outboxes(req: HttpRequest, mount: web::Data<Mount>) -> HttpR
 }
 
 pub(crate) async fn api_stats(console: Data) -> HttpResponse {
-    let report = async {
-        let mut conn = console.config.pool.get().await.map_err(one_line)?;
-        StatsReport::read(&mut conn, &console.config.fifo).await.map_err(one_line)
-    };
-    match report.await {
+    let fifo = &console.config.fifo;
+    let report = console.config.pool.run(async |conn| StatsReport::read(conn, fifo).await);
+    match report.await.map_err(one_line) {
         Ok(report) => json(StatusCode::OK, &report),
         Err(e) => json(StatusCode::SERVICE_UNAVAILABLE, &serde_json::json!({ "error": e })),
     }
@@ -172,11 +165,8 @@ pub(crate) async fn dead(req: HttpRequest, console: Data, q: web::Query<DeadQuer
     let v = view(&console, &base, csrf.as_deref());
     let q = q.into_inner();
     let filter = DeadFilter { event_type: q.event_type, aggregate: q.aggregate, error: q.error };
-    let page = async {
-        let mut conn = console.config.pool.get().await.map_err(one_line)?;
-        query::dead_page(&mut conn, &filter, q.after, PAGE_SIZE).await.map_err(one_line)
-    };
-    match page.await {
+    let page = console.config.pool.run(async |conn| query::dead_page(conn, &filter, q.after, PAGE_SIZE).await);
+    match page.await.map_err(one_line) {
         Ok(page) => html(StatusCode::OK, pages::dead(&v, &filter, q.after, &page, Utc::now())),
         Err(e) => unavailable(&v, e),
     }
@@ -187,11 +177,8 @@ pub(crate) async fn row(req: HttpRequest, console: Data, id: web::Path<RowId>) -
     let csrf = session(&req, &console);
     let v = view(&console, &base, csrf.as_deref());
     let id = id.id;
-    let row = async {
-        let mut conn = console.config.pool.get().await.map_err(one_line)?;
-        query::row(&mut conn, id).await.map_err(one_line)
-    };
-    match row.await {
+    let row = console.config.pool.run(async |conn| query::row(conn, id).await);
+    match row.await.map_err(one_line) {
         Ok(Some(row)) => html(StatusCode::OK, pages::row(&v, &row)),
         Ok(None) => {
             html(StatusCode::NOT_FOUND, pages::outcome(&v, "No such row", &format!("no row has id {id}"), false))
@@ -208,11 +195,8 @@ pub(crate) async fn blocked(req: HttpRequest, console: Data) -> HttpResponse {
     if !fifo.is_on() {
         return html(StatusCode::OK, pages::blocked(&v, fifo, None));
     }
-    let blocked = async {
-        let mut conn = console.config.pool.get().await.map_err(one_line)?;
-        BlockedView::read(&mut conn, fifo, BLOCKED_LISTED).await.map_err(one_line)
-    };
-    match blocked.await {
+    let blocked = console.config.pool.run(async |conn| BlockedView::read(conn, fifo, BLOCKED_LISTED).await);
+    match blocked.await.map_err(one_line) {
         Ok(view) => html(StatusCode::OK, pages::blocked(&v, fifo, Some(&view))),
         Err(e) => unavailable(&v, e),
     }
@@ -313,11 +297,7 @@ async fn repair(
         Kind::Skip if reason.is_empty() => return bad("a skip needs a reason: say why the rows are given up"),
         Kind::Skip => Repair::Skip { reason },
     };
-    let outcome = async {
-        let mut conn =
-            console.config.pool.get().await.map_err(|e| RepairError::Store(actix_outbox::StoreError::Pool(e)))?;
-        repair::all_or_nothing(&mut conn, &ids, repair).await
-    };
+    let outcome = console.config.pool.run(async |conn| repair::all_or_nothing(conn, &ids, repair).await);
     let (key, done) = match kind {
         Kind::Retry => ("retried", "(now pending, attempts reset)"),
         Kind::Skip => ("skipped", "(now done, the reason recorded in last_error)"),

@@ -274,7 +274,10 @@ pub(crate) fn overview(v: &View<'_>, d: &OverviewData, refresh: u64) -> Markup {
                                         (per_second(cap)) " · " span.bad { "pacing at " (per_second(rate)) ": the broker pushes back" }
                                     }
                                     (Some(cap), _) => { (per_second(cap)) }
-                                    _ => { "not paced" }
+                                    (None, Some(rate)) => {
+                                        "not capped · " span.bad { "pacing at " (per_second(rate)) ": the broker refuses messages" }
+                                    }
+                                    (None, None) => { "not paced" }
                                 }
                                 @if v.can_repair() {
                                     form.inline #pace-form method="post" action=(v.link("/pace")) {

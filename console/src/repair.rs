@@ -54,6 +54,13 @@ impl From<diesel::result::Error> for RepairError {
     }
 }
 
+/// A failure of the store (no connection, no answer within the pool's query timeout).
+impl From<StoreError> for RepairError {
+    fn from(e: StoreError) -> Self {
+        RepairError::Store(e)
+    }
+}
+
 /// Ids given once each, in ascending order.
 pub fn distinct(ids: &[i64]) -> Vec<i64> {
     ids.iter().copied().collect::<BTreeSet<_>>().into_iter().collect()

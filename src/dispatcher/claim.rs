@@ -241,20 +241,21 @@ impl ClaimActor {
             self.unanswered.then(|| self.shared.publishing(self.worker).iter().map(|f| f.id).collect::<Vec<_>>());
         // What was handed back is reported even when the claim after it fails.
         let query = async move {
-            let mut conn = match shared.pool.get().await {
+            // Each statement within the pool's query timeout: a silent link fails the claim
+            // (the connection dropped) instead of holding the worker.
+            let mut conn = match shared.pool.checkout().await {
                 Ok(conn) => conn,
-                Err(e) => return (None, Err(e.into())),
+                Err(e) => return (None, Err(e)),
             };
-            let pooler = shared.pool.pooler();
+            let pool = &shared.pool;
             let released = match unanswered {
-                Some(publishing) => match store::unit(&mut conn, pooler, async |c| {
-                    store::release_unanswered(c, &owner, &publishing).await
-                })
-                .await
-                {
-                    Ok(ids) => Some(ids),
-                    Err(e) => return (None, Err(e)),
-                },
+                Some(publishing) => {
+                    match pool.unit(&mut conn, async |c| store::release_unanswered(c, &owner, &publishing).await).await
+                    {
+                        Ok(ids) => Some(ids),
+                        Err(e) => return (None, Err(e)),
+                    }
+                }
                 None => None,
             };
             let source = match shared.source(&mut conn).await {
@@ -264,36 +265,37 @@ impl ClaimActor {
             if let Err(e) = shared.fifo_index(&mut conn).await {
                 return (released, Err(e));
             }
-            let claimed = store::unit(&mut conn, pooler, async |c| {
-                if lease.cursor().is_none() {
-                    lease.start_at(store::horizon(c).await?);
-                }
-                let params = ClaimParams {
-                    owner: &owner,
-                    batch,
-                    max_bytes: bytes_room,
-                    lease: shared.config.lease,
-                    max_attempts: shared.config.max_attempts,
-                    fifo: &shared.config.fifo,
-                    cursor: lease.cursor(),
-                    heads_after: heads_after.as_ref(),
-                };
-                store::claim(c, &params).await
-            })
-            .await
-            .map(|mut claim| {
-                if let Some((snapshot, taken)) = &claim.cursor
-                    && !lease.advance(snapshot, taken)
-                {
-                    warn!(snapshot = %snapshot,
+            let claimed = pool
+                .unit(&mut conn, async |c| {
+                    if lease.cursor().is_none() {
+                        lease.start_at(store::horizon(c).await?);
+                    }
+                    let params = ClaimParams {
+                        owner: &owner,
+                        batch,
+                        max_bytes: bytes_room,
+                        lease: shared.config.lease,
+                        max_attempts: shared.config.max_attempts,
+                        fifo: &shared.config.fifo,
+                        cursor: lease.cursor(),
+                        heads_after: heads_after.as_ref(),
+                    };
+                    store::claim(c, &params).await
+                })
+                .await
+                .map(|mut claim| {
+                    if let Some((snapshot, taken)) = &claim.cursor
+                        && !lease.advance(snapshot, taken)
+                    {
+                        warn!(snapshot = %snapshot,
                         "the database's transaction ids went back (a failover to a standby that had not received \
                          everything, or a restore): new rows are looked for again from the outbox's horizon");
-                }
-                for message in &mut claim.messages {
-                    message.source = source.clone();
-                }
-                claim
-            });
+                    }
+                    for message in &mut claim.messages {
+                        message.source = source.clone();
+                    }
+                    claim
+                });
             // The cursor goes back (moved on, or as it was if the claim failed) before the
             // answer is handled.
             drop(lease);

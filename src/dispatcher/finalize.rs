@@ -220,9 +220,11 @@ const RETRY_MIN: Duration = Duration::from_millis(50);
 const RETRY_MAX: Duration = Duration::from_secs(1);
 
 /// Runs `f` on a pooled connection, retrying transient failures with capped, jittered backoff
-/// until `deadline` (the earliest lease of the rows written). The flag says whether an earlier
-/// try failed mid-way: its write may have committed before the connection dropped, so rows the
-/// returned try did not win may be rows that try already wrote (see [`settled_before`]).
+/// until `deadline` (the earliest lease of the rows written), or the shutdown's deadline if
+/// that comes first. Each try is bounded by the pool's query timeout: a silent link costs a try,
+/// and the next one runs on another connection. The flag says whether an earlier try failed
+/// mid-way: its write may have committed before the connection dropped, so rows the returned
+/// try did not win may be rows that try already wrote (see [`settled_before`]).
 async fn with_retry<T, F>(shared: &Shared, what: &str, deadline: Instant, mut f: F) -> (Result<T, StoreError>, bool)
 where
     F: AsyncFnMut(&mut diesel_async::AsyncPgConnection) -> Result<T, StoreError>,
@@ -230,9 +232,11 @@ where
     let mut tries = 0_u32;
     let mut ceiling = RETRY_MIN;
     loop {
-        let result = match shared.pool.get().await {
-            Ok(mut conn) => store::unit(&mut conn, shared.pool.pooler(), async |c| f(c).await).await,
-            Err(e) => Err(e.into()),
+        let deadline = shared.drain_by.get().map_or(deadline, |&by| by.min(deadline));
+        let drain_by = shared.drain_by.get().copied();
+        let result = match shared.pool.checkout_until(drain_by).await {
+            Ok(mut conn) => shared.pool.unit_until(&mut conn, drain_by, async |c| f(c).await).await,
+            Err(e) => Err(e),
         };
         match result {
             Err(e) if e.is_transient() && Instant::now() + ceiling < deadline => {

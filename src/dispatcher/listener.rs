@@ -31,6 +31,13 @@
 //! shared by the whole fleet. A follower tries the lock every [`FOLLOW_CHECK`]: when the
 //! leader's process dies or stops, its session ends, the lock is free, and a follower leads
 //! within that time (meanwhile the polls find new rows).
+//!
+//! **A silent connection.** Every statement of the listener is bounded by the pool's query
+//! timeout, and an armed listener, which otherwise only waits for notifications, asks its
+//! connection for an answer every [`ARMED_CHECK`] it hears nothing: a link that went silent
+//! without closing would otherwise hold the lead (and leave inserts unannounced) for ever. A
+//! connection that misses its deadline is closed, and the listener reconnects (the workers'
+//! polls find new rows meanwhile).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
@@ -43,6 +50,7 @@ use tracing::{debug, info, warn};
 
 use crate::error::StoreError;
 use crate::store::PgPool;
+use crate::url::ConnectionString;
 
 /// The channel the migration's trigger notifies on every `INSERT` statement into an outbox
 /// table, with the table's qualified name (`tenant_a.outbox`) as the payload: several outboxes
@@ -65,6 +73,10 @@ FROM (SELECT (SELECT n.nspname || '.' || c.relname FROM pg_class c JOIN pg_names
 
 /// How often a following listener tries to lead.
 pub(crate) const FOLLOW_CHECK: Duration = Duration::from_secs(1);
+
+/// How long an armed listener waits for a notification before it asks its connection for an
+/// answer (and the dispatcher whether it is still there).
+const ARMED_CHECK: Duration = Duration::from_secs(5);
 
 /// While disarmed, the first pause between two wake-ups, and the pause while claims come back
 /// with a quarter of a batch or more (rows arrive faster than lingering would gather them).
@@ -167,13 +179,22 @@ impl Wakeups {
 pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wake) -> bool) {
     let mut backoff = Duration::from_millis(100);
     let mut reconnecting = false;
-    while wake(Wake::Check) {
+    // A pool that found a transaction pooler it was not told about may have no session left
+    // to give: then the workers poll.
+    while wake(Wake::Check) && pool.has_session() {
         let result = listen_once(&pool, &wakeups, &wake, reconnecting).await;
         reconnecting = true;
         wakeups.armed.store(false, Relaxed);
         wakeups.following.store(false, Relaxed);
         match result {
             Ok(()) => return,
+            Err(Failed::Store(e @ StoreError::BehindTransactionPooler(_))) => {
+                // The pool learns of its pooler (and says once what to set); without a session
+                // of its own the listener stops at the top of the loop, and the workers poll.
+                pool.learn(&e);
+                debug!(error = %e, "the insert listener's session goes through a transaction pooler");
+                tokio::time::sleep(backoff).await;
+            }
             Err(e) => {
                 warn!(error = %e, retry_in = ?backoff, "insert listener lost its connection; polling meanwhile");
                 tokio::time::sleep(backoff).await;
@@ -183,11 +204,56 @@ pub(crate) async fn listen(pool: PgPool, wakeups: Arc<Wakeups>, wake: impl Fn(Wa
     }
 }
 
-/// A failed statement of the listener's, in words: as the store's errors say it, so that a lost
-/// prepared statement (a listener session that goes through a transaction pooler) names the
-/// pooler and the fix rather than the server's bare `prepared statement "s1" does not exist`.
-fn query_failed(e: diesel::result::Error) -> String {
-    StoreError::from(e).to_string()
+/// Why the listener's session failed: a statement (in the store's words, so that a lost
+/// prepared statement of a session that goes through a transaction pooler names the pooler and
+/// the fix rather than the server's bare `prepared statement "s1" does not exist`), or the
+/// session itself.
+#[derive(Debug)]
+enum Failed {
+    Store(StoreError),
+    Session(String),
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failed::Store(e) => e.fmt(f),
+            Failed::Session(why) => f.write_str(why),
+        }
+    }
+}
+
+impl From<StoreError> for Failed {
+    fn from(e: StoreError) -> Self {
+        Failed::Store(e)
+    }
+}
+
+impl From<diesel::result::Error> for Failed {
+    fn from(e: diesel::result::Error) -> Self {
+        Failed::Store(e.into())
+    }
+}
+
+/// The listener's session: its connection, where it goes, and how long a statement on it may
+/// wait for its answer.
+struct Session {
+    conn: AsyncPgConnection,
+    server: ConnectionString,
+    limit: Duration,
+}
+
+impl Session {
+    /// Runs `f` on the connection within the query timeout: past it, the connection is given
+    /// up (the listener reconnects).
+    async fn run<T>(&mut self, f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, Failed>) -> Result<T, Failed> {
+        crate::store::within(&mut self.conn, self.limit, &self.server, f).await
+    }
+
+    /// A statement, within the query timeout.
+    async fn statement(&mut self, sql: &str) -> Result<(), Failed> {
+        self.run(async |c| Ok(c.batch_execute(sql).await?)).await
+    }
 }
 
 #[derive(diesel::QueryableByName)]
@@ -208,11 +274,11 @@ struct Keys {
 }
 
 /// The outbox `conn` reaches and its keys: (qualified name, armed key, lead key).
-async fn keys_of(conn: &mut AsyncPgConnection) -> Result<(String, i64, i64), String> {
-    let keys: Keys = diesel::sql_query(KEYS_SQL).get_result(conn).await.map_err(query_failed)?;
+async fn keys_of(conn: &mut AsyncPgConnection) -> Result<(String, i64, i64), Failed> {
+    let keys: Keys = diesel::sql_query(KEYS_SQL).get_result(conn).await?;
     match keys {
         Keys { outbox: Some(outbox), armed: Some(armed), lead: Some(lead) } => Ok((outbox, armed, lead)),
-        _ => Err("no outbox table on the listener's search_path (is the database migrated?)".into()),
+        _ => Err(Failed::Session("no outbox table on the listener's search_path (is the database migrated?)".into())),
     }
 }
 
@@ -224,57 +290,49 @@ struct Server {
 
 /// The address of the server `conn` reached (`host:port`), as the server sees itself: with a
 /// connection string that lists several hosts, the one actually connected.
-async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, String> {
+async fn server_of(conn: &mut AsyncPgConnection) -> Result<String, Failed> {
     let row: Server = diesel::sql_query(
         "SELECT coalesce(host(inet_server_addr()), 'socket') || ':' || current_setting('port') AS addr",
     )
     .get_result(conn)
-    .await
-    .map_err(query_failed)?;
+    .await?;
     Ok(row.addr)
 }
 
 /// Takes the session lock `key` if nobody holds it: the lead if no other listener of the
 /// outbox holds it, the armed lock if no producer transaction holds it in shared mode.
-async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> Result<bool, String> {
-    let row: Locked = diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok")
-        .bind::<BigInt, _>(key)
-        .get_result(conn)
-        .await
-        .map_err(query_failed)?;
+async fn try_lock(conn: &mut AsyncPgConnection, key: i64) -> Result<bool, Failed> {
+    let row: Locked =
+        diesel::sql_query("SELECT pg_try_advisory_lock($1) AS ok").bind::<BigInt, _>(key).get_result(conn).await?;
     Ok(row.ok)
 }
 
 /// Releases the armed lock `key`.
-async fn disarm(conn: &mut AsyncPgConnection, key: i64) -> Result<(), String> {
-    let _: Locked = diesel::sql_query("SELECT pg_advisory_unlock($1) AS ok")
-        .bind::<BigInt, _>(key)
-        .get_result(conn)
-        .await
-        .map_err(query_failed)?;
+async fn disarm(conn: &mut AsyncPgConnection, key: i64) -> Result<(), Failed> {
+    let _: Locked =
+        diesel::sql_query("SELECT pg_advisory_unlock($1) AS ok").bind::<BigInt, _>(key).get_result(conn).await?;
     Ok(())
 }
 
 /// Notifies `channel` with `outbox` as the payload.
-async fn notify(conn: &mut AsyncPgConnection, channel: &str, outbox: &str) -> Result<(), String> {
+async fn notify(conn: &mut AsyncPgConnection, channel: &str, outbox: &str) -> Result<(), Failed> {
     diesel::sql_query("SELECT pg_notify($1, $2)")
         .bind::<diesel::sql_types::Text, _>(channel)
         .bind::<diesel::sql_types::Text, _>(outbox)
         .execute(conn)
-        .await
-        .map_err(query_failed)?;
+        .await?;
     Ok(())
 }
 
 /// Notifications already arrived, without waiting.
-fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, String> {
+fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, Failed> {
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     let mut burst = 0usize;
     loop {
         match notifications.next().now_or_never() {
             Some(Some(Ok(_))) => burst += 1,
-            Some(Some(Err(e))) => return Err(e.to_string()),
-            Some(None) => return Err("notification stream ended".into()),
+            Some(Some(Err(e))) => return Err(e.into()),
+            Some(None) => return Err(Failed::Session("notification stream ended".into())),
             None => return Ok(burst),
         }
     }
@@ -282,7 +340,7 @@ fn swallow(conn: &mut AsyncPgConnection) -> Result<usize, String> {
 
 /// The next notification about `outbox` (`Ok(false)` when `within` passed first); those
 /// about the database's other outboxes are passed over.
-async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) -> Result<bool, String> {
+async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) -> Result<bool, Failed> {
     let deadline = tokio::time::Instant::now() + within;
     let mut notifications = std::pin::pin!(conn.notifications_stream());
     loop {
@@ -290,9 +348,9 @@ async fn notified(conn: &mut AsyncPgConnection, outbox: &str, within: Duration) 
             Err(_elapsed) => return Ok(false),
             Ok(Some(Ok(n))) if n.payload == outbox => return Ok(true),
             Ok(Some(Ok(_))) => continue,
-            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(Some(Err(e))) => return Err(e.into()),
             // The backend went away; polling this stream again would panic.
-            Ok(None) => return Err("notification stream ended".into()),
+            Ok(None) => return Err(Failed::Session("notification stream ended".into())),
         }
     }
 }
@@ -303,42 +361,43 @@ async fn listen_once(
     wakeups: &Wakeups,
     wake: &impl Fn(Wake) -> bool,
     reconnecting: bool,
-) -> Result<(), String> {
+) -> Result<(), Failed> {
     // Not a pooled connection: LISTEN state and the session lock must not leak to other users,
     // and the connection is held for as long as we listen. The supervisor starts no listener
     // on a pool that has no session to give.
     let Some(conn) = pool.session().await else { return Ok(()) };
-    let mut conn = conn.map_err(|e| e.to_string())?;
-    let server = server_of(&mut conn).await?;
-    let (outbox, armed_key, lead_key) = keys_of(&mut conn).await?;
+    let Some(url) = pool.session_url() else { return Ok(()) };
+    let mut session = Session { conn: conn?, server: url, limit: pool.query_timeout() };
+    let server = session.run(server_of).await?;
+    let (outbox, armed_key, lead_key) = session.run(keys_of).await?;
     if reconnecting {
         info!(%server, %outbox, "insert listener reconnected");
     } else {
         info!(%server, %outbox, "insert listener connected");
     }
     let mut followed = false;
-    while !try_lock(&mut conn, lead_key).await? {
+    while !session.run(async |c| try_lock(c, lead_key).await).await? {
         if !followed {
             debug!("another dispatcher's listener leads on this outbox: following");
-            conn.batch_execute(&format!("LISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
+            session.statement(&format!("LISTEN {HELP_CHANNEL}")).await?;
             wakeups.following.store(true, Relaxed);
             followed = true;
         }
         // The leader found a backlog: every worker claims, and goes on while its claims come
         // back whole.
-        let help = notified(&mut conn, &outbox, FOLLOW_CHECK).await?;
-        let _ = swallow(&mut conn)?;
-        if !wake(if help { Wake::All } else { Wake::Check }) {
+        let help = notified(&mut session.conn, &outbox, FOLLOW_CHECK).await?;
+        let _ = swallow(&mut session.conn)?;
+        if !wake(if help { Wake::All } else { Wake::Check }) || !pool.has_session() {
             return Ok(());
         }
     }
     if followed {
-        conn.batch_execute(&format!("UNLISTEN {HELP_CHANNEL}")).await.map_err(query_failed)?;
-        let _ = swallow(&mut conn)?;
+        session.statement(&format!("UNLISTEN {HELP_CHANNEL}")).await?;
+        let _ = swallow(&mut session.conn)?;
         wakeups.following.store(false, Relaxed);
         info!("the dispatcher that led the insert wake-ups is gone: this one leads them now");
     }
-    conn.batch_execute(&format!("LISTEN {CHANNEL}")).await.map_err(query_failed)?;
+    session.statement(&format!("LISTEN {CHANNEL}")).await?;
     debug!("insert listener connected and leading");
     // Rows inserted while nobody was armed (or before we listened) are found by the claim that
     // follows the first arming, or by the busy ticks.
@@ -351,22 +410,23 @@ async fn listen_once(
     loop {
         if wakeups.armed() {
             // Poll the supervisor's liveness now and then, so a stopped dispatcher frees the
-            // connection.
-            if !notified(&mut conn, &outbox, Duration::from_secs(5)).await? {
-                if wake(Wake::Check) {
+            // connection, and the connection's: a silent one would never notify.
+            if !notified(&mut session.conn, &outbox, ARMED_CHECK).await? {
+                session.statement("SELECT 1").await?;
+                if wake(Wake::Check) && pool.has_session() {
                     continue;
                 }
                 return Ok(());
             }
             // A burst of inserts is one wake-up: swallow what has already arrived.
-            let burst = 1 + swallow(&mut conn)?;
+            let burst = 1 + swallow(&mut session.conn)?;
             debug!(burst, "rows inserted; waking a worker and disarming");
             if !wake(Wake::One) {
                 return Ok(());
             }
             // Rows are coming: stop the producers' notifications (each serialises their commits)
             // and tick instead.
-            disarm(&mut conn, armed_key).await?;
+            session.run(async |c| disarm(c, armed_key).await).await?;
             wakeups.armed.store(false, Relaxed);
             tick = BUSY_TICK;
             seen = wakeups.counts();
@@ -389,11 +449,11 @@ async fn listen_once(
         // Arm after a few empty claims in a row (the pause has doubled twice), not after the
         // first: a producer committing row after row would otherwise find it armed between
         // two rows, and notify.
-        if (try_now || (drained && tick >= ARM_AFTER)) && try_lock(&mut conn, armed_key).await? {
+        if (try_now || (drained && tick >= ARM_AFTER)) && session.run(async |c| try_lock(c, armed_key).await).await? {
             debug!("table drained: armed, inserts notify");
             wakeups.armed.store(true, Relaxed);
             // Every producer that saw the lock free has committed: one more claim finds its rows.
-            let _ = swallow(&mut conn)?;
+            let _ = swallow(&mut session.conn)?;
             if !wake(Wake::One) {
                 return Ok(());
             }
@@ -402,17 +462,17 @@ async fn listen_once(
         try_now = false;
         // No other listener arms while this one leads; a notification is a producer that saw
         // the lock taken just before the disarm.
-        if notified(&mut conn, &outbox, tick).await? {
-            let _ = swallow(&mut conn)?;
+        if notified(&mut session.conn, &outbox, tick).await? {
+            let _ = swallow(&mut session.conn)?;
         }
-        if !wake(Wake::One) {
+        if !wake(Wake::One) || !pool.has_session() {
             return Ok(());
         }
         // The workers found a backlog since the last call (more than one whole batch: one is
         // a pause of this process as often as a backlog): the followers help.
         let whole = AtomicU64::load(&wakeups.whole_batches, Relaxed);
         if whole >= whole_seen + HELP_AFTER && help_sent.is_none_or(|at| at.elapsed() >= HELP_EVERY) {
-            notify(&mut conn, HELP_CHANNEL, &outbox).await?;
+            session.run(async |c| notify(c, HELP_CHANNEL, &outbox).await).await?;
             help_sent = Some(std::time::Instant::now());
             whole_seen = whole;
         }
@@ -432,10 +492,12 @@ mod tests {
             DatabaseErrorKind::Unknown,
             Box::new(r#"prepared statement "s16" does not exist"#.to_owned()),
         );
-        let message = query_failed(lost);
+        let failed = Failed::from(lost);
+        assert!(matches!(failed, Failed::Store(StoreError::BehindTransactionPooler(_))), "{failed:?}");
+        let message = failed.to_string();
         assert!(message.contains(r#"prepared statement "s16" does not exist"#), "{message}");
         assert!(message.contains("transaction pooler") && message.contains("`--pooler transaction`"), "{message}");
         let other = Error::DatabaseError(DatabaseErrorKind::Unknown, Box::new("canceling statement".to_owned()));
-        assert_eq!(query_failed(other), "database query failed: canceling statement");
+        assert_eq!(Failed::from(other).to_string(), "database query failed: canceling statement");
     }
 }

@@ -77,8 +77,9 @@ pub(crate) async fn prune(shared: Arc<Shared>, keep: Duration, from: i64) -> Res
     let mut pass = Pass { deleted: 0, next_from: from };
     let mut after = from;
     loop {
-        let mut conn = shared.pool.get().await?;
-        let step = store::prune_step(&mut conn, after, STRETCH, keep, true).await?;
+        let pool = &shared.pool;
+        let mut conn = pool.checkout().await?;
+        let step = pool.unit(&mut conn, async |c| store::prune_step(c, after, STRETCH, keep, true).await).await?;
         drop(conn);
         let deleted = usize::try_from(step.deleted).unwrap_or_default();
         pass.deleted += deleted as u64;

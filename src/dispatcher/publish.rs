@@ -5,6 +5,8 @@
 //! - a row claimed while the sink went away (the gate closed after the claim) is handed back,
 //!   attempt refunded, without calling the sink;
 //! - [`PublishError::Unavailable`] closes the gate (claiming pauses) and a delivery opens it;
+//! - [`PublishError::Refused`] (a nack) slows the claims (see `pace`), and the row goes back
+//!   with its attempt refunded;
 //! - at the publish timeout, a sink that says it is [`SinkState::Blocked`] still holds what it
 //!   was sent: the publish keeps waiting, its lease kept alive by a heartbeat, instead of
 //!   timing out and being published again; a sink that says it is [`SinkState::Down`] turns the
@@ -229,7 +231,11 @@ async fn call_sink(
                 shared.metrics.publish_seconds(took.as_secs_f64());
                 let answer = match &result {
                     Err(PublishError::Retryable(_) | PublishError::Unavailable(_)) => Answer::PushedBack,
-                    _ => Answer::Taken,
+                    Err(PublishError::Refused(_)) => {
+                        Metrics::add(&shared.metrics.refused, 1);
+                        Answer::Refused
+                    }
+                    Ok(()) | Err(PublishError::Permanent(_) | PublishError::Defer { .. }) => Answer::Taken,
                 };
                 answered(shared, answer, took);
                 return Attempt::Finished(result);

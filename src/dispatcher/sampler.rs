@@ -5,7 +5,10 @@
 //! estimate, not a count. No sample starts
 //! while the database is known to be down (the gauges keep their last values). A sample that
 //! fails leaves the gauges as they were and counts `outbox_table_sample_errors_total`; one
-//! still running when the next is due makes that one skip.
+//! still running when the next is due makes that one skip. A sample is bounded by the pool's
+//! query timeout, like every statement. Gauges left from an older sample are never passed off
+//! as current: `outbox_table_sample_age_seconds` says how old they are, and the summary line
+//! leaves the backlog out and says since when it has not been sampled.
 //!
 //! [`DispatcherConfig::table_metrics_interval`]: crate::DispatcherConfig::table_metrics_interval
 
@@ -22,11 +25,13 @@ pub(crate) type Sampled = Result<(store::Sample, Option<i64>), crate::StoreError
 /// Samples the table once; [`report`] sets the gauges.
 pub(crate) async fn sample(shared: Arc<Shared>) -> Sampled {
     async {
-        let mut conn = shared.pool.get().await?;
-        let sample = store::sample_unfinished(&mut conn).await?;
+        let pool = &shared.pool;
+        let mut conn = pool.checkout().await?;
+        let sample = pool.unit(&mut conn, async |c| store::sample_unfinished(c).await).await?;
         let blocked = if shared.config.fifo.is_on() {
             shared.fifo_index(&mut conn).await?;
-            Some(store::blocked_aggregates_count(&mut conn, &shared.config.fifo).await?)
+            let fifo = &shared.config.fifo;
+            Some(pool.unit(&mut conn, async |c| store::blocked_aggregates_count(c, fifo).await).await?)
         } else {
             None
         };

@@ -18,6 +18,9 @@ use crate::model::Fence;
 use crate::publisher::Publisher;
 use crate::store::{PgPool, Pooler};
 
+/// How long the FIFO gate's index build may take (it reads the whole table once), at least.
+const FIFO_INDEX_BUILD_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The configuration, the pool, the sink and the counters of one dispatcher, and what it knows
 /// of the health of the two services it depends on.
 #[derive(Debug)]
@@ -51,6 +54,10 @@ pub(crate) struct Shared {
     pub(crate) window: Arc<super::window::Window>,
     /// The cursor over new rows, held by one claim at a time (see `cursor`).
     pub(crate) cursor: Arc<super::cursor::CursorSlot>,
+    /// Set by the shutdown: the finalizer retries a failing database until then at the latest,
+    /// so that a shutdown ends within the publish timeout and a few seconds whatever the
+    /// database does (rows it could not finalize wait for their lease).
+    pub(crate) drain_by: OnceLock<Instant>,
 }
 
 impl Shared {
@@ -79,6 +86,7 @@ impl Shared {
             pace,
             window,
             cursor: Arc::default(),
+            drain_by: OnceLock::new(),
         }
     }
 
@@ -93,15 +101,20 @@ impl Shared {
         if !self.config.fifo.is_on() || self.fifo_index.load(Ordering::Relaxed) {
             return Ok(());
         }
+        // The build reads the whole table once: it gets a deadline of its own, not a statement's.
+        let build = FIFO_INDEX_BUILD_TIMEOUT.max(self.pool.query_timeout());
         match self.pool.pooler() {
             Pooler::None => {
-                crate::store::ensure_fifo_index(conn).await?;
+                self.pool.bounded(conn, Some(build), async |c| crate::store::ensure_fifo_index(c).await).await?;
             }
-            Pooler::Transaction => match self.pool.session().await {
-                Some(session) => {
-                    crate::store::ensure_fifo_index(&mut session?).await?;
+            Pooler::Transaction => match self.pool.session().await.zip(self.pool.session_url()) {
+                Some((session, url)) => {
+                    crate::store::within(&mut session?, build, &url, async |c| {
+                        crate::store::ensure_fifo_index(c).await
+                    })
+                    .await?;
                 }
-                None if crate::store::fifo_index_valid(conn).await? => {}
+                None if self.pool.bounded(conn, None, async |c| crate::store::fifo_index_valid(c).await).await? => {}
                 None => {
                     return Err(StoreError::NeedsSession {
                         what: "building the FIFO gate's index outbox_fifo_gate (missing; `actix-outbox migrate --fifo` \
@@ -120,7 +133,7 @@ impl Shared {
         if let Some(source) = self.source.get() {
             return Ok(source.clone());
         }
-        let derived = crate::store::outbox_source(conn).await?;
+        let derived = self.pool.bounded(conn, None, async |c| crate::store::outbox_source(c).await).await?;
         let source = self.source.get_or_init(|| {
             info!(source = %derived, "outbox source derived from the database: messages carry it in x-outbox-source");
             Arc::from(derived.as_str())
@@ -170,9 +183,9 @@ impl DbHealth {
                 "database is read-only (a standby?): nothing is claimed and no attempt is spent until it accepts \
                  writes; point the URL at the primary, or list every server with target_session_attrs=read-write");
         } else if matches!(e, StoreError::BehindTransactionPooler(_)) {
-            warn!(error = %e, during = what,
-                "the pool is not set up for the transaction pooler its statements go through: claims back off, \
-                 finalizes keep their fences and retry while the leases run, and most fail until it is");
+            // The pool switched to the pooler's path at this failure and said so once, with the
+            // setting to make: the statements retried now take that path.
+            debug!(error = %e, during = what, "a statement found the transaction pooler; retried on the pooler's path");
         } else {
             warn!(error = %e, during = what,
                 "database unreachable: claims back off, finalizes keep their fences and retry while the leases run");

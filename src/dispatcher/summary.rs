@@ -1,13 +1,15 @@
 //! The summary: every [`DispatcherConfig::summary_interval`] (a minute by default) the supervisor logs, at `info`, what the dispatcher did
 //! since the last one (published, retried, deferred, dead, reaped, leases lost) and the table's
-//! backlog and oldest unfinished row as the last table sample saw them. Per-batch lines are at
+//! backlog and oldest unfinished row as the last table sample saw them, unless that sample is
+//! too old to stand for now (the database did not answer the later ones): then the line leaves
+//! them out and says how old the last sample is (`sampled="2m 5s ago"`). Per-batch lines are at
 //! `debug`; state changes (sink down and up, an outage, a lost lease) are logged when they
 //! happen. So at the default level a busy dispatcher writes a line a minute, not one a claim.
 //!
 //! [`DispatcherConfig::summary_interval`]: crate::DispatcherConfig::summary_interval
 
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::info;
 
@@ -18,7 +20,8 @@ use crate::store::Sample;
 #[derive(Debug, Default)]
 pub(crate) struct Summary {
     last: Mutex<MetricsSnapshot>,
-    sample: Mutex<Option<Sample>>,
+    /// The last table sample, and when it was read.
+    sample: Mutex<Option<(Sample, Instant)>>,
 }
 
 /// What one summary line counts: the counters' growth since the last one.
@@ -35,7 +38,12 @@ pub(crate) struct Minute {
 impl Summary {
     /// Keeps the table sample the summary reports.
     pub(crate) fn sampled(&self, sample: Sample) {
-        *self.sample.lock().unwrap_or_else(|e| e.into_inner()) = Some(sample);
+        *self.sample.lock().unwrap_or_else(|e| e.into_inner()) = Some((sample, Instant::now()));
+    }
+
+    /// How long ago the last table sample was read, if one was.
+    pub(crate) fn sample_age(&self) -> Option<Duration> {
+        self.sample.lock().unwrap_or_else(|e| e.into_inner()).map(|(_, at)| at.elapsed())
     }
 
     /// What happened since the last call (`now` is the counters now), remembering `now`.
@@ -53,10 +61,15 @@ impl Summary {
         minute
     }
 
-    /// Logs the summary of the period that ends now.
-    pub(crate) fn log(&self, outbox: Option<&str>, now: MetricsSnapshot) {
+    /// Logs the summary of the period that ends now. A table sample older than `fresh_for`
+    /// is not shown as the backlog: the line says how old it is instead.
+    pub(crate) fn log(&self, outbox: Option<&str>, now: MetricsSnapshot, fresh_for: Duration) {
         let m = self.since_last(now);
-        let sample = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
+        let last = *self.sample.lock().unwrap_or_else(|e| e.into_inner());
+        let stale = last
+            .filter(|(_, at)| at.elapsed() > fresh_for)
+            .map(|(_, at)| format!("{} ago", humantime::format_duration(Duration::from_secs(at.elapsed().as_secs()))));
+        let sample = last.filter(|_| stale.is_none()).map(|(sample, _)| sample);
         let backlog = sample.map(|s| s.backlog());
         let oldest = sample
             .and_then(|s| s.oldest)
@@ -71,6 +84,7 @@ impl Summary {
             lost_leases = m.lost_leases,
             backlog,
             oldest = oldest.as_deref().unwrap_or("-"),
+            sampled = stale.as_deref(),
             in_flight = now.in_flight,
             "outbox summary"
         );
@@ -88,5 +102,13 @@ mod tests {
         assert_eq!(summary.since_last(at(10, 1)).published, 10);
         let second = summary.since_last(at(25, 1));
         assert_eq!((second.published, second.dead), (15, 0));
+    }
+
+    #[test]
+    fn a_sample_is_fresh_until_its_age_passes() {
+        let summary = Summary::default();
+        assert_eq!(summary.sample_age(), None);
+        summary.sampled(Sample::default());
+        assert!(summary.sample_age().is_some_and(|age| age < Duration::from_secs(5)));
     }
 }

@@ -23,6 +23,8 @@ use crate::store::PgPool;
 const WATCHDOG_PERIOD: Duration = Duration::from_millis(200);
 /// How often the supervisor asks the sink how it is ([`Publisher::state`]).
 const SINK_CHECK_PERIOD: Duration = Duration::from_millis(100);
+/// How long past the publish timeout a shutdown lets the finalizer try a failing database.
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 /// The dispatcher: register it in an actix application and it moves outbox rows to the
 /// publisher until it is shut down.
@@ -147,6 +149,10 @@ impl OutboxSupervisor {
     /// Asks the sink how it is, logs its changes of state, and acts on the gate's verdict.
     /// Starts a table sample unless one is running.
     fn sample_table(&mut self, ctx: &mut Context<Self>) {
+        // How old the gauges are: a dashboard tells a stale backlog from a current one.
+        if let Some(age) = self.shared.summary.sample_age() {
+            self.shared.metrics.sample_age(age);
+        }
         // While the database is down the claims and the finalizer probe it; a sample would only
         // add a waiter for the pool's connections.
         if self.sampling || self.state == State::Stopped || !self.shared.db.reachable() {
@@ -193,6 +199,13 @@ impl OutboxSupervisor {
                 act.pruner.ended(&pass);
             }
         }));
+    }
+
+    /// How long a table sample stands for the table: two intervals and a query timeout (one
+    /// sample may skip, or take its time); older, the summary says how old it is instead.
+    fn sample_fresh_for(&self) -> Duration {
+        let config = &self.shared.config;
+        config.table_metrics_interval.unwrap_or_default() * 2 + self.shared.pool.query_timeout()
     }
 
     fn check_sink(&mut self) {
@@ -258,7 +271,8 @@ impl Actor for OutboxSupervisor {
         ctx.run_interval(SINK_CHECK_PERIOD, |act, _| act.check_sink());
         if let Some(every) = config.summary_interval {
             ctx.run_interval(every, |act, _| {
-                act.shared.summary.log(act.shared.config.name.as_deref(), act.shared.metrics.snapshot())
+                let shared = &act.shared;
+                shared.summary.log(shared.config.name.as_deref(), shared.metrics.snapshot(), act.sample_fresh_for())
             });
         }
         if let Some(every) = config.table_metrics_interval {
@@ -320,8 +334,9 @@ pub struct Health {
     pub sink: SinkState,
     /// The sink gate holds claiming back (the sink was found unavailable, or is being probed).
     pub claiming_paused: bool,
-    /// The last statement the dispatcher ran (claim, finalize, table sample) answered; true
-    /// before the first.
+    /// The last statement the dispatcher ran (claim, finalize, table sample) answered, within
+    /// the pool's query timeout ([`PoolConfig::query_timeout`](crate::PoolConfig::query_timeout));
+    /// true before the first.
     pub database_reachable: bool,
     /// The database refused the dispatcher's last statement as read-only (SQLSTATE 25006): it
     /// reached a standby, not the primary. Claiming waits, spending no attempt; false once a
@@ -472,8 +487,11 @@ impl Handler<GetPace> for OutboxSupervisor {
 /// Graceful shutdown: stop claiming at once, let every publish already started finish and be
 /// finalized, then answer. Every message a worker claims starts publishing immediately, so
 /// nothing claimed is left unstarted. The answer comes within the publish timeout plus one
-/// finalize round trip, with nothing left `processing` under this dispatcher's owner ids
-/// (unless the database failed, in which case those rows wait for their lease to expire).
+/// finalize round trip, with nothing left `processing` under this dispatcher's owner ids.
+/// Whatever the database does (down, or silent), the answer comes within the publish timeout
+/// plus 2 s (or the pool's query timeout, if that is longer, for a claim already running): a
+/// finalize that the database does not take by then is given up, and its rows wait for their
+/// lease to expire.
 ///
 /// Safe to send more than once: later requests wait for the same drain, or answer at once
 /// when it is over. The supervisor stays alive afterwards to answer [`GetMetrics`].
@@ -493,6 +511,9 @@ impl Handler<Shutdown> for OutboxSupervisor {
             State::Draining => self.shutdown_waiters.push(tx),
             State::Running => {
                 self.state = State::Draining;
+                // Publishes end within their timeout; their finalizes get a little more, then
+                // give up on a database that does not answer (the rows wait for their lease).
+                let _ = self.shared.drain_by.set(Instant::now() + self.shared.config.publish_timeout + DRAIN_GRACE);
                 self.shutdown_waiters.push(tx);
                 if let Some(listener) = self.listener.take() {
                     ctx.cancel_future(listener);

@@ -33,9 +33,10 @@ pub(crate) type SweepResult = Result<Option<Swept>, crate::StoreError>;
 
 /// Sweeps once; [`report`] logs and counts it.
 pub(crate) async fn sweep(shared: Arc<Shared>) -> SweepResult {
-    let mut conn = shared.pool.get().await?;
+    let pool = &shared.pool;
+    let mut conn = pool.checkout().await?;
     let params = SweepParams { max_attempts: shared.config.max_attempts, chunk: CHUNK, stray_after: STRAY_AFTER };
-    store::sweep(&mut conn, params).await
+    pool.unit(&mut conn, async |c| store::sweep(c, params).await).await
 }
 
 /// Logs and counts what a sweep did; whether to sweep again soon.

@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use diesel_async::AsyncConnection;
 use futures_util::FutureExt;
 use lapin::{Acker, BasicProperties, Channel};
 use tokio::sync::watch;
@@ -22,16 +21,11 @@ use super::metrics::Counters;
 use super::settle::{Forward, ack, forward, requeue};
 use super::store::{self, AggregateOrder};
 use crate::backoff::half_jitter;
-use crate::error::StoreError;
 
 /// Once a shutdown started, how much longer a delivery may wait for a pooled connection before
 /// it is given back to the broker (a healthy pool answers far sooner; a dead database would
 /// otherwise hold the shutdown for the pool's whole checkout timeout).
 const DRAIN_CHECKOUT_GRACE: Duration = Duration::from_secs(2);
-/// What a whole transaction may take beyond the handler's timeout (the inbox's statements and
-/// the commit) before the database counts as unreachable: a connection that went silent
-/// without closing would otherwise hold its delivery for ever.
-const STATEMENTS_GRACE: Duration = Duration::from_secs(30);
 
 /// Where a delivery came from and how to settle it.
 pub(super) struct Envelope {
@@ -168,7 +162,7 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
     let config = &shared.config;
     let mut draining = drain.clone();
     let checkout = tokio::select! {
-        checkout = shared.pool.get() => checkout,
+        checkout = shared.pool.checkout() => checkout,
         () = async {
             let _ = draining.wait_for(|draining| *draining).await;
             tokio::time::sleep(DRAIN_CHECKOUT_GRACE).await;
@@ -176,9 +170,9 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
     };
     let mut conn = match checkout {
         Ok(conn) => conn,
-        Err(e) => return Attempt::Outage(StoreError::from(e).to_string()),
+        Err(e) => return Attempt::Outage(e.to_string()),
     };
-    let attempt = transact(&mut conn, config, &*shared.handler, message).await;
+    let attempt = transact(&mut conn, config, &*shared.handler, message, &shared.pool).await;
     if let Attempt::Failed { panicked: true, .. } = attempt {
         Counters::add(&shared.counters.panics, 1);
     }
@@ -187,16 +181,33 @@ async fn attempt(shared: &Shared, message: &InboxMessage, drain: &watch::Receive
 
 /// The transaction of one attempt on `conn`, classified. The consumer's lanes and the test
 /// kit's `deliver` both run a message through here.
+///
+/// A connection that went silent without closing would hold its delivery for ever, so the
+/// database gets the query timeout of `pool` (the pool `conn` came from) to answer the inbox's
+/// own part of the transaction (`BEGIN`, the order check and the inbox row; then the commit or
+/// the rollback), and the handler its own timeout (plus that, for the statement it may be in):
+/// past it, the connection is given up (the pool then tries its other connections before it
+/// hands them out) and the attempt is an outage (the delivery is held and tried again).
 pub(crate) async fn transact(
     conn: &mut diesel_async::AsyncPgConnection,
     config: &InboxConfig,
     handler: &dyn InboxHandler,
     message: &InboxMessage,
+    pool: &crate::store::PgPool,
 ) -> Attempt {
+    let query_timeout = pool.query_timeout();
     let consumer = config.consumer.as_str();
     let mut failure: Option<HandlerFailure> = None;
     let failure_slot = &mut failure;
-    let transaction = conn.transaction(async |c| {
+    // Until when the part of the transaction under way may wait for the database, moved on as
+    // it goes from our statements to the handler and back.
+    let phase = Phase::new(query_timeout);
+    let phase = &phase;
+    // A transaction the server ends by itself (releasing the inbox row's lock) if the link goes
+    // silent for longer than the handler may take: the next try of the message, on another
+    // connection, would otherwise wait for that lock for ever.
+    let idle = config.handler_timeout + query_timeout;
+    let transaction = crate::store::in_transaction_idle(conn, idle, async |c| {
         let mut newest = None;
         if config.ordered && message.has_aggregate() {
             let order =
@@ -223,7 +234,11 @@ pub(crate) async fn transact(
         // The handler is called inside the guarded future, so that a panic while building
         // its future is caught as well as one while polling it.
         let call = AssertUnwindSafe(async { handler.handle(c, &message).await }).catch_unwind();
-        match tokio::time::timeout(config.handler_timeout, call).await {
+        phase.allow(config.handler_timeout + query_timeout);
+        let called = tokio::time::timeout(config.handler_timeout, call).await;
+        // The commit or the rollback: one statement's answer.
+        phase.allow(query_timeout);
+        match called {
             Ok(Ok(Ok(()))) => Ok(if message.late { Settled::LateFlagged } else { Settled::Handled }),
             Ok(Ok(Err(e))) => {
                 *failure_slot = Some(HandlerFailure::Error(e));
@@ -240,11 +255,14 @@ pub(crate) async fn transact(
         }
     });
     // Dropping a transaction that did not finish drops its connection (the pool discards a
-    // connection left inside a transaction): nothing it did commits, unless its COMMIT had gone
-    // out, in which case the next try finds the message recorded.
-    let bound = config.handler_timeout + STATEMENTS_GRACE;
-    let Ok(result) = tokio::time::timeout(bound, transaction).await else {
-        return Attempt::Outage(format!("the database did not answer within {}", humantime::format_duration(bound)));
+    // connection left inside a transaction, or in the middle of its COMMIT): nothing it did
+    // commits, unless its COMMIT had gone out, in which case the next try finds the message
+    // recorded.
+    let Some(result) = phase.watch(transaction).await else {
+        crate::store::abandon(conn);
+        let silent = crate::error::StoreError::NoAnswer { server: pool.server(), waited: query_timeout };
+        pool.learn(&silent);
+        return Attempt::Outage(silent.to_string());
     };
     match (result, failure) {
         (Ok(settled), _) => Attempt::Done(settled),
@@ -264,6 +282,51 @@ pub(crate) async fn transact(
         },
         // Our own statements (or the commit) failed: the database, not the message, is at fault.
         (Err(e), None) => Attempt::Outage(format!("inbox transaction failed: {e}")),
+    }
+}
+
+/// Until when the part of a transaction under way may wait for the database: a deadline that
+/// the transaction moves on as it goes from one part to the next, and that [`Phase::watch`]
+/// holds it to.
+struct Phase {
+    started: tokio::time::Instant,
+    /// Milliseconds from `started`.
+    until: std::sync::atomic::AtomicU64,
+}
+
+impl Phase {
+    /// A deadline `first` from now.
+    fn new(first: Duration) -> Self {
+        let phase = Phase { started: tokio::time::Instant::now(), until: Default::default() };
+        phase.allow(first);
+        phase
+    }
+
+    /// The part starting now may take `d`.
+    fn allow(&self, d: Duration) {
+        let until = self.started.elapsed() + d;
+        self.until.store(until.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    fn deadline(&self) -> tokio::time::Instant {
+        self.started + Duration::from_millis(self.until.load(Ordering::Relaxed))
+    }
+
+    /// `work`'s output, or `None` once a part of it outlived its deadline.
+    async fn watch<T>(&self, work: impl std::future::Future<Output = T>) -> Option<T> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            let deadline = self.deadline();
+            tokio::select! {
+                out = &mut work => return Some(out),
+                () = tokio::time::sleep_until(deadline) => {
+                    // The deadline may have moved on meanwhile.
+                    if tokio::time::Instant::now() >= self.deadline() {
+                        return None;
+                    }
+                }
+            }
+        }
     }
 }
 

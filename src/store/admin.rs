@@ -361,13 +361,38 @@ pub async fn purge_done(conn: &mut AsyncPgConnection, older_than: Duration, batc
     let mut total = 0u64;
     let mut after = 0;
     loop {
-        let step = prune_step(conn, after, batch, older_than, false).await?;
-        total += u64::try_from(step.deleted).unwrap_or_default();
-        match step.last {
-            Some(last) => after = last,
+        let stretch = purge_done_batch(conn, older_than, after, batch).await?;
+        total += stretch.deleted;
+        match stretch.next {
+            Some(next) => after = next,
             None => return Ok(total),
         }
     }
+}
+
+/// One stretch of [`purge_done`]: what [`purge_done_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PurgeStretch {
+    /// `done` rows deleted.
+    pub deleted: u64,
+    /// The id after which the next stretch starts; `None` once the walk reached the table's
+    /// end.
+    pub next: Option<i64>,
+}
+
+/// One statement of [`purge_done`]: of the `batch` rows after id `after` in primary-key order,
+/// deletes the `done` ones whose `done_at` is older than `older_than`. Start at `after = 0` and
+/// go on from [`PurgeStretch::next`] until it is `None`. For a caller that bounds each statement
+/// (`actix-outbox purge` gives each its `--query-timeout`) or paces them.
+pub async fn purge_done_batch(
+    conn: &mut AsyncPgConnection,
+    older_than: Duration,
+    after: i64,
+    batch: i64,
+) -> Result<PurgeStretch, StoreError> {
+    let step = prune_step(conn, after, batch, older_than, false).await?;
+    Ok(PurgeStretch { deleted: u64::try_from(step.deleted).unwrap_or_default(), next: step.last })
 }
 
 /// One stretch of [`purge_done`] and of the dispatcher's pruner.

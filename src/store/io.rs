@@ -52,3 +52,15 @@ where
     let _abort = AbortOnDrop(task.abort_handle());
     task.await.map_err(|e| std::io::Error::other(format!("opening the connection failed: {e}")))
 }
+
+/// Runs `work` on the connections' runtime without waiting for it (a cancel request for a
+/// statement given up on, which must not hold up its caller). Nothing happens if that runtime
+/// cannot start.
+pub(super) fn detach<F>(work: F)
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    if let Ok(handle) = handle() {
+        drop(handle.spawn(work));
+    }
+}

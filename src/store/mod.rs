@@ -15,6 +15,7 @@ mod admin;
 mod claim;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod cursor;
+mod deadline;
 mod fence;
 mod fifo;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
@@ -35,8 +36,8 @@ use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncC
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
 pub use admin::{
-    Erasure, Overview, SKIPPED_PREFIX, Stats, dead_available_at, dead_list, dead_retry, dead_retry_all, dead_skip,
-    erase, outbox_source, overview, purge_done, stats,
+    Erasure, Overview, PurgeStretch, SKIPPED_PREFIX, Stats, dead_available_at, dead_list, dead_retry, dead_retry_all,
+    dead_skip, erase, outbox_source, overview, purge_done, purge_done_batch, stats,
 };
 pub(crate) use admin::{Sample, prune_step, sample_unfinished};
 #[cfg(feature = "testkit")]
@@ -45,15 +46,20 @@ pub(crate) use admin::{Unsettled, unsettled};
 pub use claim::{AggregateKey, Claim, ClaimParams, HeadsScan, claim, claim_plan, explain_claim, release_unanswered};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use cursor::{BadSnapshot, Cursor, Position, Snapshot, Taken};
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
+pub(crate) use deadline::abandon;
+pub(crate) use deadline::within;
 pub(crate) use fifo::fifo_index_valid;
 pub use fifo::{BlockedAggregate, blocked_aggregates, blocked_aggregates_count, ensure_fifo_index};
 #[cfg_attr(not(feature = "test-util"), allow(unused_imports))]
 pub use finalize::{
     Bury, Reschedule, Rescheduled, delete_done, extend_leases, mark_dead, mark_done, reschedule, settled,
 };
-pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 #[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
-pub(crate) use pool::{in_transaction, unit};
+pub(crate) use pool::in_transaction;
+#[cfg_attr(not(feature = "inbox"), allow(unused_imports))]
+pub(crate) use pool::in_transaction_idle;
+pub use pool::{PgPool, PoolConfig, Pooler, connect_pool};
 pub use producer::{enqueue, enqueue_many, enqueue_ordered, lock_aggregate};
 #[cfg(feature = "testkit")]
 pub(crate) use sql::{SERVER_SECONDS_SQL, STALE_TEST_DATABASES_SQL};
@@ -74,10 +80,26 @@ const APPLICATION_NAME: &str = "actix-outbox";
 /// `connect_timeout`.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// TCP keepalives of the connections this crate opens, unless the connection string sets its
+/// own: a probe after this much silence...
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+/// ...then one every this often...
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// ...and the connection is closed after this many unanswered: a peer that is gone (its host
+/// died, a firewall dropped the connection) is noticed within about 30 s of idleness.
+const KEEPALIVE_RETRIES: u32 = 3;
+/// How long sent bytes may stay unacknowledged before the kernel closes the connection
+/// (`TCP_USER_TIMEOUT`, Linux), unless the connection string sets `tcp_user_timeout`.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// Opens one connection to `database_url` (a URL or `key=value` pairs, see
 /// [`ConnectionString`]), every option of the string applied. Without a `connect_timeout` in
 /// the string, an attempt that gets no answer within 10 s fails; without
-/// an `application_name`, the connection is named `actix-outbox`.
+/// an `application_name`, the connection is named `actix-outbox`. Unless the string sets its
+/// own, TCP keepalives probe after 15 s of silence, every 5 s, 3 times, and sent bytes may stay
+/// unacknowledged for 30 s (`tcp_user_timeout`, Linux): a server that is gone is noticed
+/// within about half a minute. They cannot see a link whose other end still acknowledges but
+/// never answers: the pool's query timeout ([`PoolConfig::query_timeout`]) does.
 ///
 /// A failure is [`StoreError::Connect`] whose source is the driver's error, with its own cause
 /// ("Connection refused") and, when the server answered, its SQLSTATE.
@@ -115,6 +137,7 @@ pub(crate) async fn open(
     if config.get_application_name().is_none() {
         config.application_name(APPLICATION_NAME);
     }
+    set_keepalives(&mut config);
     let per_host = *config.get_connect_timeout().unwrap_or(&DEFAULT_CONNECT_TIMEOUT);
     config.connect_timeout(per_host);
     // The driver's timeout covers opening the socket; this one also covers a server that
@@ -149,6 +172,25 @@ pub(crate) async fn open(
             std::io::ErrorKind::TimedOut,
             format!("no answer within {}", humantime::format_duration(per_host * hosts)),
         ))),
+    }
+}
+
+/// Sets the crate's TCP keepalives and user timeout on `config`, where the connection string
+/// left them at the driver's defaults (keepalives on, first probe after two hours, the
+/// system's interval and count; no user timeout). A string that turns keepalives off
+/// (`keepalives=0`) keeps them off.
+fn set_keepalives(config: &mut tokio_postgres::Config) {
+    if config.get_keepalives() && config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        config.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if config.get_tcp_user_timeout().is_none() {
+        config.tcp_user_timeout(TCP_USER_TIMEOUT);
     }
 }
 

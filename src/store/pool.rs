@@ -10,13 +10,40 @@
 //!
 //! - the pool's connections keep no prepared statement: each statement is prepared, run and
 //!   closed inside the transaction it belongs to;
-//! - every unit of work runs in a transaction of its own ([`PgPool::run`], [`unit`]), so that
-//!   all of it stays on one server connection;
+//! - every unit of work runs in a transaction of its own ([`PgPool::run`]), so that all of it
+//!   stays on one server connection; the transaction sets `idle_in_transaction_session_timeout`
+//!   (`SET LOCAL`, to the query timeout), so that a client whose link goes silent between two
+//!   statements does not leave the server holding its locks for ever;
 //! - nothing relies on the session: no `SET` when a connection opens (a statement that is
 //!   never reused is always planned with its real values, which is what
 //!   `plan_cache_mode = force_custom_plan` buys a direct connection), no session advisory lock,
 //!   no `LISTEN`. What needs a session (the insert listener, the FIFO gate's index build) gets a
 //!   connection of its own to [`PoolConfig::direct_url`], or is done without.
+//!
+//! **A transaction pooler nobody named.** A pool set up for a direct connection
+//! ([`Pooler::None`]) whose statements turn out to go through a transaction pooler (the server
+//! says a prepared statement of the driver's is missing, or its name taken:
+//! [`StoreError::BehindTransactionPooler`]) switches itself to the transaction pooler's path at
+//! the first such failure: every connection it hands out from then on keeps no prepared
+//! statement and runs each unit of work in a transaction of its own, exactly as
+//! [`Pooler::Transaction`] would have from the start, and what needs a session goes to the
+//! direct URL or is done without (the insert listener stops, and the workers poll). It logs
+//! once, at WARN, which setting to make. The statement that failed had not run (a statement
+//! whose prepared form is missing or taken fails before it executes), so nothing is lost; what
+//! the switch cannot undo is a session lock or a `LISTEN` that the insert listener took through
+//! the pooler before the switch, which stays with a server connection of the pooler until the
+//! pooler closes it: give such a deployment a direct URL, or set the pooler.
+//!
+//! **Deadlines.** Every unit of work of the crate is bounded by [`PoolConfig::query_timeout`]
+//! (see `deadline`); a connection that misses it is dropped, never returned to the pool. For a
+//! while after one did, every checkout first asks its connection for a quick answer
+//! ([`SUSPECT_PING`]), so that the other connections of the same silent link are found and
+//! dropped in a second each, rather than each costing a caller the whole timeout.
+
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use diesel::connection::CacheSize;
 use diesel_async::pooled_connection::bb8::Pool;
@@ -24,6 +51,7 @@ use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfi
 use diesel_async::{AnsiTransactionManager, TransactionManager};
 use diesel_async::{AsyncConnection, AsyncPgConnection, SimpleAsyncConnection};
 
+use super::deadline::{self, DEFAULT_QUERY_TIMEOUT};
 use super::open;
 use crate::error::StoreError;
 use crate::url::{ConnectionString, with_causes};
@@ -46,6 +74,16 @@ const CHECKOUT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The default number of connections of a pool.
 const DEFAULT_SIZE: u32 = 8;
+
+/// The shortest query timeout: below it, a healthy database under load would look silent.
+const MIN_QUERY_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// After a connection missed its deadline, how long every checkout pings its connection first.
+const SUSPECT_FOR: Duration = Duration::from_secs(15);
+
+/// How long a checkout's ping may take while the pool suspects its connections (at most the
+/// query timeout): a connection of a silent link costs its caller this, not the whole timeout.
+const SUSPECT_PING: Duration = Duration::from_secs(1);
 
 /// What stands between this process and PostgreSQL; see the [`PoolConfig`] docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -122,6 +160,24 @@ pub struct PoolConfig {
     /// for that work when [`PoolConfig::pooler`] is [`Pooler::None`], and the work is done
     /// without behind a transaction pooler. Default `None`.
     pub direct_url: Option<String>,
+    /// How long the database may take to answer one unit of work of the crate (a claim, a
+    /// finalize statement, a table sample, a statement of the insert listener, a page of the
+    /// console, [`PgPool::run`]) before the connection is given up: dropped, never returned
+    /// to the pool, its statement cancelled on the server, and the work failed with
+    /// [`StoreError::NoAnswer`] (transient: the dispatcher retries on a fresh connection).
+    /// Default 5 s; at least 100 ms.
+    ///
+    /// This is what notices a link that went silent without closing (a frozen VM, a storage
+    /// stall, a NAT that dropped its state, a hung pooler), which TCP keepalives cannot see
+    /// when the other end's kernel still acknowledges. What it costs: a dispatcher notices
+    /// such a link this long after its last statement went out (a WARN names the server then,
+    /// and health goes not-ready); and any statement slower than this fails, however healthy
+    /// the database: a claim or finalize held by a lock (a migration's `ALTER TABLE`), a
+    /// table sample over a backlog of millions. Raise it where statements are legitimately
+    /// slow; lower it to notice silence sooner. The connections also set TCP keepalives and a
+    /// user timeout (unless the connection string sets its own `keepalives_*` and
+    /// `tcp_user_timeout`), for a peer that is really gone.
+    pub query_timeout: Duration,
 }
 
 impl std::fmt::Debug for PoolConfig {
@@ -131,6 +187,7 @@ impl std::fmt::Debug for PoolConfig {
             .field("size", &self.size)
             .field("pooler", &self.pooler)
             .field("direct_url", &self.direct_url.as_deref().map(crate::url::mask_url))
+            .field("query_timeout", &self.query_timeout)
             .finish()
     }
 }
@@ -138,7 +195,20 @@ impl std::fmt::Debug for PoolConfig {
 impl PoolConfig {
     /// A pool of `url`, every other setting at its default (each named on its field).
     pub fn new(url: impl Into<String>) -> Self {
-        Self { url: url.into(), size: DEFAULT_SIZE, pooler: Pooler::None, direct_url: None }
+        Self {
+            url: url.into(),
+            size: DEFAULT_SIZE,
+            pooler: Pooler::None,
+            direct_url: None,
+            query_timeout: DEFAULT_QUERY_TIMEOUT,
+        }
+    }
+
+    /// Sets [`PoolConfig::query_timeout`] (at least 100 ms).
+    #[must_use]
+    pub fn query_timeout(mut self, timeout: Duration) -> Self {
+        self.query_timeout = timeout;
+        self
     }
 
     /// Sets [`PoolConfig::size`].
@@ -176,16 +246,18 @@ impl PoolConfig {
     pub async fn connect(&self) -> Result<PgPool, StoreError> {
         let target = ConnectionString::parse(&self.url)?;
         let direct = self.direct_url.as_deref().map(ConnectionString::parse).transpose()?;
-        let pooler = self.pooler;
+        let transaction_pooler = Arc::new(AtomicBool::new(self.pooler == Pooler::Transaction));
         let mut config = ManagerConfig::<AsyncPgConnection>::default();
         let setup_target = target.clone();
+        let setup_mode = transaction_pooler.clone();
         config.custom_setup = Box::new(move |_| {
             let target = setup_target.clone();
+            let mode = setup_mode.clone();
             Box::pin(async move {
                 // The pool wants a diesel error: keep the whole chain in its message.
                 let conn =
                     open(&target).await.map_err(|e| diesel::ConnectionError::BadConnection(with_causes(e.as_ref())))?;
-                set_up(conn, pooler).await
+                set_up(conn, pooler_of(&mode)).await
             })
         });
         // A checkout does not ping: a `SELECT 1` before every claim and every finalize flush was a
@@ -208,14 +280,16 @@ impl PoolConfig {
         // Opened here, with its cause kept whole: bb8 would keep retrying a refused connection
         // until the checkout timed out, and report only the timeout. It is the pool's first.
         let first = open(&target).await.map_err(StoreError::Connect)?;
-        let first = set_up(first, pooler).await.map_err(StoreError::from)?;
+        let first = set_up(first, pooler_of(&transaction_pooler)).await.map_err(StoreError::from)?;
         let _ = pool.add(first);
-        let session = match (direct, pooler) {
-            (Some(direct), _) => Some(direct),
-            (None, Pooler::None) => Some(target),
-            (None, Pooler::Transaction) => None,
-        };
-        Ok(PgPool { pool, pooler, session })
+        Ok(PgPool {
+            pool,
+            transaction_pooler,
+            target,
+            direct,
+            query_timeout: self.query_timeout.max(MIN_QUERY_TIMEOUT),
+            health: Arc::default(),
+        })
     }
 }
 
@@ -228,6 +302,11 @@ async fn set_up(mut conn: AsyncPgConnection, pooler: Pooler) -> Result<AsyncPgCo
         Pooler::Transaction => conn.set_prepared_statement_cache_size(CacheSize::Disabled),
     }
     Ok(conn)
+}
+
+/// What the mode flag of a pool says.
+fn pooler_of(transaction_pooler: &AtomicBool) -> Pooler {
+    if transaction_pooler.load(Ordering::Relaxed) { Pooler::Transaction } else { Pooler::None }
 }
 
 /// Opens a pool of `size` connections straight to `database_url` (a URL or `key=value` pairs,
@@ -258,10 +337,23 @@ pub async fn connect_pool(database_url: &str, size: u32) -> Result<PgPool, Store
 #[derive(Clone)]
 pub struct PgPool {
     pool: Pool<AsyncPgConnection>,
-    pooler: Pooler,
-    /// Where session work connects: the direct URL, the pool's own without a transaction
-    /// pooler, nowhere behind one without a direct URL.
-    session: Option<ConnectionString>,
+    /// Whether the statements go through a transaction pooler: as configured, or found out
+    /// (see the module's docs). Shared by the clones and by the connection setup.
+    transaction_pooler: Arc<AtomicBool>,
+    /// The pooled connections' server, for the words of a [`StoreError::NoAnswer`].
+    target: ConnectionString,
+    /// [`PoolConfig::direct_url`].
+    direct: Option<ConnectionString>,
+    query_timeout: Duration,
+    /// What the pool has seen of its connections' answers.
+    health: Arc<Mutex<Seen>>,
+}
+
+/// What a pool has seen of its connections' answers.
+#[derive(Debug, Default)]
+struct Seen {
+    /// When a connection last missed its deadline.
+    silent_at: Option<Instant>,
 }
 
 impl std::ops::Deref for PgPool {
@@ -278,21 +370,37 @@ impl std::fmt::Debug for PgPool {
         f.debug_struct("PgPool")
             .field("connections", &state.connections)
             .field("idle", &state.idle_connections)
-            .field("pooler", &self.pooler)
-            .field("session", &self.session.as_ref().map(ToString::to_string))
+            .field("pooler", &self.pooler())
+            .field("direct", &self.direct.as_ref().map(ToString::to_string))
+            .field("query_timeout", &self.query_timeout)
             .finish()
     }
 }
 
 impl PgPool {
-    /// What stands between this pool and the server.
+    /// What stands between this pool and the server: as configured, or
+    /// [`Pooler::Transaction`] once the pool found that its statements go through a
+    /// transaction pooler (see the module's docs).
     pub fn pooler(&self) -> Pooler {
-        self.pooler
+        pooler_of(&self.transaction_pooler)
+    }
+
+    /// How long the database may take to answer one unit of work ([`PoolConfig::query_timeout`]).
+    pub fn query_timeout(&self) -> Duration {
+        self.query_timeout
+    }
+
+    /// The pooled connections' server, password masked, as errors name it.
+    #[cfg_attr(not(feature = "inbox"), allow(dead_code))]
+    pub(crate) fn server(&self) -> String {
+        self.target.to_string()
     }
 
     /// Checks out a connection and runs `f` on it as one unit of work: in a transaction of its
     /// own behind a transaction pooler (so that all of it runs on one server connection), as it
-    /// is otherwise. A unit that fails behind a pooler is rolled back.
+    /// is otherwise. A unit that fails behind a pooler is rolled back. The database has the
+    /// query timeout ([`PoolConfig::query_timeout`]) to answer it all: past it, the connection
+    /// is dropped and the unit fails with [`StoreError::NoAnswer`].
     ///
     /// ```no_run
     /// # async fn f(pool: actix_outbox::PgPool) -> Result<(), actix_outbox::StoreError> {
@@ -303,14 +411,177 @@ impl PgPool {
     where
         E: From<StoreError> + From<diesel::result::Error>,
     {
-        let mut conn = self.pool.get().await.map_err(StoreError::from)?;
-        unit(&mut conn, self.pooler, f).await
+        let mut conn = self.checkout().await?;
+        let pooler = self.pooler();
+        let limit = self.query_timeout;
+        deadline::within(&mut conn, limit, &self.target, async |c| match pooler {
+            Pooler::None => f(c).await,
+            Pooler::Transaction => in_transaction_idle(c, limit, f).await,
+        })
+        .await
+    }
+
+    /// Checks a connection out, set up for the pooler as it stands now. While the pool suspects
+    /// its connections (one missed its deadline lately), each is first asked for a quick
+    /// answer, and one that does not give it is dropped and the next one tried.
+    pub(crate) async fn checkout(
+        &self,
+    ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
+        self.checkout_until(None).await
+    }
+
+    /// [`PgPool::checkout`], given up at `until` (a shutdown's deadline) if it has no connection
+    /// by then (and at the query timeout in any case).
+    pub(crate) async fn checkout_until(
+        &self,
+        until: Option<Instant>,
+    ) -> Result<diesel_async::pooled_connection::bb8::PooledConnection<'_, AsyncPgConnection>, StoreError> {
+        // Every connection the pool holds, plus a fresh one, at most, and for no longer than
+        // the query timeout: a silent link costs a checkout a ping per connection it had opened.
+        let started = Instant::now();
+        let until = until.map_or(started + self.query_timeout, |until| until.min(started + self.query_timeout));
+        let left = || until.saturating_duration_since(Instant::now());
+        for _ in 0..=self.pool.state().connections {
+            if left().is_zero() {
+                break;
+            }
+            // Dropping a checkout that waits gives nothing up: the pool keeps its connections.
+            let Ok(got) = tokio::time::timeout(left(), self.pool.get()).await else { break };
+            let mut conn = got?;
+            if self.pooler() == Pooler::Transaction {
+                // A connection set up before the pool found its pooler keeps no statement from
+                // now on (a no-op on one set up for it).
+                conn.set_prepared_statement_cache_size(CacheSize::Disabled);
+            }
+            if !self.suspicious() {
+                return Ok(conn);
+            }
+            // The ping has a deadline of its own, which drops a connection that misses it (a
+            // timeout around it would hand a silent connection back to the pool).
+            let ping = SUSPECT_PING.min(left()).max(MIN_QUERY_TIMEOUT);
+            let pinged = deadline::within(&mut conn, ping, &self.target, async |c| {
+                c.batch_execute("SELECT 1").await.map_err(StoreError::from)
+            })
+            .await;
+            match pinged {
+                Ok(()) => return Ok(conn),
+                // Marked broken by the deadline (or broken already): the pool drops it.
+                Err(e) => tracing::debug!(error = %e, "a pooled connection did not answer a ping; dropped"),
+            }
+        }
+        Err(StoreError::Pool(diesel_async::pooled_connection::bb8::RunError::TimedOut))
+    }
+
+    /// Runs `f` on `conn` (checked out of this pool) as one unit of work for the pooler as it
+    /// stands now (in a transaction behind a transaction pooler, as it is otherwise), within
+    /// the query timeout. A failure that shows the
+    /// statements go through a transaction pooler the pool was not told about switches the
+    /// pool to that pooler's path (see the module's docs).
+    pub(crate) async fn unit<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        self.unit_until(conn, None, f).await
+    }
+
+    /// [`PgPool::unit`], given up at `until` if that comes before the query timeout (a
+    /// shutdown's deadline).
+    pub(crate) async fn unit_until<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        until: Option<Instant>,
+        f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let pooler = self.pooler();
+        let limit = until.map_or(self.query_timeout, |until| {
+            self.query_timeout.min(until.saturating_duration_since(Instant::now())).max(MIN_QUERY_TIMEOUT)
+        });
+        let result = deadline::within(conn, limit, &self.target, async |c| match pooler {
+            Pooler::None => f(c).await,
+            // A transaction the server ends itself if the link goes silent between statements.
+            Pooler::Transaction => in_transaction_idle(c, limit, f).await,
+        })
+        .await;
+        self.observe(result)
+    }
+
+    /// Runs `f` on `conn` within `limit` (the query timeout when `None`), as it is: for work
+    /// that must not be wrapped in a transaction, or that may take longer than one statement
+    /// should (a FIFO index build).
+    pub(crate) async fn bounded<T>(
+        &self,
+        conn: &mut AsyncPgConnection,
+        limit: Option<Duration>,
+        f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let limit = limit.unwrap_or(self.query_timeout);
+        let result = deadline::within(conn, limit, &self.target, f).await;
+        self.observe(result)
+    }
+
+    /// Learns from a unit's outcome: a connection that missed its deadline makes the pool
+    /// suspect the others for a while; a lost prepared statement means a transaction pooler.
+    fn observe<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        if let Err(e) = &result {
+            self.learn(e);
+        }
+        result
+    }
+
+    /// Learns from a failure of work on a connection of this pool's (or of its session): a
+    /// connection that missed its deadline makes the pool suspect the others for a while; a
+    /// lost prepared statement means a transaction pooler.
+    pub(crate) fn learn(&self, e: &StoreError) {
+        match e {
+            StoreError::NoAnswer { .. } => {
+                self.health.lock().unwrap_or_else(|e| e.into_inner()).silent_at = Some(Instant::now());
+            }
+            StoreError::BehindTransactionPooler(e) => self.found_transaction_pooler(e),
+            _ => {}
+        }
+    }
+
+    /// Whether a connection missed its deadline lately.
+    fn suspicious(&self) -> bool {
+        self.health.lock().unwrap_or_else(|e| e.into_inner()).silent_at.is_some_and(|at| at.elapsed() < SUSPECT_FOR)
+    }
+
+    /// The statements go through a transaction pooler: from now on, every connection is used
+    /// as [`Pooler::Transaction`] wants it. Logged once (the first caller to see it).
+    fn found_transaction_pooler(&self, e: &diesel::result::Error) {
+        if self.transaction_pooler.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let session = match &self.direct {
+            Some(direct) => format!("session work (the insert listener) goes to the direct URL {direct}"),
+            None => "with no direct URL, the insert listener stops and the workers poll for new rows; give a direct                      URL to the server (PoolConfig::direct_url, `--direct-url`) to have inserts wake them"
+                .to_owned(),
+        };
+        tracing::warn!(server = %self.target, error = %e,
+            "the pool's statements go through a transaction pooler (PgBouncer with pool_mode = transaction?) that the              pool was not told about: switched to the transaction pooler's path (no statement kept prepared, every              unit of work in a transaction of its own) and carrying on; set it at start to skip the failures that              found it out: `--pooler transaction` (PoolConfig::pooler(Pooler::Transaction)); {session}");
     }
 
     /// Whether [`PgPool::session`] can give a session: false behind a transaction pooler with
     /// no direct URL.
     pub(crate) fn has_session(&self) -> bool {
-        self.session.is_some()
+        self.session_target().is_some()
+    }
+
+    /// Where session work connects: the direct URL, the pool's own without a transaction
+    /// pooler, nowhere behind one without a direct URL.
+    fn session_target(&self) -> Option<&ConnectionString> {
+        match (&self.direct, self.pooler()) {
+            (Some(direct), _) => Some(direct),
+            (None, Pooler::None) => Some(&self.target),
+            (None, Pooler::Transaction) => None,
+        }
+    }
+
+    /// The connection string session work connects to, when there is one (for the words of
+    /// a [`StoreError::NoAnswer`] about it).
+    pub(crate) fn session_url(&self) -> Option<ConnectionString> {
+        self.session_target().cloned()
     }
 
     /// A connection of its own, outside the pool, for work that holds a session (`LISTEN`, a
@@ -318,24 +589,8 @@ impl PgPool {
     /// own server without a transaction pooler. `None` behind a transaction pooler with no
     /// direct URL.
     pub(crate) async fn session(&self) -> Option<Result<AsyncPgConnection, StoreError>> {
-        let target = self.session.as_ref()?;
+        let target = self.session_target()?;
         Some(open(target).await.map_err(StoreError::Connect))
-    }
-}
-
-/// Runs `f` on `conn` as one unit of work for `pooler`: in a transaction of its own behind a
-/// transaction pooler unless `conn` is in one already, as it is otherwise.
-pub(crate) async fn unit<T, E>(
-    conn: &mut AsyncPgConnection,
-    pooler: Pooler,
-    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
-) -> Result<T, E>
-where
-    E: From<diesel::result::Error>,
-{
-    match pooler {
-        Pooler::None => f(conn).await,
-        Pooler::Transaction => in_transaction(conn, f).await,
     }
 }
 
@@ -372,11 +627,43 @@ pub(crate) async fn in_transaction<T, E>(
 where
     E: From<diesel::result::Error>,
 {
+    transaction(conn, None, f).await
+}
+
+/// [`in_transaction`], the transaction ended by the server (its session terminated, its locks
+/// released) if it waits longer than `idle` for the client's next statement: a client whose
+/// link went silent between two statements holds no lock for longer than that.
+pub(crate) async fn in_transaction_idle<T, E>(
+    conn: &mut AsyncPgConnection,
+    idle: Duration,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
+    transaction(conn, Some(idle), f).await
+}
+
+async fn transaction<T, E>(
+    conn: &mut AsyncPgConnection,
+    idle: Option<Duration>,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth();
     if !matches!(depth, Ok(None)) {
         return f(conn).await;
     }
-    AnsiTransactionManager::begin_transaction(conn).await?;
+    match idle {
+        // One round trip, as a plain BEGIN.
+        Some(idle) => {
+            let begin = format!("{}{}", super::sql::BEGIN_IDLE_BOUNDED, idle.as_millis().max(1));
+            AnsiTransactionManager::begin_transaction_sql(conn, &begin).await?;
+        }
+        None => AnsiTransactionManager::begin_transaction(conn).await?,
+    }
     match f(conn).await {
         Ok(value) => {
             AnsiTransactionManager::commit_transaction(conn).await?;

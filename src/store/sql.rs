@@ -648,3 +648,9 @@ WHERE d.datname ~ '^outbox_test_[0-9]{10}_[0-9]{1,10}_[0-9]{1,19}$'
   AND split_part(d.datname, '_', 3)::int8 <= extract(epoch FROM now()) - $1
   AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.datname = d.datname)
 ORDER BY d.datname";
+
+/// Opens a transaction that the server ends by itself (terminating the session, which releases
+/// its locks) once it has waited longer than the number of milliseconds appended for the client's
+/// next statement: a client whose link went silent mid-transaction cannot hold its row locks for
+/// ever. `SET LOCAL` lasts as long as the transaction, so it works through a transaction pooler.
+pub(super) const BEGIN_IDLE_BOUNDED: &str = "BEGIN; SET LOCAL idle_in_transaction_session_timeout = ";

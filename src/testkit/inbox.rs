@@ -160,8 +160,8 @@ pub async fn deliver(
     message: &InboxMessage,
 ) -> Result<Delivered, StoreError> {
     let config = consumer.into().config;
-    let mut conn = pool.get().await?;
-    Ok(match transact(&mut conn, &config, handler, message).await {
+    let mut conn = pool.checkout().await?;
+    Ok(match transact(&mut conn, &config, handler, message, pool).await {
         Attempt::Done(Settled::Duplicate) => Delivered::Duplicate,
         Attempt::Done(Settled::LateSkipped) => Delivered::SkippedLate,
         Attempt::Done(Settled::LateFlagged) => Delivered::AppliedLate,

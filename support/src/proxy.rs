@@ -1,8 +1,11 @@
 //! A TCP proxy in front of RabbitMQ or PostgreSQL that one test (or one dispatcher of the chaos
-//! run) owns, so that it can cut, stall, refuse, delay or slow its own connections, and play
-//! the broker's memory alarm, without disturbing the real services or anyone else using them.
+//! run) owns, so that it can cut, stall, refuse, delay, slow or freeze its own connections, and
+//! play the broker's memory alarm, without disturbing the real services or anyone else using
+//! them.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -30,6 +33,10 @@ struct Mode {
     delay: Duration,
     /// Bytes a second the proxy reads from either side at most (a slow link), if set.
     slow: Option<u32>,
+    /// Connections accepted before this one (by their number, from 0) forward nothing either
+    /// way and stay open: a frozen peer, a NAT or load balancer that dropped their state. The
+    /// proxy's kernel still acknowledges what the client sends, as a live peer's would.
+    frozen_below: u64,
 }
 
 /// How often a slowed connection reads; each read takes at most a tenth of the rate.
@@ -44,6 +51,8 @@ pub struct Proxy {
     addr: SocketAddr,
     mode: watch::Sender<Mode>,
     accept: JoinHandle<()>,
+    /// Connections accepted so far, which numbers them.
+    accepted: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -53,6 +62,8 @@ impl Proxy {
         let addr = listener.local_addr().unwrap();
         let (mode, _) = watch::channel(Mode::default());
         let modes = mode.clone();
+        let accepted = Arc::new(AtomicU64::new(0));
+        let counter = accepted.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let now = *modes.borrow();
@@ -61,10 +72,11 @@ impl Proxy {
                     continue;
                 }
                 let Ok(broker) = TcpStream::connect(&upstream).await else { continue };
-                tokio::spawn(forward(client, broker, modes.subscribe(), now.generation));
+                let number = counter.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(forward(client, broker, modes.subscribe(), Link { generation: now.generation, number }));
             }
         });
-        Proxy { addr, mode, accept }
+        Proxy { addr, mode, accept, accepted }
     }
 
     /// The address the proxy listens on.
@@ -129,7 +141,28 @@ impl Proxy {
         self.mode.send_modify(|m| m.slow = bytes_per_second.map(|b| b.max(10)));
     }
 
-    /// Ends every fault at once: forwards, accepts, unblocks, no delay, full speed. Open
+    /// Freezes every connection open now: nothing is forwarded on them either way, and they
+    /// stay open (no FIN, no RST), while connections accepted later pass normally. What a
+    /// frozen VM, a storage stall or a NAT that dropped its state looks like from the client:
+    /// the peer's kernel still acknowledges bytes, so TCP keepalives and a user timeout see a
+    /// live link, and only a deadline on the answer notices. [`Proxy::thaw`] (or
+    /// [`Proxy::heal`]) forwards on them again, as the VM that resumes.
+    pub fn freeze(&self) {
+        let below = self.accepted.load(Ordering::SeqCst);
+        self.mode.send_modify(|m| m.frozen_below = below);
+    }
+
+    /// Ends [`Proxy::freeze`]: the frozen connections that are still open forward again.
+    pub fn thaw(&self) {
+        self.mode.send_modify(|m| m.frozen_below = 0);
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
+    /// Ends every fault at once: forwards, accepts, unblocks, thaws, no delay, full speed. Open
     /// connections stay open.
     pub fn heal(&self) {
         self.mode.send_modify(|m| *m = Mode { generation: m.generation, ..Mode::default() });
@@ -155,15 +188,24 @@ impl Drop for Proxy {
     }
 }
 
-async fn forward(client: TcpStream, broker: TcpStream, mode: watch::Receiver<Mode>, generation: u64) {
+/// Which connection a pipe belongs to.
+#[derive(Debug, Clone, Copy)]
+struct Link {
+    /// The `sever()` generation it was accepted in.
+    generation: u64,
+    /// Its number, in order of acceptance (for `freeze()`).
+    number: u64,
+}
+
+async fn forward(client: TcpStream, broker: TcpStream, mode: watch::Receiver<Mode>, link: Link) {
     let _ = client.set_nodelay(true);
     let _ = broker.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (broker_read, broker_write) = broker.into_split();
     // Whichever direction ends first closes both sockets.
     tokio::select! {
-        () = pipe(client_read, broker_write, mode.clone(), generation, |m| m.stall_up || m.amqp_blocked, None) => {}
-        () = pipe(broker_read, client_write, mode, generation, |m| m.stall_down, Some(Frames::default())) => {}
+        () = pipe(client_read, broker_write, mode.clone(), link, |m| m.stall_up || m.amqp_blocked, None) => {}
+        () = pipe(broker_read, client_write, mode, link, |m| m.stall_down, Some(Frames::default())) => {}
     }
 }
 
@@ -237,15 +279,22 @@ async fn pipe(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<Mode>,
-    generation: u64,
+    link: Link,
     stalled: fn(&Mode) -> bool,
     mut frames: Option<Frames>,
 ) {
     let mut buf = vec![0_u8; 64 * 1024];
     loop {
         let now = *mode.borrow_and_update();
-        if now.generation != generation {
+        if now.generation != link.generation {
             return;
+        }
+        if link.number < now.frozen_below {
+            // Frozen: not a byte either way, not even a blocked notice, until thawed.
+            if mode.changed().await.is_err() {
+                return;
+            }
+            continue;
         }
         if let Some(f) = frames.as_mut()
             && f.owes_notice(now.amqp_blocked)

@@ -390,9 +390,9 @@ fn alive(pid: u32) -> bool {
 
 /// What the sink does about the RabbitMQ 3.10 behaviour above, on the shared broker: a channel
 /// whose very first publish is nacked (here by a queue that takes nothing, `x-max-length` 0
-/// with `reject-publish`) is replaced by a new channel, while the nack stays the message's
-/// (retryable). `rabbit::nack_from_a_full_queue_is_retryable` holds the other half: a channel
-/// acked before keeps going through nacks.
+/// with `reject-publish`) is replaced by a new channel, while the nack stays what a nack is
+/// (refused for now). `rabbit::nack_from_a_full_queue_is_refused_for_now` holds the other half:
+/// a channel acked before keeps going through nacks.
 #[actix_rt::test]
 async fn a_channel_nacked_before_any_ack_is_replaced() {
     use actix_outbox::sink::ExchangeKind;
@@ -412,8 +412,8 @@ async fn a_channel_nacked_before_any_ack_is_replaced() {
     let payload = serde_json::value::to_raw_value(&serde_json::json!({})).unwrap();
     let message = std::sync::Arc::new(OutboxMessage::new(1, "order", "o-1", "order.created", payload));
     match sink.publish(message).await {
-        Err(PublishError::Retryable(e)) => assert!(e.contains("nack"), "{e}"),
-        other => panic!("expected a retryable nack, got {other:?}"),
+        Err(PublishError::Refused(e)) => assert!(e.contains("nack"), "{e}"),
+        other => panic!("expected a nack refused for now, got {other:?}"),
     }
     eventually(Duration::from_secs(10), "a new channel", || async { sink.reconnects() >= 1 && sink.is_connected() })
         .await;

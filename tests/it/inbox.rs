@@ -513,6 +513,64 @@ async fn database_outage_pauses_consumption_and_loses_nothing() {
     assert_eq!(broker.depth(&format!("{queue}.dlq")).await, 0);
 }
 
+/// The consumer's database link freezes mid-stream (the connections open then forward nothing
+/// and stay open; new ones pass): each transaction caught on a frozen connection misses the
+/// pool's query timeout, is given up with its connection, and is tried again on a fresh one,
+/// its delivery held meanwhile, and the server ends the transaction it left open (its locks
+/// with it). Every message has exactly one effect (a commit whose answer the freeze swallowed is
+/// found recorded and counted a duplicate), nothing is dead-lettered, and the queue ends empty.
+#[actix_rt::test]
+async fn a_frozen_database_link_is_given_up_and_every_message_has_one_effect() {
+    let db = database().await;
+    let mut broker = Broker::new().await;
+    let queue = broker.queue().await;
+    let proxy = Proxy::start(postgres_addr()).await;
+    let pool = actix_outbox::PoolConfig::new(proxy.route(&db.url))
+        .size(8)
+        .query_timeout(Duration::from_secs(1))
+        .connect()
+        .await
+        .unwrap();
+    let mut events = Vec::new();
+    for id in 1..=1000 {
+        events.push(Event::new(id));
+        if id % 5 == 0 {
+            events.push(Event::new(id - 1));
+        }
+    }
+    broker.publish(&queue, &events).await;
+
+    // A handler that takes its time after its write, so that the freeze finds transactions
+    // holding their inbox row's lock: given up by the client, they must not keep it on the server
+    // (the message's next try, on a fresh connection, would wait for it for ever).
+    let handler = Recorder::ok().pausing(Duration::from_millis(50));
+    // A handler caught in a statement on a frozen connection waits out its own timeout: a short
+    // one, so that the test does not wait the default 30 s for each.
+    let config = config(amqp_url(), &queue).handler_timeout(Duration::from_secs(2));
+    let consumer = InboxSupervisor::start(config, pool, handler).unwrap();
+    eventually(WITHIN, "200 effects", || async { effect_count(&db).await >= 200 }).await;
+    let open = proxy.connections();
+    proxy.freeze();
+    let frozen_at = Instant::now();
+    eventually(WITHIN, "1,000 messages recorded", || async { inbox_count(&db).await == 1000 }).await;
+    let recovered_after = frozen_at.elapsed();
+    eventually(WITHIN, "queue drained", || async { broker.depth(&queue).await == 0 }).await;
+    consumer.send(Shutdown).await.unwrap();
+
+    assert_one_effect_each(&db, 1..=1000).await;
+    let m = metrics(&consumer).await;
+    eprintln!(
+        "grey: inbox link frozen: {open} connections frozen, every message recorded {:.1}s later, {} outage waits",
+        recovered_after.as_secs_f64(),
+        m.outage_waits
+    );
+    assert!(m.outage_waits > 0, "the frozen transactions were given up: {m:?}");
+    assert!(proxy.connections() > open, "fresh connections replaced the frozen ones");
+    assert_eq!(m.handled + m.duplicates, m.received, "{m:?}");
+    assert_eq!((m.dead_lettered, m.retried), (0, 0), "{m:?}");
+    assert_eq!(broker.depth(&format!("{queue}.dlq")).await, 0);
+}
+
 /// A shutdown while the database is out does not wait for it: the deliveries in hand are given
 /// back to the broker (nack with requeue) and the answer comes within seconds, with every
 /// delivery received accounted for; once the database is back, a new consumer applies every

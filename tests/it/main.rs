@@ -13,6 +13,7 @@ mod erase;
 mod failover;
 mod fifo;
 mod fleet;
+mod grey;
 mod guide;
 mod horizon;
 mod inbox;

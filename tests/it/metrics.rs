@@ -114,6 +114,7 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
         "outbox_lost_leases_total",
         "outbox_pruned_total",
         "outbox_publish_crashes_total",
+        "outbox_publish_refused_total",
         "outbox_published_total",
         "outbox_reaped_total",
         "outbox_sink_outages_total",

@@ -136,6 +136,66 @@ async fn without_a_direct_url_the_dispatcher_polls_through_the_pooler() {
     assert_eq!(advisory_locks(&db, None).await, 0, "no session lock behind the pooler");
 }
 
+/// A pool set up for a direct connection (no `pooler`) whose statements go through a
+/// transaction pooler after all, as `run --direct-url` without `--pooler transaction` makes
+/// it: the first lost prepared statement switches the pool to the pooler's path by itself.
+/// Every row is delivered and ends done, none dead, one attempt each; the pool says it is
+/// behind a transaction pooler now; one WARN names the setting to make, and no other line
+/// speaks of a prepared statement. Alone in its process, for its logs.
+#[test]
+fn a_pool_not_told_of_its_transaction_pooler_switches_by_itself_and_loses_no_row() {
+    crate::alone::test_alone(
+        "pooler::a_pool_not_told_of_its_transaction_pooler_switches_by_itself_and_loses_no_row",
+        unnamed_pooler,
+    );
+}
+
+async fn unnamed_pooler() {
+    const ROWS: usize = 2000;
+    let captured = crate::actors::Captured::install();
+    let db = TestDb::new().await;
+    let bouncer = PgBouncer::start(&database_addr()).await;
+    let ids = db.seed(ROWS, "unnamed").await;
+    // A producer beside the dispatcher keeps several server connections of the bouncer busy, so
+    // that prepared statements go missing soon.
+    let mut conn = producer(&bouncer, &db).await;
+    let pool = PoolConfig::new(bouncer.route(&db.url)).size(6).direct_url(db.url.clone()).connect().await.unwrap();
+    assert_eq!(pool.pooler(), Pooler::None);
+    let (sink, mut rx) = ChannelSink::new();
+    let config = DispatcherConfig::default().workers(3).batch(50).poll_interval(Duration::from_millis(50));
+    let started = std::time::Instant::now();
+    let dispatcher = OutboxSupervisor::start(config, pool.clone(), sink).unwrap();
+    let mut later = Vec::new();
+    for round in 0..10 {
+        later.extend(enqueue(&mut conn, 20, &format!("later-{round}")).await);
+    }
+    let all = ROWS + later.len();
+    eventually(WITHIN, "every row done", || async { db.count_status("done").await == all as i64 }).await;
+    let took = started.elapsed();
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let logs = captured.text();
+    let named: Vec<&str> = logs.lines().filter(|l| l.contains("`--pooler transaction`")).collect();
+    let prepared: Vec<&str> =
+        logs.lines().filter(|l| l.contains("prepared statement") && !l.contains("`--pooler transaction`")).collect();
+    let warns = logs.lines().filter(|l| l.contains(" WARN ")).count();
+    eprintln!(
+        "grey: unnamed transaction pooler: {all} rows done in {:.1}s, {} line(s) naming the flag, {warns} WARN lines",
+        took.as_secs_f64(),
+        named.len()
+    );
+    assert_eq!(pool.pooler(), Pooler::Transaction, "the pool found its pooler");
+    assert_eq!(named.len(), 1, "one line names the setting: {named:#?}");
+    assert!(named[0].contains(" WARN "), "{}", named[0]);
+    assert!(prepared.is_empty(), "lines about a prepared statement without the fix: {prepared:#?}");
+    let seen = delivered(&mut rx);
+    let expected: Vec<i64> = ids.iter().chain(&later).copied().collect();
+    assert_eq!(seen.keys().copied().collect::<Vec<_>>(), expected, "every row published");
+    assert!(seen.values().all(|n| *n == 1), "each once");
+    assert_eq!(db.count_status("dead").await, 0);
+    assert_eq!(db.rows().await.iter().map(|r| r.attempts).max(), Some(1), "no attempt spent on the pooler");
+}
+
 /// Advisory locks held on the test database, of `key` (an SQL expression) or of any: the
 /// insert listener's session locks (the lead, and the armed lock) are the only ones that
 /// outlive a transaction.

@@ -318,9 +318,10 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
     sink.close().await;
 }
 
-/// A queue that is full with `x-overflow = reject-publish` makes the broker nack: retryable.
+/// A queue that is full with `x-overflow = reject-publish` makes the broker nack: refused for
+/// now (pushback, no attempt spent), not the message's failure; the channel is kept.
 #[tokio::test]
-async fn nack_from_a_full_queue_is_retryable() {
+async fn nack_from_a_full_queue_is_refused_for_now() {
     let mut broker = TestBroker::new("nack").await;
     broker.declare(ExchangeKind::Topic).await;
     let mut arguments = FieldTable::default();
@@ -331,12 +332,15 @@ async fn nack_from_a_full_queue_is_retryable() {
 
     assert_eq!(sink.publish(message(1, "order.created")).await, Ok(()));
     match sink.publish(message(2, "order.created")).await {
-        Err(PublishError::Retryable(e)) => assert!(e.contains("nack"), "{e}"),
-        other => panic!("expected a retryable nack, got {other:?}"),
+        Err(e @ PublishError::Refused(_)) => {
+            assert!(e.to_string().contains("nack"), "{e}");
+            assert!(e.will_retry() && !e.spends_attempt() && !e.is_unavailable(), "{e:?}");
+        }
+        other => panic!("expected a nack refused for now, got {other:?}"),
     }
     assert!(sink.is_connected(), "a nack does not break the link");
     let third = sink.publish(message(3, "order.created")).await;
-    assert!(matches!(third, Err(PublishError::Retryable(ref e)) if e.contains("nack")), "{third:?}");
+    assert!(matches!(third, Err(PublishError::Refused(ref e)) if e.contains("nack")), "{third:?}");
     let kept = broker.take(&queue, 1).await;
     assert_eq!(message_id(&kept[0]), 1);
     assert_eq!(sink.publish(message(4, "order.created")).await, Ok(()), "room again once consumed");

@@ -15,6 +15,7 @@ mod docs;
 mod enqueue;
 mod erase;
 mod fifo;
+mod grey;
 mod migrate;
 mod pooler;
 mod purge;

@@ -104,8 +104,16 @@ impl Prober {
 
 /// Publishes what arrives on `requests` on `channel` and answers each with its confirm,
 /// returns credited to their own messages; a message to an event's own exchange goes only once
-/// `prober` found the exchange. Ends once every sender is gone and every publish is answered.
-pub(super) async fn run(channel: Channel, prober: Prober, mut requests: mpsc::UnboundedReceiver<Outgoing>) {
+/// `prober` found the exchange. Sets `acked` once the broker has acked a publish of the channel,
+/// before it answers any confirm read after that ack (the publishes that read their answers
+/// resume in any order; the desk reads them in the order the broker sent them). Ends once every
+/// sender is gone and every publish is answered.
+pub(super) async fn run(
+    channel: Channel,
+    prober: Prober,
+    mut requests: mpsc::UnboundedReceiver<Outgoing>,
+    acked: Arc<std::sync::atomic::AtomicBool>,
+) {
     let mut in_flight = FuturesUnordered::new();
     let mut ledger = Returns::default();
     // Read in the previous pass, answered at the end of this one.
@@ -121,6 +129,9 @@ pub(super) async fn run(channel: Channel, prober: Prober, mut requests: mpsc::Un
         }
         let mut fresh = Vec::new();
         while let Poll::Ready(Some(read)) = in_flight.poll_next_unpin(cx) {
+            if matches!(read.confirmed, Confirmed::Delivered | Confirmed::Unroutable(_)) {
+                acked.store(true, std::sync::atomic::Ordering::Release);
+            }
             fresh.push(ledger.take_carried(read));
         }
         for read in held.drain(..) {

@@ -35,8 +35,6 @@ pub(super) struct LinkState {
     pub(super) broken: AtomicU64,
     /// Wakes the manager when a publish finds the link broken.
     pub(super) broken_notify: Notify,
-    /// Highest link generation on which the broker acked a publish.
-    acked: AtomicU64,
     pub(super) reconnects: AtomicU64,
 }
 
@@ -52,6 +50,9 @@ pub(super) struct Current {
 pub(super) struct Link {
     pub(super) desk: Desk,
     pub(super) generation: u64,
+    /// The broker has acked a publish on this channel (set by the desk, which reads the confirms
+    /// in the broker's order).
+    pub(super) acked: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What a failed publish means for the link.
@@ -75,7 +76,6 @@ impl LinkState {
             current: Mutex::new(Current { link: None, down_reason: "not connected yet".into() }),
             broken: AtomicU64::new(0),
             broken_notify: Notify::new(),
-            acked: AtomicU64::new(0),
             reconnects: AtomicU64::new(0),
         }
     }
@@ -184,7 +184,6 @@ impl LinkState {
             Err(_) => None,
         };
         waiting.answered();
-        let acked = matches!(confirmed, Some(Confirmed::Delivered | Confirmed::Unroutable(_)));
         let nacked = matches!(confirmed, Some(Confirmed::Nacked(_)));
         let (result, mut health) = match confirmed {
             Some(confirmed) => classify(confirmed, exchange.as_str(), &routing_key),
@@ -196,16 +195,17 @@ impl LinkState {
                 LinkHealth::Broken,
             ),
         };
-        if acked {
-            self.acked.fetch_max(link.generation, Ordering::AcqRel);
-        }
         // A channel that nacks before it has acked anything is replaced (the message's attempt
         // is spent all the same). RabbitMQ 3.10 nacks every publish of a channel whose first
         // publish to a quorum queue found the queue's leader's node down, forever: the channel's
         // queue client keeps asking that node, though the queue has a new leader a moment later
         // (tests/it/cluster.rs). A fresh channel asks the new leader. A channel that was acked
         // before and then nacks (a full queue with overflow=reject-publish) is kept.
-        if nacked && self.acked.load(Ordering::Acquire) < link.generation {
+        // Whether it was acked before is the desk's word, read in the broker's order: the publishes
+        // of a channel resume in any order, and a nack read after a thousand acks could otherwise
+        // look like the channel's first answer, and replace a channel that only found a queue full
+        // (what it had in flight would fail, and be published again).
+        if nacked && !link.acked.load(Ordering::Acquire) {
             health = LinkHealth::Broken;
         }
         if health == LinkHealth::Broken {
@@ -274,8 +274,10 @@ fn classify(confirmed: Confirmed, exchange: &str, routing_key: &str) -> (Publish
             ))),
             LinkHealth::Healthy,
         ),
+        // A nack is the broker saying it cannot take the message now (a full queue with
+        // overflow=reject-publish): pushback, not the message's fault.
         Confirmed::Nacked(reply) => (
-            Err(PublishError::Retryable(match reply {
+            Err(PublishError::Refused(match reply {
                 Some(reply) => format!("broker nacked the message ({reply})"),
                 None => format!(
                     "broker nacked the message on exchange {exchange:?} with routing key {routing_key:?} \
@@ -310,7 +312,7 @@ mod tests {
         );
         assert_eq!(health, LinkHealth::Broken);
         let (result, health) = classify(Confirmed::Nacked(None), "outbox", "a.b");
-        assert!(matches!(result, Err(PublishError::Retryable(ref m)) if m.contains("nack")), "{result:?}");
+        assert!(matches!(result, Err(PublishError::Refused(ref m)) if m.contains("nack")), "{result:?}");
         assert_eq!(health, LinkHealth::Healthy);
         assert_eq!(classify(Confirmed::Delivered, "outbox", "a.b").0, Ok(()));
         let returned = Reply { code: 312, text: "NO_ROUTE".into(), message_id: Some("7".into()) };

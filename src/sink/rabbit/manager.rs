@@ -69,8 +69,9 @@ impl Manager {
                     // last publish answered.
                     let (desk, requests) = mpsc::unbounded_channel();
                     let prober = confirms::Prober::new(Arc::downgrade(&conn), self.link.exchange.clone());
-                    tokio::spawn(confirms::run(channel.clone(), prober, requests));
-                    self.link.set_link(Link { desk, generation });
+                    let acked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    tokio::spawn(confirms::run(channel.clone(), prober, requests, acked.clone()));
+                    self.link.set_link(Link { desk, generation, acked });
                     if let Some(first) = first.take() {
                         info!(url = %self.link.url(), exchange = %self.link.exchange, "connected to RabbitMQ");
                         if first.send(Ok(())).is_err() {

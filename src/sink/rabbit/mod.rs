@@ -90,7 +90,7 @@ use crate::publisher::{PublishFuture, Publisher, SinkState};
 /// | --- | --- |
 /// | `Ack` without a returned message | `Ok` (row done) |
 /// | `Ack` with a returned message (312 `NO_ROUTE` for a `mandatory` publish) | [`PublishError::Permanent`](crate::PublishError::Permanent), "unroutable", naming exchange and routing key |
-/// | `Nack` | [`PublishError::Retryable`](crate::PublishError::Retryable); a channel that nacks before the broker has acked anything on it is replaced (RabbitMQ 3.10 nacks every publish of a channel whose first publish to a quorum queue found the leader's node down) |
+/// | `Nack` | [`PublishError::Refused`](crate::PublishError::Refused): pushback (a queue at its `x-max-length` with `x-overflow = reject-publish` nacks what it cannot take), the row back after about a second with its attempt refunded and the claims slowed; a channel that nacks before the broker has acked anything on it is replaced (RabbitMQ 3.10 nacks every publish of a channel whose first publish to a quorum queue found the leader's node down) |
 /// | channel or connection error, or no link while reconnecting | [`PublishError::Unavailable`](crate::PublishError::Unavailable) (attempt refunded, claiming paused), and the link is rebuilt |
 /// | no confirm within the publish timeout | [`PublishError::Retryable`](crate::PublishError::Retryable) while the sink says it is up, [`PublishError::Unavailable`](crate::PublishError::Unavailable) while it says it is down; while it says it is blocked, the publish waits (applied by the dispatcher) |
 ///
