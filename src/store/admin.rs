@@ -239,7 +239,9 @@ pub async fn dead_list(conn: &mut AsyncPgConnection, limit: i64) -> Result<Vec<O
 /// changed; an id that is not a dead row is left alone and absent from the result.
 pub async fn dead_retry(conn: &mut AsyncPgConnection, ids: &[i64]) -> Result<Vec<i64>, StoreError> {
     in_transaction(conn, async |conn| {
-        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(parked_dead()))
+        // By primary key: a dead row is found whether or not it waits where the dispatcher parks
+        // dead rows (one made dead by hand does not).
+        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
             .set(retry_changes())
             .returning(outbox::id)
             .get_results(conn)
@@ -325,7 +327,7 @@ pub const SKIPPED_PREFIX: &str = "skipped by operator: ";
 pub async fn dead_skip(conn: &mut AsyncPgConnection, ids: &[i64], reason: &str) -> Result<Vec<i64>, StoreError> {
     in_transaction(conn, async |conn| {
         let was = " (was: ".into_sql::<Nullable<Text>>().concat(outbox::last_error).concat(")");
-        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(parked_dead()))
+        Ok(diesel::update(outbox::table.filter(outbox::id.eq_any(ids)).filter(outbox::status.eq(Status::Dead)))
             .set((
                 outbox::status.eq(Status::Done),
                 outbox::done_at.eq(now),

@@ -263,7 +263,7 @@ mod tests {
         assert_eq!(sql(1), sql(500));
         assert_eq!(
             sql(1),
-            r#"UPDATE "outbox" SET "last_error" = ($1)[width_bucket("outbox"."id", $2)] WHERE (("outbox"."status" IS NOT DISTINCT FROM $3) AND ("outbox"."id" = ANY($4) AND "outbox"."lease_version" = ($5)[width_bucket("outbox"."id", $6)])) RETURNING "outbox"."id""#
+            r#"UPDATE "outbox" SET "last_error" = ($1)[width_bucket("outbox"."id", $2)] WHERE (("outbox"."status" = $3) AND ("outbox"."id" = ANY($4) AND "outbox"."lease_version" = ($5)[width_bucket("outbox"."id", $6)])) RETURNING "outbox"."id""#
         );
     }
 

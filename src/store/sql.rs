@@ -372,12 +372,14 @@ SET horizon = $1::pg_snapshot, candidate = $2::pg_snapshot, pass_txid = $3::xid8
 /// transactions in $1 (at a pass's start: those in progress at the horizon), then up to $4 rows
 /// after $2/$3 in `(txid, id)` order (an ordered index scan, as the claim's `next`). Each row's
 /// state: 0 pending, 1 processing with its lease running, 2 processing with its lease expired,
-/// 3 finished; and whether it is older than $5.
+/// 3 finished, 4 dead (made dead by something that did not park it); and whether it is older
+/// than $5.
 pub(super) const SWEEP_STRETCH_SQL: &str = "
 SELECT id, txid::text AS txid,
        CASE WHEN status = 'pending' THEN 0
             WHEN status = 'processing' AND lease_until >= now() THEN 1
             WHEN status = 'processing' THEN 2
+            WHEN status = 'dead' THEN 4
             ELSE 3 END AS state,
        attempts, created_at < now() - $5 AS old
 FROM ((SELECT id, txid, status, lease_until, attempts, created_at FROM outbox
@@ -397,6 +399,13 @@ UPDATE outbox SET available_at = greatest(now(), created_at + interval '1 micros
 WHERE id = ANY($1) AND available_at <= created_at
   AND (status = 'pending' OR (status = 'processing' AND lease_until < now()))
 RETURNING id";
+
+/// Parks dead rows ($1) where the dispatcher keeps dead rows (`outbox_later`, at 9999-12-31, never
+/// due), for rows made dead by something else (an operator's statement, a dispatcher from before
+/// the migrations), so that the listings and gauges that read that index see them.
+pub(super) const SWEEP_PARK_SQL: &str = "
+UPDATE outbox SET available_at = '9999-12-31 00:00:00+00'
+WHERE id = ANY($1) AND status = 'dead' AND available_at <= created_at";
 
 // What the reaper writes: the row `dead` at 9999-12-31 (listed through `outbox_later`, never
 // due), its version moved past the fence of the claim that died so that no late write of that

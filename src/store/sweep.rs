@@ -18,7 +18,8 @@
 //!   nobody again.
 //!
 //! It also reaps the rows waiting in `outbox_later` whose lease expired with no attempt left
-//! (claims take over those with attempts left directly).
+//! (claims take over those with attempts left directly), and parks where dead rows are kept the
+//! new rows made dead by something else (an operator's statement), so that listings see them.
 //!
 //! Its cost per run is bounded by the stretch (`chunk` rows), whatever the backlog; a run that
 //! filled its stretch asks to be run again soon.
@@ -33,7 +34,7 @@ use super::claim::interval;
 use super::cursor::{Position, Snapshot};
 use super::pool::through_indexes;
 use super::sql::{
-    HORIZON_SQL, SWEEP_EVICT_SQL, SWEEP_LOCK_SQL, SWEEP_REAP_LATER_SQL, SWEEP_REAP_SQL, SWEEP_SAVE_SQL,
+    HORIZON_SQL, SWEEP_EVICT_SQL, SWEEP_LOCK_SQL, SWEEP_PARK_SQL, SWEEP_REAP_LATER_SQL, SWEEP_REAP_SQL, SWEEP_SAVE_SQL,
     SWEEP_STRETCH_SQL,
 };
 use crate::error::StoreError;
@@ -89,7 +90,8 @@ struct Row {
     id: i64,
     #[diesel(sql_type = Text)]
     txid: String,
-    /// [`PENDING`], 1 (processing, its lease running), [`EXPIRED`] or [`FINISHED`].
+    /// [`PENDING`], 1 (processing, its lease running), [`EXPIRED`], [`FINISHED`] or
+    /// [`DEAD_UNPARKED`].
     #[diesel(sql_type = Int4)]
     state: i32,
     #[diesel(sql_type = Int4)]
@@ -103,8 +105,10 @@ struct Row {
 const PENDING: i32 = 0;
 /// Processing, its lease expired.
 const EXPIRED: i32 = 2;
-/// Done, dead or deleted.
+/// Done, or dead where dead rows are kept.
 const FINISHED: i32 = 3;
+/// Dead, but not where dead rows are kept (made dead by hand).
+const DEAD_UNPARKED: i32 = 4;
 
 #[derive(QueryableByName)]
 struct Id {
@@ -188,6 +192,10 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
         }
     }
     let evict: Vec<i64> = expired.iter().chain(&strays).copied().collect();
+    let unparked: Vec<i64> = rows.iter().filter(|r| r.state == DEAD_UNPARKED).map(|r| r.id).collect();
+    if !unparked.is_empty() {
+        diesel::sql_query(SWEEP_PARK_SQL).bind::<Array<Int8>, _>(&unparked).execute(conn).await?;
+    }
     let moved: Vec<i64> = if evict.is_empty() {
         Vec::new()
     } else {
@@ -223,9 +231,12 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
     // Rows visible in the candidate that are still new and unfinished keep the horizon where it
     // is for this pass.
     let gone = |id: i64| moved.contains(&id) || reaped.iter().any(|f| f.id == id);
-    let dirty = rows
-        .iter()
-        .any(|r| r.state != FINISHED && !gone(r.id) && r.txid.parse::<u64>().is_ok_and(|t| candidate.visible(t)));
+    let dirty = rows.iter().any(|r| {
+        r.state != FINISHED
+            && r.state != DEAD_UNPARKED
+            && !gone(r.id)
+            && r.txid.parse::<u64>().is_ok_and(|t| candidate.visible(t))
+    });
     clean &= !dirty;
     let mut advanced = false;
     if more {

@@ -66,7 +66,7 @@ pub(crate) async fn make_dead(db: &TestDb, ids: &[i64]) {
             db,
             &format!(
                 "UPDATE outbox SET status = 'dead', attempts = 12, lease_version = 12, lease_owner = 'host:1:worker-0',
-                 last_error = 'retryable: nack {id}' WHERE id = {id}"
+                 last_error = 'retryable: nack {id}', available_at = '9999-12-31 00:00:00+00' WHERE id = {id}"
             ),
         )
         .await;

@@ -112,6 +112,7 @@ async fn migrate_inbox_installs_only_the_inbox_and_leaves_the_outbox_to_plain_mi
     assert_eq!(outbox.lines().filter(|l| l.starts_with("applied migration ")).count(), embedded.len(), "{outbox}");
     let mut both = inbox_tables.clone();
     both.insert("outbox".to_owned());
+    both.insert("outbox_horizon".to_owned());
     assert_eq!(tables(&db.url).await, both);
     assert_eq!(
         ok(&db.url, &["migrate"]).await.trim(),
