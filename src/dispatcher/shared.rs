@@ -136,7 +136,8 @@ impl Shared {
     }
 }
 
-/// The database's health as the dispatcher's statements see it.
+/// The database's health as the dispatcher's statements see it: down from a statement's
+/// transient failure until a write commits.
 #[derive(Debug, Default)]
 pub(crate) struct DbHealth {
     down: Mutex<Option<Down>>,
@@ -176,17 +177,23 @@ impl DbHealth {
         }
     }
 
-    /// Whether the database refused the last statement as read-only (and none answered since).
+    /// Whether the database refused the last write as read-only (and none committed since).
     pub(crate) fn read_only(&self) -> bool {
         self.down.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|d| d.read_only)
     }
 
-    /// Whether the last statement that ran answered (true before the first).
+    /// Whether the database is usable: no statement failed on a transient error since the
+    /// last write committed (true before the first).
     pub(crate) fn reachable(&self) -> bool {
         self.down.lock().unwrap_or_else(|e| e.into_inner()).is_none()
     }
 
-    /// A statement succeeded: logs the end of an outage, with its length.
+    /// A write committed (a claim, a finalize): logs the end of an outage, with its length.
+    ///
+    /// Only a write ends one. A read that answers proves the server reachable, not that it
+    /// accepts writes: a standby answers the table sampler's reads while it refuses every claim,
+    /// and ending the spell on those answers made a standby alone flap between read-only and
+    /// "reachable again".
     pub(crate) fn answered(&self) {
         let mut down = self.down.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(Down { since, .. }) = down.take() {
