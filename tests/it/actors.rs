@@ -14,9 +14,9 @@ use actix_outbox::testing::CrashWorker;
 use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor, PublishError, PublishResult};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use actix_outbox_test_support::{TestDb, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(20);
+const WITHIN: Duration = PATIENCE;
 
 fn config() -> DispatcherConfig {
     DispatcherConfig::default()
@@ -26,7 +26,16 @@ fn config() -> DispatcherConfig {
 }
 
 async fn all_done(db: &TestDb, n: i64) {
-    eventually(WITHIN, &format!("{n} rows done"), || async { db.count_status("done").await == n }).await;
+    eventually(WITHIN, &format!("{n} rows done"), || async { saw(db.count_status("done").await, |v| *v == n) }).await;
+}
+
+/// The rows of `ids` not done yet, with their status (`None`: not in the table).
+async fn not_done(db: &TestDb, ids: &[i64]) -> Vec<(i64, Option<Status>)> {
+    let rows = db.rows().await;
+    ids.iter()
+        .map(|&id| (id, rows.iter().find(|r| r.id == id).map(|r| r.status)))
+        .filter(|(_, status)| *status != Some(Status::Done))
+        .collect()
 }
 
 fn drain(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>) -> Vec<Arc<OutboxMessage>> {
@@ -73,7 +82,7 @@ async fn workers_share_the_backlog_with_distinct_owner_ids() {
             for r in db.rows().await.iter().filter(|r| r.status == Status::Processing) {
                 *owners.lock().unwrap().entry(r.lease_owner.clone().unwrap()).or_default() += 1;
             }
-            db.count_status("done").await == 400
+            saw(db.count_status("done").await, |n| *n == 400)
         }
     })
     .await;
@@ -110,8 +119,7 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     // Rows inserted after the crash flow while the victim waits for its lease.
     let more = db.seed(10, "b").await;
     eventually(WITHIN, "new rows done while the victim is leased", || async {
-        let rows = db.rows().await;
-        more.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
+        saw(not_done(&db, &more).await, |left| left.is_empty())
     })
     .await;
     assert_eq!(db.row(victim).await.lease_version, 1, "victim still under its first lease");
@@ -186,7 +194,8 @@ async fn a_sink_panic_logged_at_info() {
     let sink = sink.with_script(move |m| if m.id == victim { SinkAction::Panic } else { SinkAction::Deliver });
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     all_done(&db, 4).await;
-    eventually(WITHIN, "the panic logged", || async { captured.text().contains("sink panicked") }).await;
+    eventually(WITHIN, "the panic logged", || async { saw(captured.text(), |logs| logs.contains("sink panicked")) })
+        .await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(drain(&mut rx).len(), 4);
 
@@ -206,7 +215,10 @@ async fn supervisor_restarts_a_crashed_claim_actor() {
     let (sink, mut rx) = ChannelSink::new();
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     dispatcher.send(CrashWorker(0)).await.unwrap();
-    eventually(WITHIN, "restart counted", || async { dispatcher.send(GetMetrics).await.unwrap().restarts == 1 }).await;
+    eventually(WITHIN, "restart counted", || async {
+        saw(dispatcher.send(GetMetrics).await.unwrap().restarts, |v| *v == 1)
+    })
+    .await;
 
     let ids = db.seed(25, "a").await;
     all_done(&db, 25).await;
@@ -243,7 +255,7 @@ async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_
     all_done(&db, 1).await;
     // The finalize's answer is in (not only its commit), so the connection is free.
     eventually(WITHIN, "the first row's finalize answered", || async {
-        dispatcher.send(GetMetrics).await.unwrap().done == 1
+        saw(dispatcher.send(GetMetrics).await.unwrap().done, |v| *v == 1)
     })
     .await;
 
@@ -251,12 +263,14 @@ async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_
     let ids = db.seed(10, "held").await;
     dispatcher.send(actix_outbox::dispatcher::WakeWorkers).await.unwrap();
     eventually(WITHIN, "the claim committed, its answer held back", || async {
-        db.count_status("processing").await == 10
+        saw(db.count_status("processing").await, |v| *v == 10)
     })
     .await;
     dispatcher.send(CrashWorker(0)).await.unwrap();
-    eventually(WITHIN, "the worker replaced", || async { dispatcher.send(GetMetrics).await.unwrap().restarts == 1 })
-        .await;
+    eventually(WITHIN, "the worker replaced", || async {
+        saw(dispatcher.send(GetMetrics).await.unwrap().restarts, |v| *v == 1)
+    })
+    .await;
     proxy.resume();
 
     all_done(&db, 11).await;
@@ -286,7 +300,7 @@ async fn retryable_failures_end_dead_after_max_attempts() {
         SinkAction::Fail(PublishError::Retryable("503 from broker".into()))
     });
     let dispatcher = OutboxSupervisor::start(config().max_attempts(3), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row dead", || async { db.row(id).await.status == Status::Dead }).await;
+    eventually(WITHIN, "row dead", || async { saw(db.row(id).await.status, |v| *v == Status::Dead) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     assert_eq!((row.attempts, row.lease_version), (3, 3));
@@ -346,7 +360,8 @@ async fn permanent_goes_dead_and_defer_refunds() {
     });
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "both finalized", || async {
-        db.row(permanent).await.status == Status::Dead && db.row(deferred).await.last_error.is_some()
+        let (permanent, deferred) = (db.row(permanent).await, db.row(deferred).await);
+        saw((permanent.status, deferred.last_error), |(status, error)| *status == Status::Dead && error.is_some())
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -370,7 +385,7 @@ async fn publish_timeout_reschedules_the_row() {
         .backoff_base(Duration::from_secs(3600))
         .backoff_cap(Duration::from_secs(3600));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "rescheduled", || async { db.row(id).await.last_error.is_some() }).await;
+    eventually(WITHIN, "rescheduled", || async { saw(db.row(id).await.last_error, |error| error.is_some()) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     assert_eq!((row.status, row.attempts), (Status::Pending, 1));
@@ -411,7 +426,7 @@ async fn a_users_actor_can_be_the_sink() {
     let sink = ActorPublisher::new(collector.clone().recipient());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     all_done(&db, 5).await;
-    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await.status, |v| *v == Status::Dead) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = collector.send(Seen).await.unwrap();
     seen.sort();
@@ -434,7 +449,7 @@ async fn shutdown_drains_in_flight_and_leaves_nothing_processing() {
         SinkAction::Stall(Duration::from_millis(100))
     });
     let dispatcher = OutboxSupervisor::start(config().workers(2).batch(10), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "publishing started", || async { started.load(Ordering::SeqCst) > 0 }).await;
+    eventually(WITHIN, "publishing started", || async { saw(started.load(Ordering::SeqCst), |n| *n > 0) }).await;
 
     let (first, second) = tokio::join!(dispatcher.send(Shutdown), dispatcher.send(Shutdown));
     first.unwrap();
@@ -562,7 +577,7 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     let (sink, _rx) = ChannelSink::new();
     let hour = Duration::from_secs(3600);
     let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "listener armed", || async { armed_sessions(&db).await == 1 }).await;
+    eventually(WITHIN, "listener armed", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     #[derive(diesel::QueryableByName)]
     struct Id {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
@@ -583,13 +598,10 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     }
     let notified = notifications_within(&mut listening, Duration::from_millis(300)).await;
     assert!(notified < 100, "{notified} of 200 inserts notified: a busy dispatcher should disarm");
-    eventually(WITHIN, "every streamed row done", || async {
-        let rows = db.rows().await;
-        ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
-    })
-    .await;
+    eventually(WITHIN, "every streamed row done", || async { saw(not_done(&db, &ids).await, |left| left.is_empty()) })
+        .await;
     // Drained, it arms again.
-    eventually(WITHIN, "listener armed again", || async { armed_sessions(&db).await == 1 }).await;
+    eventually(WITHIN, "listener armed again", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     dispatcher.send(Shutdown).await.unwrap();
 }
 
@@ -604,12 +616,11 @@ async fn inserts_wake_an_idle_dispatcher_without_polling() {
     let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
     // Let the start-up claims run, the workers go idle on their hour-long poll, and the listener
     // arm (rows inserted from then on notify).
-    eventually(WITHIN, "listener armed", || async { armed_sessions(&db).await == 1 }).await;
+    eventually(WITHIN, "listener armed", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     for round in 0..3 {
         let ids = db.seed(3, &format!("r{round}")).await;
         eventually(WITHIN, &format!("round {round} published"), || async {
-            let rows = db.rows().await;
-            ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
+            saw(not_done(&db, &ids).await, |left| left.is_empty())
         })
         .await;
     }
@@ -630,11 +641,14 @@ async fn slow_publish_extends_its_lease_by_heartbeat() {
     let lease = Duration::from_millis(1500);
     let config = config().workers(1).lease(lease).publish_timeout(Duration::from_millis(1400));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row claimed", || async { db.row(ids[0]).await.status == Status::Processing }).await;
+    eventually(WITHIN, "row claimed", || async { saw(db.row(ids[0]).await.status, |v| *v == Status::Processing) })
+        .await;
     let claimed = db.row(ids[0]).await.lease_until.expect("a claimed row has a lease");
     // The heartbeat fires at lease / 3 = 500 ms and pushes lease_until to now() + lease.
     eventually(WITHIN, "lease extended", || async {
-        db.row(ids[0]).await.lease_until.is_some_and(|until| until - claimed > chrono::Duration::milliseconds(300))
+        saw(db.row(ids[0]).await.lease_until, |until| {
+            until.is_some_and(|until| until - claimed > chrono::Duration::milliseconds(300))
+        })
     })
     .await;
     all_done(&db, 1).await;
@@ -658,7 +672,7 @@ async fn a_row_behind_the_resume_position_is_claimed_within_the_full_walk_interv
     let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(50)));
     let dispatcher =
         OutboxSupervisor::start(config().workers(1).batch(10).max_in_flight(10), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "a few batches claimed", || async { db.count_status("done").await >= 30 }).await;
+    eventually(WITHIN, "a few batches claimed", || async { saw(db.count_status("done").await, |v| *v >= 30) }).await;
 
     let mut conn = db.conn().await;
     let late = diesel::sql_query(
@@ -669,7 +683,7 @@ async fn a_row_behind_the_resume_position_is_claimed_within_the_full_walk_interv
     let mut seen = Vec::new();
     eventually(WITHIN, "the late row published", || {
         seen.extend(drain(&mut rx));
-        let found = seen.iter().any(|m| m.event_type == "late");
+        let found = saw(seen.len(), |_| seen.iter().any(|m| m.event_type == "late"));
         async move { found }
     })
     .await;
@@ -729,8 +743,8 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
         // every row so far was finalized.
         eventually(WITHIN, &format!("{n} rows finalized"), || async {
             match retention {
-                actix_outbox::Retention::Delete => db.rows().await.is_empty(),
-                _ => db.count_status("done").await == n,
+                actix_outbox::Retention::Delete => saw(db.rows().await.len(), |left| *left == 0),
+                _ => saw(db.count_status("done").await, |done| *done == n),
             }
         })
         .await
@@ -744,8 +758,7 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
     proxy.resume();
 
     eventually(WITHIN, "the finalizer settles the row", || async {
-        let m = dispatcher.send(GetMetrics).await.unwrap();
-        m.done + m.lost_leases + m.finalize_errors > 1
+        saw(dispatcher.send(GetMetrics).await.unwrap(), |m| m.done + m.lost_leases + m.finalize_errors > 1)
     })
     .await;
     let m = dispatcher.send(GetMetrics).await.unwrap();
@@ -795,7 +808,7 @@ async fn delete_retention_deletes_each_confirmed_row_and_keeps_the_dead_ones() {
     });
     let config = config().workers(3).batch(7).retention(actix_outbox::Retention::Delete);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "only the dead row left", || async { db.rows().await.len() == 1 }).await;
+    eventually(WITHIN, "only the dead row left", || async { saw(db.rows().await.len(), |v| *v == 1) }).await;
     let m = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
 
@@ -867,7 +880,7 @@ async fn an_async_closure_is_a_sink() {
     });
     let dispatcher = OutboxSupervisor::start(config().workers(2), db.pool.clone(), sink).unwrap();
     all_done(&db, 11).await;
-    eventually(WITHIN, "the refused row dead", || async { db.count_status("dead").await == 1 }).await;
+    eventually(WITHIN, "the refused row dead", || async { saw(db.count_status("dead").await, |v| *v == 1) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = Vec::new();
     while let Ok(id) = rx.try_recv() {

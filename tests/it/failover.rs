@@ -19,9 +19,9 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::actors::Captured;
-use actix_outbox_test_support::{ReplicatedPair, Replication, eventually};
+use actix_outbox_test_support::{PATIENCE, ReplicatedPair, Replication, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = PATIENCE;
 
 /// One database on one server of the pair, by URL.
 struct On(String);
@@ -169,7 +169,7 @@ async fn fail_over_mid_run(replication: Replication) -> (BTreeMap<i64, usize>, V
     let window = config.workers * config.in_flight_limit();
     let pool = actix_outbox::connect_pool(&pair.multi_host_url(&name), 8).await.unwrap();
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "a third done", || async { old.count_status("done").await >= 1000 }).await;
+    eventually(WITHIN, "a third done", || async { saw(old.count_status("done").await, |v| *v >= 1000) }).await;
 
     pair.fail_over().await;
     let health = dispatcher.send(GetHealth).await.unwrap();
@@ -177,17 +177,22 @@ async fn fail_over_mid_run(replication: Replication) -> (BTreeMap<i64, usize>, V
 
     // Rows whose finalize the old primary took with it are leased on the new one: once their
     // leases run out, the listener's wake-up for the rows below claims them again.
-    eventually(WITHIN, "the backlog drained on the new primary", || async { new.count_status("pending").await == 0 })
-        .await;
-    eventually(WITHIN, "the listener armed on the new primary", || async { new.armed_sessions().await == 1 }).await;
-    eventually(WITHIN, "no lease left from before", || async { new.live_leases().await == 0 }).await;
-    let after = new.seed(100, "after").await;
-    // The poll is an hour away: only the listener can wake a worker for these.
-    eventually(Duration::from_secs(10), "every row done on the new primary", || async {
-        new.count_status("done").await == 3100
+    eventually(WITHIN, "the backlog drained on the new primary", || async {
+        saw(new.count_status("pending").await, |v| *v == 0)
     })
     .await;
-    eventually(WITHIN, "the listener armed again", || async { new.armed_sessions().await == 1 }).await;
+    eventually(WITHIN, "the listener armed on the new primary", || async {
+        saw(new.armed_sessions().await, |v| *v == 1)
+    })
+    .await;
+    eventually(WITHIN, "no lease left from before", || async { saw(new.live_leases().await, |v| *v == 0) }).await;
+    let after = new.seed(100, "after").await;
+    // The poll is an hour away: only the listener can wake a worker for these.
+    eventually(WITHIN, "every row done on the new primary", || async {
+        saw(new.count_status("done").await, |v| *v == 3100)
+    })
+    .await;
+    eventually(WITHIN, "the listener armed again", || async { saw(new.armed_sessions().await, |v| *v == 1) }).await;
 
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     let health = dispatcher.send(GetHealth).await.unwrap();
@@ -322,11 +327,14 @@ async fn a_standby_alone_spends_no_attempt_and_is_reported_read_only_alone() {
         .backoff_cap(Duration::from_millis(5));
     let pool = actix_outbox::connect_pool(&pair.standby_url(&name), 8).await.unwrap();
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "not ready", || async { !dispatcher.send(GetHealth).await.unwrap().database_reachable }).await;
+    eventually(WITHIN, "not ready", || async {
+        saw(dispatcher.send(GetHealth).await.unwrap(), |h| !h.database_reachable)
+    })
+    .await;
     // Long enough for each worker's claim to try six times or so (backing off to 1 s apart):
     // a few seconds, in which a poll every 50 ms would have claimed some sixty times.
     eventually(WITHIN, "claims tried again and again", || async {
-        dispatcher.send(GetMetrics).await.unwrap().claim_errors >= 12
+        saw(dispatcher.send(GetMetrics).await.unwrap().claim_errors, |v| *v >= 12)
     })
     .await;
 
@@ -347,8 +355,10 @@ async fn a_standby_alone_spends_no_attempt_and_is_reported_read_only_alone() {
     assert!(read_only[0].contains(" WARN "), "{}", read_only[0]);
 
     pair.promote().await;
-    eventually(WITHIN, "every row done on the promoted standby", || async { standby.count_status("done").await == 50 })
-        .await;
+    eventually(WITHIN, "every row done on the promoted standby", || async {
+        saw(standby.count_status("done").await, |v| *v == 50)
+    })
+    .await;
     let health = dispatcher.send(GetHealth).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     assert!(health.is_ready(), "{health:?}");
@@ -454,10 +464,10 @@ async fn a_standby_alone_is_down_once_and_up_once_though_its_reads_answer_alone(
     let health = async || dispatcher.send(GetHealth).await.unwrap();
     let claim_errors = async || dispatcher.send(GetMetrics).await.unwrap().claim_errors;
     eventually(WITHIN, "the first table sample held on the standby", || async {
-        standby.waiting_for_the_hold().await == 1
+        saw(standby.waiting_for_the_hold().await, |v| *v == 1)
     })
     .await;
-    eventually(WITHIN, "both workers' claims refused twice", || async { claim_errors().await >= 4 }).await;
+    eventually(WITHIN, "both workers' claims refused twice", || async { saw(claim_errors().await, |v| *v >= 4) }).await;
     let down = health().await;
     assert!(!down.database_reachable && down.database_read_only, "{down:?}");
 
@@ -465,15 +475,14 @@ async fn a_standby_alone_is_down_once_and_up_once_though_its_reads_answer_alone(
     let mut sampled = None;
     eventually(WITHIN, "the held sample reported", || {
         sampled = sampled.or_else(|| pending_gauge(&recorder));
-        let done = sampled.is_some();
-        async move { done }
+        std::future::ready(saw(sampled, |s| s.is_some()))
     })
     .await;
     assert_eq!(sampled, Some(50.0), "the sample read the standby's 50 pending rows");
     // Claims after the sample's answer: before the fix, the one that found the state reachable
     // logged the read-only warning a second time.
     let after = claim_errors().await;
-    eventually(WITHIN, "two more claims refused", || async { claim_errors().await >= after + 2 }).await;
+    eventually(WITHIN, "two more claims refused", || async { saw(claim_errors().await, |v| *v >= after + 2) }).await;
     let still = health().await;
     assert!(!still.database_reachable && still.database_read_only, "a read answered, the writes still fail: {still:?}");
     let logs = captured.text();
@@ -481,8 +490,10 @@ async fn a_standby_alone_is_down_once_and_up_once_though_its_reads_answer_alone(
     assert_eq!(lines(&logs, "database reachable again").len(), 0, "not up while read-only:\n{logs}");
 
     pair.promote().await;
-    eventually(WITHIN, "every row done on the promoted standby", || async { standby.count_status("done").await == 50 })
-        .await;
+    eventually(WITHIN, "every row done on the promoted standby", || async {
+        saw(standby.count_status("done").await, |v| *v == 50)
+    })
+    .await;
     let up = health().await;
     dispatcher.send(Shutdown).await.unwrap();
     assert!(up.is_ready(), "{up:?}");
@@ -524,21 +535,28 @@ async fn a_failover_behind_a_lagging_standby_loses_the_lag_and_reuses_its_ids() 
         .backoff_cap(Duration::from_millis(5));
     let pool = actix_outbox::connect_pool(&pair.multi_host_url(&name), 8).await.unwrap();
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "a third done", || async { old.count_status("done").await >= 1000 }).await;
+    eventually(WITHIN, "a third done", || async { saw(old.count_status("done").await, |v| *v >= 1000) }).await;
 
     pair.hold_replication();
     // What the standby has (and the new primary will start from), once it has replayed all
     // it received.
-    eventually(WITHIN, "the standby replayed what it received", || async { new.replayed_all_received().await }).await;
+    eventually(WITHIN, "the standby replayed what it received", || async {
+        saw(new.replayed_all_received().await, |&done| done)
+    })
+    .await;
     let done_on_standby: BTreeSet<i64> =
         new.rows().await.iter().filter(|r| r.status == Status::Done).map(|r| r.id).collect();
     let lost = old.seed(100, "lost").await;
-    eventually(WITHIN, "everything done on the old primary", || async { old.count_status("done").await == 3100 }).await;
+    eventually(WITHIN, "everything done on the old primary", || async {
+        saw(old.count_status("done").await, |v| *v == 3100)
+    })
+    .await;
     pair.fail_over().await;
 
     let after = new.seed(100, "after").await;
     eventually(WITHIN, "every row done on the new primary", || async {
-        new.count_status("done").await == 3100 && new.count_status("processing").await == 0
+        let counts = (new.count_status("done").await, new.count_status("processing").await);
+        saw(counts, |&(done, processing)| done == 3100 && processing == 0)
     })
     .await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();

@@ -15,9 +15,9 @@ use diesel_async::SimpleAsyncConnection;
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
-use actix_outbox_test_support::{TestDb, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(30);
+const WITHIN: Duration = PATIENCE;
 
 /// One snapshot of the recorder, by `name{label=value,...}` (labels sorted). Taking it resets
 /// the recorder's values, so a test takes one, at the end.
@@ -93,7 +93,10 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
     let (sink, _rx) = ChannelSink::new();
     let config = DispatcherConfig::default().workers(1).listen_for_inserts(false);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "the dispatcher answers", || async { dispatcher.send(GetMetrics).await.is_ok() }).await;
+    eventually(WITHIN, "the dispatcher answers", || async {
+        saw(dispatcher.send(GetMetrics).await.map(|_| ()), |answer| answer.is_ok())
+    })
+    .await;
     let seen = Seen::take(&recorder);
     dispatcher.send(Shutdown).await.unwrap();
 
@@ -169,7 +172,7 @@ async fn counters_gauges_and_histograms_match_the_table() {
         .table_metrics_interval(Some(Duration::from_millis(50)));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "every row final", || async {
-        db.count_status("done").await + db.count_status("dead").await == ROWS as i64
+        saw(db.count_status("done").await + db.count_status("dead").await, |v| *v == ROWS as i64)
     })
     .await;
     // Room for the last publishes to report and for a table sample and a sink check after them.

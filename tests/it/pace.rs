@@ -15,9 +15,9 @@ use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions};
 use lapin::types::{AMQPValue, FieldTable};
 
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually, unique};
+use actix_outbox_test_support::{PATIENCE, TestBroker, TestDb, amqp_url, eventually, saw, unique};
 
-const WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = PATIENCE;
 
 fn sink_config(exchange: &str) -> RabbitConfig {
     RabbitConfig::new(amqp_url())
@@ -50,7 +50,7 @@ async fn a_capped_drain_stays_within_ten_percent_of_the_cap() {
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     assert_eq!(dispatcher.send(GetPace).await.unwrap().max_rate, Some(CAP));
 
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == ROWS as i64) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let times = done_times(&db).await;
     let span = (times[ROWS - 1] - times[0]).to_std().unwrap().as_secs_f64();
@@ -90,8 +90,10 @@ async fn a_queue_that_rejects_publishes_slows_the_pace_until_it_takes_them() {
         .max_rate(CAP);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "the pace below its cap", || async { dispatcher.send(GetPace).await.unwrap().is_pushed_back() })
-        .await;
+    eventually(WITHIN, "the pace below its cap", || async {
+        saw(dispatcher.send(GetPace).await.unwrap(), |pace| pace.is_pushed_back())
+    })
+    .await;
     let pace = dispatcher.send(GetPace).await.unwrap();
     assert!(pace.rate.unwrap() <= CAP / 2.0, "{pace:?}");
     assert_eq!(db.count_status("dead").await, 0);
@@ -120,9 +122,9 @@ async fn a_queue_that_rejects_publishes_slows_the_pace_until_it_takes_them() {
     .unwrap_or_else(|_| panic!("only {} of {ROWS} arrived", delivered.len()));
     assert_eq!(delivered.iter().copied().collect::<BTreeSet<_>>(), ids, "every row once");
     assert_eq!(delivered.len(), ROWS, "no row twice");
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == ROWS as i64) }).await;
     eventually(WITHIN, "the pace back at its cap", || async {
-        dispatcher.send(GetPace).await.unwrap().rate == Some(CAP)
+        saw(dispatcher.send(GetPace).await.unwrap().rate, |v| *v == Some(CAP))
     })
     .await;
     for id in &ids {
@@ -157,7 +159,7 @@ async fn the_cap_changes_while_the_dispatcher_runs() {
     dispatcher.send(SetMaxRate(None)).await.unwrap().unwrap();
     let pace = dispatcher.send(GetPace).await.unwrap();
     assert_eq!((pace.max_rate, pace.rate), (None, None));
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 400 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 400) }).await;
     let mut ids = sink.published_ids();
     ids.sort_unstable();
     ids.dedup();
