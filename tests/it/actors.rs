@@ -508,12 +508,16 @@ async fn armed_sessions(db: &TestDb) -> i64 {
     n.n
 }
 
-/// Notifications that arrive on `conn` within `within`.
-async fn notifications_within(conn: &mut diesel_async::AsyncPgConnection, within: Duration) -> usize {
+/// Notifications that arrive on `conn`: waits for `expected` of them (up to [`WITHIN`]), then
+/// 300 ms more for any beyond (which a check of "none" or "exactly one" is about).
+async fn notifications(conn: &mut diesel_async::AsyncPgConnection, expected: usize) -> usize {
     use futures_util::StreamExt;
     let mut stream = std::pin::pin!(conn.notifications_stream());
     let mut n = 0;
-    while let Ok(Some(Ok(_))) = tokio::time::timeout(within, stream.next()).await {
+    while n < expected && matches!(tokio::time::timeout(WITHIN, stream.next()).await, Ok(Some(Ok(_)))) {
+        n += 1;
+    }
+    while let Ok(Some(Ok(_))) = tokio::time::timeout(Duration::from_millis(300), stream.next()).await {
         n += 1;
     }
     n
@@ -522,7 +526,9 @@ async fn notifications_within(conn: &mut diesel_async::AsyncPgConnection, within
 /// The insert trigger notifies only while a dispatcher is armed (a session holds the armed
 /// lock): each NOTIFY serialises the producers' commits, so while no listener waits for one,
 /// a producer commits without it. And a busy dispatcher disarms: under a stream of inserts the
-/// producers stop notifying, and every row is still published promptly.
+/// producers stop notifying: the first insert's notification disarms it, and while its
+/// workers have rows to claim it does not arm again, so the 200 rows committed after that
+/// notify nobody; every row is still published, and the drained dispatcher arms again.
 #[actix_rt::test]
 async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
@@ -531,7 +537,7 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     listening.batch_execute("LISTEN outbox_insert").await.unwrap();
     // Nobody armed: no notification.
     db.seed(1, "quiet").await;
-    assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 0);
+    assert_eq!(notifications(&mut listening, 0).await, 0);
     // Armed (as the listener arms): the insert notifies.
     let mut armed = db.conn().await;
     armed
@@ -539,7 +545,7 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         .await
         .unwrap();
     db.seed(1, "loud").await;
-    assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 1);
+    assert_eq!(notifications(&mut listening, 1).await, 1);
     // A producer transaction that found the lock free keeps a listener from arming until it
     // commits (so that the claim after arming sees its row).
     armed
@@ -570,21 +576,44 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         .await
         .unwrap();
     db.pool.get().await.unwrap().batch_execute("DELETE FROM outbox").await.unwrap();
-    let _ = notifications_within(&mut listening, Duration::from_millis(100)).await;
+    let _ = notifications(&mut listening, 0).await;
 
     // A dispatcher polling only once an hour: its listener arms when idle, disarms once rows
-    // stream in, and wakes its workers itself meanwhile.
+    // stream in, and wakes its workers itself meanwhile. One row in flight a worker, each held
+    // half a second by the sink while `hold` is set: rows stay pending, so no claim comes back
+    // empty and the listener has no reason to arm again, however fast or slow the host.
+    let hold = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script({
+        let hold = hold.clone();
+        move |_| {
+            if std::sync::atomic::AtomicBool::load(&hold, Ordering::Relaxed) {
+                SinkAction::Stall(Duration::from_millis(500))
+            } else {
+                SinkAction::Deliver
+            }
+        }
+    });
     let hour = Duration::from_secs(3600);
-    let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
+    let config = config().workers(2).batch(1).max_in_flight(1).poll_interval(hour);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "listener armed", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     #[derive(diesel::QueryableByName)]
     struct Id {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         id: i64,
     }
-    // One producer committing row after row, as fast as it can.
-    let mut ids = Vec::new();
+    // Twenty rows in one statement (one notification, which disarms the listener), then one
+    // producer committing row after row, as fast as it can.
+    let first: Vec<Id> = diesel::sql_query(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 't', 'first' || n, 'e', '{}' FROM generate_series(1, 20) n RETURNING id",
+    )
+    .get_results(&mut producer)
+    .await
+    .unwrap();
+    let mut ids: Vec<i64> = first.iter().map(|r| r.id).collect();
+    eventually(WITHIN, "disarmed by the first insert", || async { saw(armed_sessions(&db).await, |v| *v == 0) }).await;
     for n in 0..200 {
         let id: Id = diesel::sql_query(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -596,8 +625,8 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         .unwrap();
         ids.push(id.id);
     }
-    let notified = notifications_within(&mut listening, Duration::from_millis(300)).await;
-    assert!(notified < 100, "{notified} of 200 inserts notified: a busy dispatcher should disarm");
+    assert_eq!(notifications(&mut listening, 1).await, 1, "only the first of 201 inserts notified");
+    hold.store(false, Ordering::Relaxed);
     eventually(WITHIN, "every streamed row done", || async { saw(not_done(&db, &ids).await, |left| left.is_empty()) })
         .await;
     // Drained, it arms again.

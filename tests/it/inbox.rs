@@ -514,7 +514,7 @@ async fn database_outage_pauses_consumption_and_loses_nothing() {
 }
 
 /// A shutdown while the database is out does not wait for it: the deliveries in hand are given
-/// back to the broker (nack with requeue) and the answer comes within seconds, with every
+/// back to the broker (nack with requeue) and the answer comes (not after the outage), with every
 /// delivery received accounted for; once the database is back, a new consumer applies every
 /// message exactly once.
 #[actix_rt::test]
@@ -528,16 +528,20 @@ async fn shutdown_during_a_database_outage_gives_the_deliveries_back() {
     broker.publish(&queue, &events).await;
 
     let handler = Recorder::ok().pausing(Duration::from_millis(5));
-    let config = config(amqp_url(), &queue).prefetch(20);
+    // A shutdown that waited for an attempt to time out would wait an hour: far past the
+    // deadline below, however slow the host.
+    let config = config(amqp_url(), &queue).prefetch(20).handler_timeout(Duration::from_secs(3600));
     let first = InboxSupervisor::start(config.clone(), pool, handler).unwrap();
     eventually(WITHIN, "50 effects", || async { saw(effect_count(&db).await, |v| *v >= 50) }).await;
     proxy.refuse(true);
     proxy.sever();
     eventually(WITHIN, "the outage noticed", || async { saw(metrics(&first).await.outage_waits, |v| *v > 0) }).await;
     let started = Instant::now();
-    first.send(Shutdown).await.unwrap();
-    let took = started.elapsed();
-    assert!(took < Duration::from_secs(8), "shutdown waited for the database: {took:?}");
+    tokio::time::timeout(WITHIN, first.send(Shutdown))
+        .await
+        .unwrap_or_else(|_| panic!("shutdown waited for the database: no answer after {WITHIN:?}"))
+        .unwrap();
+    eprintln!("shutdown during the outage took {:?}", started.elapsed());
     let m = metrics(&first).await;
     assert!(m.requeued >= 1, "deliveries in hand were given back: {m:?}");
     assert_eq!(m.handled + m.duplicates + m.requeued, m.received, "every delivery accounted for: {m:?}");
@@ -691,11 +695,13 @@ async fn graceful_shutdown_commits_and_acks_what_it_holds() {
     broker.publish(&queue, &events).await;
 
     let slow = Recorder::ok().pausing(Duration::from_millis(50));
-    let config = config(amqp_url(), &queue).prefetch(20).concurrency(4);
+    // A shutdown that waited for an attempt to time out would wait an hour.
+    let config = config(amqp_url(), &queue).prefetch(20).concurrency(4).handler_timeout(Duration::from_secs(3600));
     let first = InboxSupervisor::start(config.clone(), db.pool.clone(), slow).unwrap();
     eventually(WITHIN, "10 effects", || async { saw(effect_count(&db).await, |v| *v >= 10) }).await;
     let started = Instant::now();
-    let (a, b) = tokio::join!(first.send(Shutdown), first.send(Shutdown));
+    let both = tokio::time::timeout(WITHIN, async { tokio::join!(first.send(Shutdown), first.send(Shutdown)) });
+    let (a, b) = both.await.unwrap_or_else(|_| panic!("no answer to the shutdown after {WITHIN:?}"));
     a.unwrap();
     b.unwrap();
     first.send(Shutdown).await.unwrap();
@@ -708,7 +714,7 @@ async fn graceful_shutdown_commits_and_acks_what_it_holds() {
     assert_eq!(applied, m.handled as i64);
     assert_eq!(inbox_count(&db).await, applied);
     assert!(!m.connected);
-    assert!(took < Duration::from_secs(10), "shutdown took {took:?}");
+    eprintln!("shutdown with a slow handler took {took:?}");
     assert_eq!(broker.depth(&queue).await as i64, 200 - applied, "the rest waits on the queue, acknowledged ones gone");
 
     let second = InboxSupervisor::start(config, db.pool.clone(), Recorder::ok()).unwrap();
