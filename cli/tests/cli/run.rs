@@ -111,7 +111,7 @@ async fn run_masks_the_amqp_password_in_every_form_while_it_waits_for_the_broker
     ] {
         let mut run = Dispatcher::start(&db.url, &["--amqp-url", amqp]);
         eventually(WITHIN, "a failed attempt to reach the broker is logged", || async {
-            saw(run.lines_with("RabbitMQ unreachable; retrying"), |l| l.lines.len() >= 1)
+            saw(run.lines_with("RabbitMQ unreachable; retrying"), |l| !l.lines.is_empty())
         })
         .await;
         run.signal("TERM");
@@ -164,7 +164,7 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
     .await;
     proxy.amqp_block();
     eventually(WITHIN, "the dispatcher sees the block", || async {
-        saw(run.lines_with("claiming paused"), |l| l.lines.len() >= 1)
+        saw(run.lines_with("claiming paused"), |l| !l.lines.is_empty())
     })
     .await;
     run.signal("TERM");
