@@ -230,6 +230,7 @@ where
     let mut tries = 0_u32;
     let mut ceiling = RETRY_MIN;
     loop {
+        let began = Instant::now();
         let result = match shared.pool.get().await {
             Ok(mut conn) => store::unit(&mut conn, shared.pool.pooler(), async |c| f(c).await).await,
             Err(e) => Err(e.into()),
@@ -246,7 +247,7 @@ where
             }
             other => {
                 if other.is_ok() {
-                    shared.db.answered();
+                    shared.db.answered(began);
                 }
                 return (other, tries > 0);
             }

@@ -300,7 +300,7 @@ async fn retryable_failures_end_dead_after_max_attempts() {
         SinkAction::Fail(PublishError::Retryable("503 from broker".into()))
     });
     let dispatcher = OutboxSupervisor::start(config().max_attempts(3), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row dead", || async { saw(db.row(id).await.status, |v| *v == Status::Dead) }).await;
+    eventually(WITHIN, "row dead", || async { saw(db.row(id).await, |row| row.status == Status::Dead) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     assert_eq!((row.attempts, row.lease_version), (3, 3));
@@ -426,7 +426,7 @@ async fn a_users_actor_can_be_the_sink() {
     let sink = ActorPublisher::new(collector.clone().recipient());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     all_done(&db, 5).await;
-    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await.status, |v| *v == Status::Dead) }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await, |row| row.status == Status::Dead) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = collector.send(Seen).await.unwrap();
     seen.sort();
@@ -670,7 +670,7 @@ async fn slow_publish_extends_its_lease_by_heartbeat() {
     let lease = Duration::from_millis(1500);
     let config = config().workers(1).lease(lease).publish_timeout(Duration::from_millis(1400));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row claimed", || async { saw(db.row(ids[0]).await.status, |v| *v == Status::Processing) })
+    eventually(WITHIN, "row claimed", || async { saw(db.row(ids[0]).await, |row| row.status == Status::Processing) })
         .await;
     let claimed = db.row(ids[0]).await.lease_until.expect("a claimed row has a lease");
     // The heartbeat fires at lease / 3 = 500 ms and pushes lease_until to now() + lease.

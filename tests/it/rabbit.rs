@@ -69,7 +69,7 @@ async fn message_carries_every_property_and_header() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { saw(db.row(id).await.status, |v| *v == Status::Done) }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -297,13 +297,14 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
         })
     })
     .await;
-    eventually(WITHIN, "row claimed again, not stuck", || async { saw(db.row(id).await.attempts, |v| *v >= 3) }).await;
+    eventually(WITHIN, "row claimed again, not stuck", || async { saw(db.row(id).await, |row| row.attempts >= 3) })
+        .await;
     assert_eq!(db.count_status("done").await, 0);
     assert!(sink.is_connected(), "a silent broker is not a lost connection");
 
     proxy.resume();
     eventually(WITHIN, "row done once the broker answers", || async {
-        saw(db.row(id).await.status, |v| *v == Status::Done)
+        saw(db.row(id).await, |row| row.status == Status::Done)
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -567,7 +568,7 @@ async fn producer_headers_arrive_and_ours_win_a_clash() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { saw(db.row(id).await.status, |v| *v == Status::Done) }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -684,7 +685,7 @@ async fn the_deduplication_header_is_opt_in_and_names_the_source() {
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { saw(db.row(id).await.status, |v| *v == Status::Done) }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     let health = dispatcher.send(actix_outbox::dispatcher::GetHealth).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
@@ -710,9 +711,9 @@ async fn a_header_name_over_255_bytes_fails_the_message_permanently() {
     let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await.status, |v| *v == Status::Dead) }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await, |row| row.status == Status::Dead) }).await;
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "good row done", || async { saw(db.row(good).await.status, |v| *v == Status::Done) }).await;
+    eventually(WITHIN, "good row done", || async { saw(db.row(good).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -744,9 +745,9 @@ async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
     let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await.status, |v| *v == Status::Dead) }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await, |row| row.status == Status::Dead) }).await;
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "good row done", || async { saw(db.row(good).await.status, |v| *v == Status::Done) }).await;
+    eventually(WITHIN, "good row done", || async { saw(db.row(good).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(sink.reconnects(), 0, "the link was never cut");
     sink.close().await;

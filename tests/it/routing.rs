@@ -132,7 +132,8 @@ async fn a_missing_exchange_is_retried_without_closing_the_shared_channel() {
     let config = dispatcher_config().max_attempts(1_000_000);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     eventually(WITHIN, "the four other rows done", || async { saw(db.count_status("done").await, |v| *v == 4) }).await;
-    eventually(WITHIN, "the waiting row retried", || async { saw(db.row(waiting).await.attempts, |v| *v >= 3) }).await;
+    eventually(WITHIN, "the waiting row retried", || async { saw(db.row(waiting).await, |row| row.attempts >= 3) })
+        .await;
     let row = db.row(waiting).await;
     assert!(matches!(row.status, Status::Pending | Status::Processing), "{:?}", row.status);
     let error = row.last_error.unwrap();
@@ -144,8 +145,10 @@ async fn a_missing_exchange_is_retried_without_closing_the_shared_channel() {
 
     missing.declare(ExchangeKind::Topic).await;
     let missing_q = missing.queue(&["#"], FieldTable::default()).await;
-    eventually(WITHIN, "the waiting row done", || async { saw(db.row(waiting).await.status, |v| *v == Status::Done) })
-        .await;
+    eventually(WITHIN, "the waiting row done", || async {
+        saw(db.row(waiting).await, |row| row.status == Status::Done)
+    })
+    .await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
     let arrived = missing.take(&missing_q, 1).await;
@@ -237,7 +240,7 @@ async fn the_cloudevents_sdk_reads_every_attribute() {
     let sink = RabbitSink::connect(sink_config(&broker.exchange).cloudevents(CloudEventsMode::Binary)).await.unwrap();
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { saw(db.row(id).await.status, |v| *v == Status::Done) }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
     let row = db.row(id).await;

@@ -70,7 +70,7 @@ async fn trace_context_flows_from_producer_to_consumer_and_parents_publish() {
     let config = DispatcherConfig::default().poll_interval(Duration::from_millis(50));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(PATIENCE, "row done", || async { saw(db.row(id).await.status, |v| *v == Status::Done) }).await;
+    eventually(PATIENCE, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
