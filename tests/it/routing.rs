@@ -112,7 +112,8 @@ async fn an_events_exchange_takes_its_message_elsewhere() {
 
 /// (c) A row naming an exchange that does not exist is retried (attempts counted, `last_error`
 /// naming the exchange) while the other rows of its batch are delivered on the same channel
-/// (the sink never reconnected); once the exchange is declared, the row arrives. (Attempts are
+/// (the sink never reconnected); once the exchange is declared and bound, the row arrives, through
+/// the same sink, to a dispatcher started again. (Attempts are
 /// not capped here: at the default 12, a loaded host could take longer to declare the exchange
 /// than the row's last retries.)
 #[actix_rt::test]
@@ -130,7 +131,7 @@ async fn a_missing_exchange_is_retried_without_closing_the_shared_channel() {
 
     let sink = RabbitSink::connect(sink_config(&default.exchange)).await.unwrap();
     let config = dispatcher_config().max_attempts(1_000_000);
-    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
+    let dispatcher = OutboxSupervisor::start(config.clone(), db.pool.clone(), sink.clone()).unwrap();
     eventually(WITHIN, "the four other rows done", || async { saw(db.count_status("done").await, |v| *v == 4) }).await;
     eventually(WITHIN, "the waiting row retried", || async { saw(db.row(waiting).await, |row| row.attempts >= 3) })
         .await;
@@ -143,8 +144,12 @@ async fn a_missing_exchange_is_retried_without_closing_the_shared_channel() {
     assert_eq!(delivered, [ids[0], ids[1], ids[3], ids[4]]);
     assert_eq!(sink.reconnects(), 0, "the confirm channel survived");
 
+    // The exchange and its queue's binding come while no dispatcher runs: a publish between the
+    // two would find the exchange without a binding, which is unroutable, a permanent failure.
+    dispatcher.send(Shutdown).await.unwrap();
     missing.declare(ExchangeKind::Topic).await;
     let missing_q = missing.queue(&["#"], FieldTable::default()).await;
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     eventually(WITHIN, "the waiting row done", || async {
         saw(db.row(waiting).await, |row| row.status == Status::Done)
     })
