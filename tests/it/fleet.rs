@@ -36,6 +36,59 @@ fn help_calls(conn: &mut AsyncPgConnection) -> usize {
     calls
 }
 
+/// `url` with the connections named `name` (`application_name`), a URL or `key=value` pairs.
+fn named(url: &str, name: &str) -> String {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}application_name={name}")
+    } else {
+        format!("{url} application_name={name}")
+    }
+}
+
+/// The `application_name` of the session holding the insert listeners' lead on `db`.
+async fn leader_name(db: &TestDb) -> Option<String> {
+    #[derive(diesel::QueryableByName)]
+    struct Name {
+        #[diesel(sql_type = diesel::sql_types::Text)]
+        name: String,
+    }
+    let names: Vec<Name> = diesel_async::RunQueryDsl::load(
+        diesel::sql_query(format!(
+            "SELECT a.application_name AS name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+             WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database()
+               AND (l.classid::int8 << 32 | l.objid::int8) = {}",
+            crate::pooler::LEAD
+        )),
+        &mut db.conn().await,
+    )
+    .await
+    .unwrap();
+    names.into_iter().next().map(|n| n.name)
+}
+
+/// Sessions named `name` whose last statement, finished, was a claim (`FOR UPDATE SKIP
+/// LOCKED`): the worker's start-up claim is over.
+async fn claimed_once(db: &TestDb, name: &str) -> i64 {
+    #[derive(diesel::QueryableByName)]
+    struct N {
+        #[diesel(sql_type = diesel::sql_types::BigInt)]
+        n: i64,
+    }
+    let n: N = diesel_async::RunQueryDsl::get_result(
+        diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_stat_activity
+             WHERE datname = current_database() AND application_name = $1 AND state = 'idle'
+               AND query LIKE '%SKIP LOCKED%'",
+        )
+        .bind::<diesel::sql_types::Text, _>(name),
+        &mut db.conn().await,
+    )
+    .await
+    .unwrap();
+    n.n
+}
+
 /// Moves what each dispatcher's sink received into `got` (by dispatcher).
 fn receive(receivers: &mut [UnboundedReceiver<Arc<OutboxMessage>>], got: &mut [Vec<i64>]) {
     for (rx, got) in receivers.iter_mut().zip(got.iter_mut()) {
@@ -63,7 +116,7 @@ async fn one_leader_claims_alone_until_a_backlog_makes_it_call_the_followers() {
     let mut fleet = Vec::new();
     let mut receivers = Vec::new();
     for n in 0..3 {
-        let pool = PoolConfig::new(db.url.clone()).size(6).connect().await.unwrap();
+        let pool = PoolConfig::new(named(&db.url, &format!("fleet-{n}"))).size(6).connect().await.unwrap();
         let (sink, rx) = ChannelSink::new();
         let slowed = slowed.clone();
         let sink = sink.with_script(move |_| {
@@ -73,15 +126,29 @@ async fn one_leader_claims_alone_until_a_backlog_makes_it_call_the_followers() {
                 SinkAction::Deliver
             }
         });
+        // One worker, and no table sample: the worker's start-up claim is the last statement
+        // its connection runs until something wakes it, which the test can see.
         let config = DispatcherConfig::default()
             .owner(format!("fleet-{n}"))
-            .workers(2)
+            .workers(1)
             .batch(20)
+            .table_metrics_interval(None)
             .poll_interval(Duration::from_secs(3600));
         fleet.push(OutboxSupervisor::start(config, pool, sink).unwrap());
         receivers.push(rx);
     }
-    eventually(WITHIN, "one leader", || async { saw(leaders(&db).await, |n| *n == 1) }).await;
+    eventually(WITHIN, "one leader", || async { saw(leader_name(&db).await, |name| name.is_some()) }).await;
+    let leader_name = leader_name(&db).await.unwrap();
+    let leader: usize = leader_name.strip_prefix("fleet-").unwrap().parse().unwrap();
+    // A worker that started late would find the first row by its start-up claim, woken by no
+    // one: the rows come once every worker has claimed once.
+    for n in 0..3 {
+        let name = format!("fleet-{n}");
+        eventually(WITHIN, &format!("{name}'s start-up claim over"), || async {
+            saw(claimed_once(&db, &name).await, |claims| *claims >= 1)
+        })
+        .await;
+    }
 
     let mut conn = db.conn().await;
     let mut got = vec![Vec::new(); 3];
@@ -95,18 +162,23 @@ async fn one_leader_claims_alone_until_a_backlog_makes_it_call_the_followers() {
         })
         .await;
     }
-    let leader = got.iter().position(|ids| !ids.is_empty()).unwrap();
-    assert_eq!(got[leader], trickled, "the leader claimed every trickled row: {got:?}");
+    assert_eq!(got[leader], trickled, "the leader ({leader_name}) claimed every trickled row: {got:?}");
     assert_eq!(got.iter().map(Vec::len).sum::<usize>(), 10, "the followers claimed none: {got:?}");
     assert_eq!(help_calls(&mut listening), 0, "no call for help without a backlog");
 
     slowed.store(leader, Ordering::Relaxed);
-    conn.batch_execute(&format!(
-        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
-         SELECT 'fleet', 'b' || (n % 50), 'fleet.row', '{{}}' FROM generate_series(1, {BACKLOG}) n"
-    ))
-    .await
-    .unwrap();
+    // In ten statements, one commit after the other: the listener that arms as the first
+    // commits drops the notifications that came before it armed (its next claim finds their
+    // rows) and stays armed, neither ticking nor calling, until the next one.
+    for _ in 0..10 {
+        conn.batch_execute(&format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'fleet', 'b' || (n % 50), 'fleet.row', '{{}}' FROM generate_series(1, {}) n",
+            BACKLOG / 10
+        ))
+        .await
+        .unwrap();
+    }
     let mut calls = 0;
     eventually(WITHIN, "the backlog published", || {
         receive(&mut receivers, &mut got);
@@ -116,7 +188,11 @@ async fn one_leader_claims_alone_until_a_backlog_makes_it_call_the_followers() {
     })
     .await;
     let followers: usize = (0..3).filter(|&n| n != leader).map(|n| got[n].len()).sum();
-    assert!(calls >= 1, "the leader called for help ({calls} calls)");
+    assert!(
+        calls >= 1,
+        "the leader called for help ({calls} calls; rows by dispatcher: {:?})",
+        got.iter().map(Vec::len).collect::<Vec<_>>()
+    );
     assert!(
         followers > 0,
         "the followers answered the call: {} rows each",
