@@ -237,6 +237,7 @@ impl ClaimActor {
         // A lower bound of the database's `now()` at the claim: the leases run at least until
         // this plus the lease.
         let lease_deadline = Instant::now() + config.lease;
+        let began = Instant::now();
         let unanswered =
             self.unanswered.then(|| self.shared.publishing(self.worker).iter().map(|f| f.id).collect::<Vec<_>>());
         // What was handed back is reported even when the claim after it fails.
@@ -314,7 +315,7 @@ impl ClaimActor {
             match result {
                 Ok(claim) => {
                     act.failures = 0;
-                    act.shared.db.answered();
+                    act.shared.db.answered(began);
                     if probe && claim.messages.is_empty() {
                         // Nothing to try the sink with: nothing is lost by opening the gate, and
                         // the next rows find out.

@@ -234,6 +234,7 @@ where
     loop {
         let deadline = shared.drain_by.get().map_or(deadline, |&by| by.min(deadline));
         let drain_by = shared.drain_by.get().copied();
+        let began = Instant::now();
         let result = match shared.pool.checkout_until(drain_by).await {
             Ok(mut conn) => shared.pool.unit_until(&mut conn, drain_by, async |c| f(c).await).await,
             Err(e) => Err(e),
@@ -250,7 +251,7 @@ where
             }
             other => {
                 if other.is_ok() {
-                    shared.db.answered();
+                    shared.db.answered(began);
                 }
                 return (other, tries > 0);
             }

@@ -43,8 +43,9 @@ pub(crate) async fn sample(shared: Arc<Shared>) -> Sampled {
 /// Sets the gauges from a sample (or counts its failure).
 pub(crate) fn report(shared: &Shared, result: Sampled) {
     match result {
+        // An answer ends no outage (see `DbHealth::answered`): a standby answers this read
+        // while it refuses every write.
         Ok((sample, blocked)) => {
-            shared.db.answered();
             shared.summary.sampled(sample);
             shared.metrics.sampled(&sample, blocked);
         }

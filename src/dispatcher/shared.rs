@@ -152,7 +152,8 @@ impl Shared {
     }
 }
 
-/// The database's health as the dispatcher's statements see it.
+/// The database's health as the dispatcher's statements see it: down from a statement's
+/// transient failure until a write commits.
 #[derive(Debug, Default)]
 pub(crate) struct DbHealth {
     down: Mutex<Option<Down>>,
@@ -192,22 +193,67 @@ impl DbHealth {
         }
     }
 
-    /// Whether the database refused the last statement as read-only (and none answered since).
+    /// Whether the database refused the last write as read-only (and none committed since).
     pub(crate) fn read_only(&self) -> bool {
         self.down.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|d| d.read_only)
     }
 
-    /// Whether the last statement that ran answered (true before the first).
+    /// Whether the database is usable: no statement failed on a transient error since the
+    /// last write committed (true before the first).
     pub(crate) fn reachable(&self) -> bool {
         self.down.lock().unwrap_or_else(|e| e.into_inner()).is_none()
     }
 
-    /// A statement succeeded: logs the end of an outage, with its length.
-    pub(crate) fn answered(&self) {
+    /// A write that began at `began` committed (a claim, a finalize): logs the end of an
+    /// outage, with its length.
+    ///
+    /// Only a write ends one, and only a write sent after the outage's first failure. A read
+    /// that answers proves the server reachable, not that it accepts writes: a standby answers
+    /// the table sampler's reads while it refuses every claim. And a write sent before the
+    /// failure may commit just after it (the other worker's claim, a finalize in flight when
+    /// the primary went away): it says nothing of the server now. Ending the spell on either
+    /// made the state flap, down, "reachable again", down.
+    pub(crate) fn answered(&self, began: Instant) {
         let mut down = self.down.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(Down { since, .. }) = down.take() {
-            let outage = Duration::from_millis(since.elapsed().as_millis() as u64);
-            info!(outage = %humantime::format_duration(outage), "database reachable again");
+        match *down {
+            Some(Down { since, .. }) if began >= since => {
+                *down = None;
+                let outage = Duration::from_millis(since.elapsed().as_millis() as u64);
+                info!(outage = %humantime::format_duration(outage), "database reachable again");
+            }
+            Some(_) => debug!("a write sent before the outage answered: the outage goes on"),
+            None => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use diesel::result::{DatabaseErrorKind as K, Error as E};
+
+    fn failure(kind: K) -> StoreError {
+        StoreError::Query(E::DatabaseError(kind, Box::new("refused".to_owned())))
+    }
+
+    /// The state goes down once and up once: a write sent before the failure that commits after
+    /// it (the other worker's claim, a finalize in flight) does not end the spell; the first
+    /// write sent after it does.
+    #[test]
+    fn only_a_write_sent_after_the_first_failure_ends_an_outage() {
+        for kind in [K::ClosedConnection, K::ReadOnlyTransaction] {
+            let db = DbHealth::default();
+            let sent_before = Instant::now();
+            std::thread::sleep(Duration::from_millis(2));
+            db.failed("claim", &failure(kind));
+            let read_only = kind == K::ReadOnlyTransaction;
+            assert_eq!((db.reachable(), db.read_only()), (false, read_only), "{kind:?}");
+            db.answered(sent_before);
+            assert_eq!((db.reachable(), db.read_only()), (false, read_only), "{kind:?}: still down");
+            std::thread::sleep(Duration::from_millis(2));
+            db.failed("claim", &failure(kind));
+            db.answered(Instant::now());
+            assert_eq!((db.reachable(), db.read_only()), (true, false), "{kind:?}: up");
         }
     }
 }

@@ -334,13 +334,15 @@ pub struct Health {
     pub sink: SinkState,
     /// The sink gate holds claiming back (the sink was found unavailable, or is being probed).
     pub claiming_paused: bool,
-    /// The last statement the dispatcher ran (claim, finalize, table sample) answered, within
-    /// the pool's query timeout ([`PoolConfig::query_timeout`](crate::PoolConfig::query_timeout));
-    /// true before the first.
+    /// No statement of the dispatcher (claim, finalize, table sample) failed on a transient
+    /// error, or went unanswered within the pool's query timeout
+    /// ([`PoolConfig::query_timeout`](crate::PoolConfig::query_timeout)), since its last write
+    /// (claim, finalize) committed; true before the first. A read that answers does not count:
+    /// a standby answers reads.
     pub database_reachable: bool,
-    /// The database refused the dispatcher's last statement as read-only (SQLSTATE 25006): it
+    /// The database refused the dispatcher's last write as read-only (SQLSTATE 25006): it
     /// reached a standby, not the primary. Claiming waits, spending no attempt; false once a
-    /// statement succeeds.
+    /// write commits.
     pub database_read_only: bool,
     /// Shutdown has begun: the dispatcher claims nothing more.
     pub stopping: bool,

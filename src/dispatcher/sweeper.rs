@@ -45,7 +45,7 @@ pub(crate) fn report(shared: &Shared, result: SweepResult) -> bool {
     match result {
         Ok(None) => false,
         Ok(Some(swept)) => {
-            shared.db.answered();
+            // The claims and the finalizes, not the sweep, say when an outage ended.
             let metrics = &shared.metrics;
             if swept.expired > 0 {
                 Metrics::add(&metrics.expired, swept.expired);

@@ -27,6 +27,10 @@
 //!   Each test declares exchanges and queues of its own, uniquely named.
 //!
 //! Everything a test creates is removed when its fixture is dropped, even by a panic.
+//!
+//! Tests wait for conditions with [`eventually`], whose closure reports what it saw
+//! ([`saw`]): a deadline sized for a slow host ([`PATIENCE`]) that, when it runs out, says
+//! what was last seen.
 
 #![warn(missing_docs)]
 
@@ -62,18 +66,65 @@ fn rand_suffix() -> u32 {
     (h.finish() & 0xffff_ffff) as u32
 }
 
-/// Polls `check` until it returns true, failing the test after `within`.
-pub async fn eventually<F, Fut>(within: Duration, what: &str, mut check: F)
+/// How long a test waits for a condition by default: what a loaded two-core CI host (the
+/// suite four tests at a time, a build beside it) needs with room to spare. A wait costs its
+/// deadline only when it fails, so it is sized for the slowest host, not the usual one.
+pub const PATIENCE: Duration = Duration::from_secs(120);
+
+/// What one look at a condition saw: whether it holds, and what to report when a wait for it
+/// runs out. Made by [`saw`]; a bare `bool` converts too, reporting nothing.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    met: bool,
+    seen: Option<String>,
+}
+
+/// `value`, seen, and whether `met` holds of it: the closure of [`eventually`] returns this,
+/// so that a wait that runs out says what it last saw (`saw(db.count_status("done").await,
+/// |n| *n == 300)` reports the count).
+pub fn saw<T: std::fmt::Debug>(value: T, met: impl FnOnce(&T) -> bool) -> Seen {
+    Seen { met: met(&value), seen: Some(format!("{value:?}")) }
+}
+
+impl Seen {
+    /// Whether the condition held.
+    pub fn met(&self) -> bool {
+        self.met
+    }
+}
+
+/// For a check that reports nothing (its wait's message says so): prefer [`saw`].
+impl From<bool> for Seen {
+    fn from(met: bool) -> Seen {
+        Seen { met, seen: None }
+    }
+}
+
+impl std::fmt::Display for Seen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.seen {
+            Some(seen) => write!(f, "last seen: {seen}"),
+            None => write!(f, "the check reports nothing it saw (have it return `saw(..)`)"),
+        }
+    }
+}
+
+/// Polls `check` until what it saw meets its condition, failing the test after `within` with
+/// `what` and the last thing seen. A deadline, not a measure: size it for a slow host
+/// ([`PATIENCE`]); a test that asserts a time asserts it separately.
+pub async fn eventually<F, Fut, S>(within: Duration, what: &str, mut check: F)
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
+    Fut: Future<Output = S>,
+    S: Into<Seen>,
 {
     let deadline = Instant::now() + within;
     loop {
-        if check().await {
+        let look = check().await.into();
+        if look.met {
             return;
         }
-        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for: {what}");
+        assert!(Instant::now() < deadline, "timed out after {within:?} waiting for: {what}; {look}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -17,7 +17,7 @@ use crate::unique;
 const BIN: &str = "/usr/lib/postgresql/15/bin";
 
 /// How long a server has to accept connections, and the standby to replay what it is waited for.
-const WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = crate::PATIENCE;
 
 /// Settings of both clusters: small and fast rather than safe (fsync off), reachable only on
 /// 127.0.0.1 and on a socket folder of their own (not the shared server's `/var/run/postgresql`).

@@ -14,9 +14,9 @@ use actix_outbox::testing::CrashWorker;
 use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor, PublishError, PublishResult};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use actix_outbox_test_support::{TestDb, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(20);
+const WITHIN: Duration = PATIENCE;
 
 fn config() -> DispatcherConfig {
     DispatcherConfig::default()
@@ -26,7 +26,16 @@ fn config() -> DispatcherConfig {
 }
 
 async fn all_done(db: &TestDb, n: i64) {
-    eventually(WITHIN, &format!("{n} rows done"), || async { db.count_status("done").await == n }).await;
+    eventually(WITHIN, &format!("{n} rows done"), || async { saw(db.count_status("done").await, |v| *v == n) }).await;
+}
+
+/// The rows of `ids` not done yet, with their status (`None`: not in the table).
+async fn not_done(db: &TestDb, ids: &[i64]) -> Vec<(i64, Option<Status>)> {
+    let rows = db.rows().await;
+    ids.iter()
+        .map(|&id| (id, rows.iter().find(|r| r.id == id).map(|r| r.status)))
+        .filter(|(_, status)| *status != Some(Status::Done))
+        .collect()
 }
 
 fn drain(rx: &mut UnboundedReceiver<Arc<OutboxMessage>>) -> Vec<Arc<OutboxMessage>> {
@@ -73,7 +82,7 @@ async fn workers_share_the_backlog_with_distinct_owner_ids() {
             for r in db.rows().await.iter().filter(|r| r.status == Status::Processing) {
                 *owners.lock().unwrap().entry(r.lease_owner.clone().unwrap()).or_default() += 1;
             }
-            db.count_status("done").await == 400
+            saw(db.count_status("done").await, |n| *n == 400)
         }
     })
     .await;
@@ -110,8 +119,7 @@ async fn panicking_sink_is_survived_and_its_row_reclaimed_after_the_lease() {
     // Rows inserted after the crash flow while the victim waits for its lease.
     let more = db.seed(10, "b").await;
     eventually(WITHIN, "new rows done while the victim is leased", || async {
-        let rows = db.rows().await;
-        more.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
+        saw(not_done(&db, &more).await, |left| left.is_empty())
     })
     .await;
     assert_eq!(db.row(victim).await.lease_version, 1, "victim still under its first lease");
@@ -186,7 +194,8 @@ async fn a_sink_panic_logged_at_info() {
     let sink = sink.with_script(move |m| if m.id == victim { SinkAction::Panic } else { SinkAction::Deliver });
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     all_done(&db, 4).await;
-    eventually(WITHIN, "the panic logged", || async { captured.text().contains("sink panicked") }).await;
+    eventually(WITHIN, "the panic logged", || async { saw(captured.text(), |logs| logs.contains("sink panicked")) })
+        .await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(drain(&mut rx).len(), 4);
 
@@ -206,7 +215,10 @@ async fn supervisor_restarts_a_crashed_claim_actor() {
     let (sink, mut rx) = ChannelSink::new();
     let dispatcher = OutboxSupervisor::start(config().workers(1), db.pool.clone(), sink).unwrap();
     dispatcher.send(CrashWorker(0)).await.unwrap();
-    eventually(WITHIN, "restart counted", || async { dispatcher.send(GetMetrics).await.unwrap().restarts == 1 }).await;
+    eventually(WITHIN, "restart counted", || async {
+        saw(dispatcher.send(GetMetrics).await.unwrap().restarts, |v| *v == 1)
+    })
+    .await;
 
     let ids = db.seed(25, "a").await;
     all_done(&db, 25).await;
@@ -244,8 +256,10 @@ async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(db.count_status("processing").await, 10, "nothing to claim while the lease runs");
     dispatcher.send(CrashWorker(0)).await.unwrap();
-    eventually(WITHIN, "the worker replaced", || async { dispatcher.send(GetMetrics).await.unwrap().restarts == 1 })
-        .await;
+    eventually(WITHIN, "the worker replaced", || async {
+        saw(dispatcher.send(GetMetrics).await.unwrap().restarts, |v| *v == 1)
+    })
+    .await;
 
     all_done(&db, 10).await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
@@ -274,7 +288,7 @@ async fn retryable_failures_end_dead_after_max_attempts() {
         SinkAction::Fail(PublishError::Retryable("503 from broker".into()))
     });
     let dispatcher = OutboxSupervisor::start(config().max_attempts(3), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row dead", || async { db.row(id).await.status == Status::Dead }).await;
+    eventually(WITHIN, "row dead", || async { saw(db.row(id).await, |row| row.status == Status::Dead) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     assert_eq!((row.attempts, row.lease_version), (3, 3));
@@ -334,7 +348,8 @@ async fn permanent_goes_dead_and_defer_refunds() {
     });
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "both finalized", || async {
-        db.row(permanent).await.status == Status::Dead && db.row(deferred).await.last_error.is_some()
+        let (permanent, deferred) = (db.row(permanent).await, db.row(deferred).await);
+        saw((permanent.status, deferred.last_error), |(status, error)| *status == Status::Dead && error.is_some())
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -358,7 +373,7 @@ async fn publish_timeout_reschedules_the_row() {
         .backoff_base(Duration::from_secs(3600))
         .backoff_cap(Duration::from_secs(3600));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "rescheduled", || async { db.row(id).await.last_error.is_some() }).await;
+    eventually(WITHIN, "rescheduled", || async { saw(db.row(id).await.last_error, |error| error.is_some()) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     assert_eq!((row.status, row.attempts), (Status::Pending, 1));
@@ -399,7 +414,7 @@ async fn a_users_actor_can_be_the_sink() {
     let sink = ActorPublisher::new(collector.clone().recipient());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
     all_done(&db, 5).await;
-    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await, |row| row.status == Status::Dead) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = collector.send(Seen).await.unwrap();
     seen.sort();
@@ -422,7 +437,7 @@ async fn shutdown_drains_in_flight_and_leaves_nothing_processing() {
         SinkAction::Stall(Duration::from_millis(100))
     });
     let dispatcher = OutboxSupervisor::start(config().workers(2).batch(10), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "publishing started", || async { started.load(Ordering::SeqCst) > 0 }).await;
+    eventually(WITHIN, "publishing started", || async { saw(started.load(Ordering::SeqCst), |n| *n > 0) }).await;
 
     let (first, second) = tokio::join!(dispatcher.send(Shutdown), dispatcher.send(Shutdown));
     first.unwrap();
@@ -481,12 +496,16 @@ async fn armed_sessions(db: &TestDb) -> i64 {
     n.n
 }
 
-/// Notifications that arrive on `conn` within `within`.
-async fn notifications_within(conn: &mut diesel_async::AsyncPgConnection, within: Duration) -> usize {
+/// Notifications that arrive on `conn`: waits for `expected` of them (up to [`WITHIN`]), then
+/// 300 ms more for any beyond (which a check of "none" or "exactly one" is about).
+async fn notifications(conn: &mut diesel_async::AsyncPgConnection, expected: usize) -> usize {
     use futures_util::StreamExt;
     let mut stream = std::pin::pin!(conn.notifications_stream());
     let mut n = 0;
-    while let Ok(Some(Ok(_))) = tokio::time::timeout(within, stream.next()).await {
+    while n < expected && matches!(tokio::time::timeout(WITHIN, stream.next()).await, Ok(Some(Ok(_)))) {
+        n += 1;
+    }
+    while let Ok(Some(Ok(_))) = tokio::time::timeout(Duration::from_millis(300), stream.next()).await {
         n += 1;
     }
     n
@@ -495,7 +514,9 @@ async fn notifications_within(conn: &mut diesel_async::AsyncPgConnection, within
 /// The insert trigger notifies only while a dispatcher is armed (a session holds the armed
 /// lock): each NOTIFY serialises the producers' commits, so while no listener waits for one,
 /// a producer commits without it. And a busy dispatcher disarms: under a stream of inserts the
-/// producers stop notifying, and every row is still published promptly.
+/// producers stop notifying: the first insert's notification disarms it, and while its
+/// workers have rows to claim it does not arm again, so the 200 rows committed after that
+/// notify nobody; every row is still published, and the drained dispatcher arms again.
 #[actix_rt::test]
 async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     use diesel_async::{RunQueryDsl, SimpleAsyncConnection};
@@ -504,7 +525,7 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
     listening.batch_execute("LISTEN outbox_insert").await.unwrap();
     // Nobody armed: no notification.
     db.seed(1, "quiet").await;
-    assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 0);
+    assert_eq!(notifications(&mut listening, 0).await, 0);
     // Armed (as the listener arms): the insert notifies.
     let mut armed = db.conn().await;
     armed
@@ -512,7 +533,7 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         .await
         .unwrap();
     db.seed(1, "loud").await;
-    assert_eq!(notifications_within(&mut listening, Duration::from_millis(300)).await, 1);
+    assert_eq!(notifications(&mut listening, 1).await, 1);
     // A producer transaction that found the lock free keeps a listener from arming until it
     // commits (so that the claim after arming sees its row).
     armed
@@ -543,21 +564,44 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         .await
         .unwrap();
     db.pool.get().await.unwrap().batch_execute("DELETE FROM outbox").await.unwrap();
-    let _ = notifications_within(&mut listening, Duration::from_millis(100)).await;
+    let _ = notifications(&mut listening, 0).await;
 
     // A dispatcher polling only once an hour: its listener arms when idle, disarms once rows
-    // stream in, and wakes its workers itself meanwhile.
+    // stream in, and wakes its workers itself meanwhile. One row in flight a worker, each held
+    // half a second by the sink while `hold` is set: rows stay pending, so no claim comes back
+    // empty and the listener has no reason to arm again, however fast or slow the host.
+    let hold = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let (sink, _rx) = ChannelSink::new();
+    let sink = sink.with_script({
+        let hold = hold.clone();
+        move |_| {
+            if std::sync::atomic::AtomicBool::load(&hold, Ordering::Relaxed) {
+                SinkAction::Stall(Duration::from_millis(500))
+            } else {
+                SinkAction::Deliver
+            }
+        }
+    });
     let hour = Duration::from_secs(3600);
-    let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "listener armed", || async { armed_sessions(&db).await == 1 }).await;
+    let config = config().workers(2).batch(1).max_in_flight(1).poll_interval(hour);
+    let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
+    eventually(WITHIN, "listener armed", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     #[derive(diesel::QueryableByName)]
     struct Id {
         #[diesel(sql_type = diesel::sql_types::BigInt)]
         id: i64,
     }
-    // One producer committing row after row, as fast as it can.
-    let mut ids = Vec::new();
+    // Twenty rows in one statement (one notification, which disarms the listener), then one
+    // producer committing row after row, as fast as it can.
+    let first: Vec<Id> = diesel::sql_query(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
+         SELECT 't', 'first' || n, 'e', '{}' FROM generate_series(1, 20) n RETURNING id",
+    )
+    .get_results(&mut producer)
+    .await
+    .unwrap();
+    let mut ids: Vec<i64> = first.iter().map(|r| r.id).collect();
+    eventually(WITHIN, "disarmed by the first insert", || async { saw(armed_sessions(&db).await, |v| *v == 0) }).await;
     for n in 0..200 {
         let id: Id = diesel::sql_query(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -569,15 +613,12 @@ async fn inserts_notify_only_while_a_dispatcher_is_armed() {
         .unwrap();
         ids.push(id.id);
     }
-    let notified = notifications_within(&mut listening, Duration::from_millis(300)).await;
-    assert!(notified < 100, "{notified} of 200 inserts notified: a busy dispatcher should disarm");
-    eventually(WITHIN, "every streamed row done", || async {
-        let rows = db.rows().await;
-        ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
-    })
-    .await;
+    assert_eq!(notifications(&mut listening, 1).await, 1, "only the first of 201 inserts notified");
+    hold.store(false, Ordering::Relaxed);
+    eventually(WITHIN, "every streamed row done", || async { saw(not_done(&db, &ids).await, |left| left.is_empty()) })
+        .await;
     // Drained, it arms again.
-    eventually(WITHIN, "listener armed again", || async { armed_sessions(&db).await == 1 }).await;
+    eventually(WITHIN, "listener armed again", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     dispatcher.send(Shutdown).await.unwrap();
 }
 
@@ -592,12 +633,11 @@ async fn inserts_wake_an_idle_dispatcher_without_polling() {
     let dispatcher = OutboxSupervisor::start(config().workers(2).poll_interval(hour), db.pool.clone(), sink).unwrap();
     // Let the start-up claims run, the workers go idle on their hour-long poll, and the listener
     // arm (rows inserted from then on notify).
-    eventually(WITHIN, "listener armed", || async { armed_sessions(&db).await == 1 }).await;
+    eventually(WITHIN, "listener armed", || async { saw(armed_sessions(&db).await, |v| *v == 1) }).await;
     for round in 0..3 {
         let ids = db.seed(3, &format!("r{round}")).await;
         eventually(WITHIN, &format!("round {round} published"), || async {
-            let rows = db.rows().await;
-            ids.iter().all(|id| rows.iter().any(|r| r.id == *id && r.status == Status::Done))
+            saw(not_done(&db, &ids).await, |left| left.is_empty())
         })
         .await;
     }
@@ -618,11 +658,14 @@ async fn slow_publish_extends_its_lease_by_heartbeat() {
     let lease = Duration::from_millis(1500);
     let config = config().workers(1).lease(lease).publish_timeout(Duration::from_millis(1400));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "row claimed", || async { db.row(ids[0]).await.status == Status::Processing }).await;
+    eventually(WITHIN, "row claimed", || async { saw(db.row(ids[0]).await, |row| row.status == Status::Processing) })
+        .await;
     let claimed = db.row(ids[0]).await.lease_until.expect("a claimed row has a lease");
     // The heartbeat fires at lease / 3 = 500 ms and pushes lease_until to now() + lease.
     eventually(WITHIN, "lease extended", || async {
-        db.row(ids[0]).await.lease_until.is_some_and(|until| until - claimed > chrono::Duration::milliseconds(300))
+        saw(db.row(ids[0]).await.lease_until, |until| {
+            until.is_some_and(|until| until - claimed > chrono::Duration::milliseconds(300))
+        })
     })
     .await;
     all_done(&db, 1).await;
@@ -665,7 +708,7 @@ async fn a_row_committed_after_a_thousand_later_rows_were_published_is_published
     late_tx.batch_execute("COMMIT").await.unwrap();
     eventually(WITHIN, "the late row published", || {
         seen.extend(drain(&mut rx).into_iter().map(|m| m.id));
-        let found = seen.contains(&late);
+        let found = saw(seen.len(), |_| seen.contains(&late));
         async move { found }
     })
     .await;
@@ -734,8 +777,8 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
         // every row so far was finalized.
         eventually(WITHIN, &format!("{n} rows finalized"), || async {
             match retention {
-                actix_outbox::Retention::Delete => db.rows().await.is_empty(),
-                _ => db.count_status("done").await == n,
+                actix_outbox::Retention::Delete => saw(db.rows().await.len(), |left| *left == 0),
+                _ => saw(db.count_status("done").await, |done| *done == n),
             }
         })
         .await
@@ -749,8 +792,7 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
     proxy.resume();
 
     eventually(WITHIN, "the finalizer settles the row", || async {
-        let m = dispatcher.send(GetMetrics).await.unwrap();
-        m.done + m.lost_leases + m.finalize_errors > 1
+        saw(dispatcher.send(GetMetrics).await.unwrap(), |m| m.done + m.lost_leases + m.finalize_errors > 1)
     })
     .await;
     let m = dispatcher.send(GetMetrics).await.unwrap();
@@ -800,7 +842,7 @@ async fn delete_retention_deletes_each_confirmed_row_and_keeps_the_dead_ones() {
     });
     let config = config().workers(3).batch(7).retention(actix_outbox::Retention::Delete);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "only the dead row left", || async { db.rows().await.len() == 1 }).await;
+    eventually(WITHIN, "only the dead row left", || async { saw(db.rows().await.len(), |v| *v == 1) }).await;
     let m = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
 
@@ -872,7 +914,7 @@ async fn an_async_closure_is_a_sink() {
     });
     let dispatcher = OutboxSupervisor::start(config().workers(2), db.pool.clone(), sink).unwrap();
     all_done(&db, 11).await;
-    eventually(WITHIN, "the refused row dead", || async { db.count_status("dead").await == 1 }).await;
+    eventually(WITHIN, "the refused row dead", || async { saw(db.count_status("dead").await, |v| *v == 1) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = Vec::new();
     while let Ok(id) = rx.try_recv() {

@@ -35,7 +35,7 @@ use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Connection, ConnectionProperties};
 
-use actix_outbox_test_support::{RabbitCluster, TestDb, eventually, unique};
+use actix_outbox_test_support::{RabbitCluster, TestDb, eventually, saw, unique};
 
 const WITHIN: Duration = Duration::from_secs(180);
 
@@ -102,7 +102,7 @@ async fn finish(
     window: usize,
 ) -> Outcome {
     let rows = db.rows().await.len();
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == rows as i64 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == rows as i64) }).await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     let reconnects = sink.reconnects();
@@ -192,7 +192,7 @@ async fn the_connected_node_killed_mid_run_loses_no_row() {
     let config = dispatcher_config();
     let window = window(&config);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
-    eventually(WITHIN, "a third done", || async { db.count_status("done").await >= 3_333 }).await;
+    eventually(WITHIN, "a third done", || async { saw(db.count_status("done").await, |v| *v >= 3_333) }).await;
     let at_kill = db.count_status("done").await;
     let applied_at_kill = inbox_db.scalar("SELECT count(*) AS n FROM inbox").await;
     cluster.kill(0).await;
@@ -205,7 +205,7 @@ async fn the_connected_node_killed_mid_run_loses_no_row() {
     assert!(matches!(leader, Some(1 | 2)), "a new leader: {leader:?}");
 
     eventually(WITHIN, "the inbox applied every event", || async {
-        inbox_db.scalar("SELECT count(*) AS n FROM inbox").await == 10_000
+        saw(inbox_db.scalar("SELECT count(*) AS n FROM inbox").await, |v| *v == 10_000)
     })
     .await;
     let inbox = consumer.send(inbox::GetMetrics).await.unwrap();
@@ -297,7 +297,7 @@ async fn the_leader_stopped_mid_run_loses_no_row() {
     let config = dispatcher_config();
     let window = window(&config);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
-    eventually(WITHIN, "a third done", || async { db.count_status("done").await >= 3_333 }).await;
+    eventually(WITHIN, "a third done", || async { saw(db.count_status("done").await, |v| *v >= 3_333) }).await;
     let at_stop = db.count_status("done").await;
     cluster.stop(1).await;
     let leader = cluster.leader_of(&queue).await;
@@ -332,7 +332,7 @@ async fn a_stopped_node_rejoins_mid_run_and_takes_over() {
     let config = dispatcher_config();
     let window = window(&config);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
-    eventually(WITHIN, "a thousand done", || async { db.count_status("done").await >= 1_000 }).await;
+    eventually(WITHIN, "a thousand done", || async { saw(db.count_status("done").await, |v| *v >= 1_000) }).await;
 
     // 50 rows every 100 ms while node 2 comes back and until after the kill.
     let producing = std::rc::Rc::new(std::cell::Cell::new(true));
@@ -347,8 +347,9 @@ async fn a_stopped_node_rejoins_mid_run_and_takes_over() {
     });
     cluster.start_node(2).await;
     eventually(WITHIN, "node 2 follows the queue again", || async {
-        let status = cluster.quorum_status(&queue).await;
-        status.iter().any(|(node, state)| node == cluster.node_name(2) && state == "follower")
+        saw(cluster.quorum_status(&queue).await, |status| {
+            status.iter().any(|(node, state)| node == cluster.node_name(2) && state == "follower")
+        })
     })
     .await;
     let before_kill = db.count_status("done").await;
@@ -415,7 +416,9 @@ async fn a_channel_nacked_before_any_ack_is_replaced() {
         Err(PublishError::Refused(e)) => assert!(e.contains("nack"), "{e}"),
         other => panic!("expected a nack refused for now, got {other:?}"),
     }
-    eventually(Duration::from_secs(10), "a new channel", || async { sink.reconnects() >= 1 && sink.is_connected() })
-        .await;
+    eventually(WITHIN, "a new channel", || async {
+        saw((sink.reconnects(), sink.is_connected()), |&(reconnects, connected)| reconnects >= 1 && connected)
+    })
+    .await;
     sink.close().await;
 }

@@ -14,13 +14,14 @@ use actix_outbox::schema::outbox;
 use actix_outbox::sink::{ChannelSink, SinkAction};
 use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor};
 use diesel::prelude::*;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::actors::Captured;
-use actix_outbox_test_support::{ReplicatedPair, Replication, eventually};
+use actix_outbox_test_support::{PATIENCE, ReplicatedPair, Replication, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = PATIENCE;
 
 /// One database on one server of the pair, by URL.
 struct On(String);
@@ -168,7 +169,7 @@ async fn fail_over_mid_run(replication: Replication) -> (BTreeMap<i64, usize>, V
     let window = config.workers * config.in_flight_limit();
     let pool = actix_outbox::connect_pool(&pair.multi_host_url(&name), 8).await.unwrap();
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "a third done", || async { old.count_status("done").await >= 1000 }).await;
+    eventually(WITHIN, "a third done", || async { saw(old.count_status("done").await, |v| *v >= 1000) }).await;
 
     pair.fail_over().await;
     let health = dispatcher.send(GetHealth).await.unwrap();
@@ -176,17 +177,22 @@ async fn fail_over_mid_run(replication: Replication) -> (BTreeMap<i64, usize>, V
 
     // Rows whose finalize the old primary took with it are leased on the new one: once their
     // leases run out, the listener's wake-up for the rows below claims them again.
-    eventually(WITHIN, "the backlog drained on the new primary", || async { new.count_status("pending").await == 0 })
-        .await;
-    eventually(WITHIN, "the listener armed on the new primary", || async { new.armed_sessions().await == 1 }).await;
-    eventually(WITHIN, "no lease left from before", || async { new.live_leases().await == 0 }).await;
-    let after = new.seed(100, "after").await;
-    // The poll is an hour away: only the listener can wake a worker for these.
-    eventually(Duration::from_secs(10), "every row done on the new primary", || async {
-        new.count_status("done").await == 3100
+    eventually(WITHIN, "the backlog drained on the new primary", || async {
+        saw(new.count_status("pending").await, |v| *v == 0)
     })
     .await;
-    eventually(WITHIN, "the listener armed again", || async { new.armed_sessions().await == 1 }).await;
+    eventually(WITHIN, "the listener armed on the new primary", || async {
+        saw(new.armed_sessions().await, |v| *v == 1)
+    })
+    .await;
+    eventually(WITHIN, "no lease left from before", || async { saw(new.live_leases().await, |v| *v == 0) }).await;
+    let after = new.seed(100, "after").await;
+    // The poll is an hour away: only the listener can wake a worker for these.
+    eventually(WITHIN, "every row done on the new primary", || async {
+        saw(new.count_status("done").await, |v| *v == 3100)
+    })
+    .await;
+    eventually(WITHIN, "the listener armed again", || async { saw(new.armed_sessions().await, |v| *v == 1) }).await;
 
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     let health = dispatcher.send(GetHealth).await.unwrap();
@@ -321,11 +327,14 @@ async fn a_standby_alone_spends_no_attempt_and_is_reported_read_only_alone() {
         .backoff_cap(Duration::from_millis(5));
     let pool = actix_outbox::connect_pool(&pair.standby_url(&name), 8).await.unwrap();
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "not ready", || async { !dispatcher.send(GetHealth).await.unwrap().database_reachable }).await;
+    eventually(WITHIN, "not ready", || async {
+        saw(dispatcher.send(GetHealth).await.unwrap(), |h| !h.database_reachable)
+    })
+    .await;
     // Long enough for each worker's claim to try six times or so (backing off to 1 s apart):
     // a few seconds, in which a poll every 50 ms would have claimed some sixty times.
     eventually(WITHIN, "claims tried again and again", || async {
-        dispatcher.send(GetMetrics).await.unwrap().claim_errors >= 12
+        saw(dispatcher.send(GetMetrics).await.unwrap().claim_errors, |v| *v >= 12)
     })
     .await;
 
@@ -346,8 +355,10 @@ async fn a_standby_alone_spends_no_attempt_and_is_reported_read_only_alone() {
     assert!(read_only[0].contains(" WARN "), "{}", read_only[0]);
 
     pair.promote().await;
-    eventually(WITHIN, "every row done on the promoted standby", || async { standby.count_status("done").await == 50 })
-        .await;
+    eventually(WITHIN, "every row done on the promoted standby", || async {
+        saw(standby.count_status("done").await, |v| *v == 50)
+    })
+    .await;
     let health = dispatcher.send(GetHealth).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     assert!(health.is_ready(), "{health:?}");
@@ -359,6 +370,140 @@ async fn a_standby_alone_spends_no_attempt_and_is_reported_read_only_alone() {
     assert_eq!(attempts, BTreeSet::from([1]), "the read-only spell cost no attempt");
     let logs = captured.text();
     assert_eq!(lines(&logs, "database reachable again").len(), 1, "{logs}");
+}
+
+/// The advisory-lock key the test's session on the standby holds to keep the table sample
+/// waiting (see [`HOLD_SAMPLES_SQL`]).
+const SAMPLE_HOLD_KEY: i64 = 47_474_747;
+
+/// Makes the dispatcher's table sample wait for [`SAMPLE_HOLD_KEY`]: the sample's statement
+/// calls `pg_stat_get_live_tuples` on a `regclass`, and a function of that name taking a
+/// `regclass` exactly is chosen over the catalog's (which takes an `oid`). It waits for the key
+/// (in the sample's transaction, which a standby allows) and then answers as the catalog's does.
+const HOLD_SAMPLES_SQL: &str = "
+CREATE FUNCTION public.pg_stat_get_live_tuples(regclass) RETURNS bigint LANGUAGE sql AS $$
+    SELECT pg_advisory_xact_lock(47474747);
+    SELECT pg_catalog.pg_stat_get_live_tuples($1::oid)
+$$";
+
+impl On {
+    /// Sessions waiting for [`SAMPLE_HOLD_KEY`].
+    async fn waiting_for_the_hold(&self) -> i64 {
+        #[derive(diesel::QueryableByName)]
+        struct N {
+            #[diesel(sql_type = diesel::sql_types::BigInt)]
+            n: i64,
+        }
+        let n: N = diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+               AND (classid::int8 << 32 | objid::int8) = $1",
+        )
+        .bind::<diesel::sql_types::BigInt, _>(SAMPLE_HOLD_KEY)
+        .get_result(&mut self.conn().await)
+        .await
+        .unwrap();
+        n.n
+    }
+}
+
+/// `outbox_rows{status="pending"}` in a snapshot of `recorder`, when the dispatcher has set it
+/// since the last snapshot (a snapshot reads gauges back to 0).
+fn pending_gauge(recorder: &DebuggingRecorder) -> Option<f64> {
+    recorder.snapshotter().snapshot().into_vec().into_iter().find_map(|(key, _, _, value)| {
+        let key = key.key();
+        let pending =
+            key.name() == "outbox_rows" && key.labels().any(|l| l.key() == "status" && l.value() == "pending");
+        match value {
+            DebugValue::Gauge(v) if pending && v.into_inner() != 0.0 => Some(v.into_inner()),
+            _ => None,
+        }
+    })
+}
+
+/// A standby alone goes down once and comes up once, though reads answer in between. The
+/// dispatcher's first table sample starts before any claim has failed and is held on the
+/// standby (see [`HOLD_SAMPLES_SQL`]) while the claims are refused as read-only; then it
+/// answers. A read that answers proves the server up, not writable: the state stays read-only
+/// (one warning, no `database reachable again`, `GetHealth` read-only) until the promotion, after
+/// which it is reachable once. Before the fix the sample's answer logged `database reachable
+/// again`, reported the standby ready, and the next claim logged the read-only warning again.
+#[test]
+fn a_standby_alone_is_down_once_and_up_once_though_its_reads_answer() {
+    crate::alone::test_alone(
+        "failover::a_standby_alone_is_down_once_and_up_once_though_its_reads_answer",
+        a_standby_alone_is_down_once_and_up_once_though_its_reads_answer_alone,
+    );
+}
+
+async fn a_standby_alone_is_down_once_and_up_once_though_its_reads_answer_alone() {
+    let captured = Captured::install();
+    // The sampler reports on this thread (the supervisor's), so a thread-local recorder sees it.
+    let recorder = DebuggingRecorder::new();
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let mut pair = ReplicatedPair::start(Replication::Asynchronous).await;
+    let name = pair.create_database().await;
+    actix_outbox::migrate(&pair.primary_url(&name)).await.unwrap();
+    let primary = On(pair.primary_url(&name));
+    let standby = On(pair.standby_url(&name));
+    let ids = primary.seed(50, "flap").await;
+    primary.conn().await.batch_execute(HOLD_SAMPLES_SQL).await.unwrap();
+    pair.wait_caught_up().await;
+    let mut hold = standby.conn().await;
+    let lock = |sql: &'static str| diesel::sql_query(sql).bind::<diesel::sql_types::BigInt, _>(SAMPLE_HOLD_KEY);
+    lock("SELECT pg_advisory_lock($1)").execute(&mut hold).await.unwrap();
+
+    let (sink, mut rx) = ChannelSink::new();
+    let config = DispatcherConfig::default()
+        .workers(2)
+        .batch(20)
+        .poll_interval(Duration::from_millis(50))
+        .backoff_base(Duration::from_millis(1))
+        .backoff_cap(Duration::from_millis(5));
+    let pool = actix_outbox::connect_pool(&pair.standby_url(&name), 8).await.unwrap();
+    let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
+    let health = async || dispatcher.send(GetHealth).await.unwrap();
+    let claim_errors = async || dispatcher.send(GetMetrics).await.unwrap().claim_errors;
+    eventually(WITHIN, "the first table sample held on the standby", || async {
+        saw(standby.waiting_for_the_hold().await, |v| *v == 1)
+    })
+    .await;
+    eventually(WITHIN, "both workers' claims refused twice", || async { saw(claim_errors().await, |v| *v >= 4) }).await;
+    let down = health().await;
+    assert!(!down.database_reachable && down.database_read_only, "{down:?}");
+
+    lock("SELECT pg_advisory_unlock($1)").execute(&mut hold).await.unwrap();
+    let mut sampled = None;
+    eventually(WITHIN, "the held sample reported", || {
+        sampled = sampled.or_else(|| pending_gauge(&recorder));
+        std::future::ready(saw(sampled, |s| s.is_some()))
+    })
+    .await;
+    assert_eq!(sampled, Some(50.0), "the sample read the standby's 50 pending rows");
+    // Claims after the sample's answer: before the fix, the one that found the state reachable
+    // logged the read-only warning a second time.
+    let after = claim_errors().await;
+    eventually(WITHIN, "two more claims refused", || async { saw(claim_errors().await, |v| *v >= after + 2) }).await;
+    let still = health().await;
+    assert!(!still.database_reachable && still.database_read_only, "a read answered, the writes still fail: {still:?}");
+    let logs = captured.text();
+    assert_eq!(lines(&logs, "database is read-only").len(), 1, "down once:\n{logs}");
+    assert_eq!(lines(&logs, "database reachable again").len(), 0, "not up while read-only:\n{logs}");
+
+    pair.promote().await;
+    eventually(WITHIN, "every row done on the promoted standby", || async {
+        saw(standby.count_status("done").await, |v| *v == 50)
+    })
+    .await;
+    let up = health().await;
+    dispatcher.send(Shutdown).await.unwrap();
+    assert!(up.is_ready(), "{up:?}");
+    let mut seen = BTreeMap::new();
+    copies(&mut rx, &mut seen, &mut BTreeSet::new());
+    assert_eq!(seen.keys().copied().collect::<Vec<_>>(), ids, "every row delivered");
+    assert!(seen.values().all(|&n| n == 1), "each once: {seen:?}");
+    let logs = captured.text();
+    assert_eq!(lines(&logs, "database is read-only").len(), 1, "down once:\n{logs}");
+    assert_eq!(lines(&logs, "database reachable again").len(), 1, "up once:\n{logs}");
 }
 
 /// What asynchronous replication does not save, measured: the standby falls behind (its link
@@ -390,21 +535,28 @@ async fn a_failover_behind_a_lagging_standby_loses_the_lag_and_reuses_its_ids() 
         .backoff_cap(Duration::from_millis(5));
     let pool = actix_outbox::connect_pool(&pair.multi_host_url(&name), 8).await.unwrap();
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "a third done", || async { old.count_status("done").await >= 1000 }).await;
+    eventually(WITHIN, "a third done", || async { saw(old.count_status("done").await, |v| *v >= 1000) }).await;
 
     pair.hold_replication();
     // What the standby has (and the new primary will start from), once it has replayed all
     // it received.
-    eventually(WITHIN, "the standby replayed what it received", || async { new.replayed_all_received().await }).await;
+    eventually(WITHIN, "the standby replayed what it received", || async {
+        saw(new.replayed_all_received().await, |&done| done)
+    })
+    .await;
     let done_on_standby: BTreeSet<i64> =
         new.rows().await.iter().filter(|r| r.status == Status::Done).map(|r| r.id).collect();
     let lost = old.seed(100, "lost").await;
-    eventually(WITHIN, "everything done on the old primary", || async { old.count_status("done").await == 3100 }).await;
+    eventually(WITHIN, "everything done on the old primary", || async {
+        saw(old.count_status("done").await, |v| *v == 3100)
+    })
+    .await;
     pair.fail_over().await;
 
     let after = new.seed(100, "after").await;
     eventually(WITHIN, "every row done on the new primary", || async {
-        new.count_status("done").await == 3100 && new.count_status("processing").await == 0
+        let counts = (new.count_status("done").await, new.count_status("processing").await);
+        saw(counts, |&(done, processing)| done == 3100 && processing == 0)
     })
     .await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();

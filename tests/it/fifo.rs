@@ -20,9 +20,10 @@ use diesel::sql_types::{BigInt, Bool, Int8, Text};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{PATIENCE, Seen, TestBroker, TestDb, amqp_url, eventually, saw};
 
 const LEASE: Duration = Duration::from_secs(60);
+const WITHIN: Duration = PATIENCE;
 const MAX_ATTEMPTS: i32 = 12;
 
 fn params<'a>(owner: &'a str, fifo: &'a Fifo) -> ClaimParams<'a> {
@@ -80,20 +81,30 @@ async fn bury(conn: &mut AsyncPgConnection, claim: &Claim, error: &str) {
     assert_eq!(won, ids(claim));
 }
 
-/// Whether row `id`'s lease has run out by the database clock.
-async fn lease_expired(conn: &mut AsyncPgConnection, id: i64) -> bool {
-    #[derive(QueryableByName)]
-    struct Expired {
+/// Whether row `id`'s lease has run out by the database clock, seen with the lease and the
+/// clock.
+async fn lease_expired(conn: &mut AsyncPgConnection, id: i64) -> Seen {
+    #[derive(QueryableByName, Debug)]
+    #[allow(dead_code)] // Read through `Debug`, in the message of a wait that runs out.
+    struct Lease {
+        #[diesel(sql_type = BigInt)]
+        id: i64,
+        #[diesel(sql_type = Text)]
+        lease_until: String,
+        #[diesel(sql_type = Text)]
+        now: String,
         #[diesel(sql_type = Bool)]
         expired: bool,
     }
-    let row: Expired =
-        diesel::sql_query("SELECT coalesce(lease_until < now(), false) AS expired FROM outbox WHERE id = $1")
-            .bind::<BigInt, _>(id)
-            .get_result(conn)
-            .await
-            .expect("lease");
-    row.expired
+    let lease: Lease = diesel::sql_query(
+        "SELECT id, coalesce(lease_until::text, 'none') AS lease_until, now()::text AS now,
+                coalesce(lease_until < now(), false) AS expired FROM outbox WHERE id = $1",
+    )
+    .bind::<BigInt, _>(id)
+    .get_result(conn)
+    .await
+    .expect("lease");
+    saw(lease, |l| l.expired)
 }
 
 fn blocked_summary(blocked: &[BlockedAggregate]) -> Vec<(String, i64, i64)> {
@@ -218,7 +229,7 @@ async fn thirty_rows_of_one_aggregate_through_four_workers_finalize_in_id_order(
 
     let received = receive(&mut rx, seeded.len()).await;
     assert_eq!(received.iter().map(|m| m.id).collect::<Vec<_>>(), seeded, "publish order is id order");
-    eventually(Duration::from_secs(10), "all 30 rows done", || async { db.count_status("done").await == 30 }).await;
+    eventually(WITHIN, "all 30 rows done", || async { saw(db.count_status("done").await, |v| *v == 30) }).await;
     dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
     assert!(rx.try_recv().is_err(), "no message was published twice");
 
@@ -343,7 +354,7 @@ async fn a_crashed_workers_head_is_reclaimed_and_its_tail_waits_until_the_head_i
     assert_eq!(stale.lease_version, 1);
     assert!(claim(&mut conn, "rescuer", &fifo).await.messages.is_empty(), "nothing while the lease runs");
 
-    eventually(Duration::from_secs(10), "the crashed worker's lease to expire", || async {
+    eventually(WITHIN, "the crashed worker's lease to expire", || async {
         lease_expired(&mut db.conn().await, x[0]).await
     })
     .await;
@@ -374,10 +385,9 @@ async fn expired_leases_are_reclaimed_one_head_at_a_time() {
     let unordered = ClaimParams { lease: Duration::from_millis(200), ..params("no-gate", &Fifo::Off) };
     assert_eq!(ids(&actix_outbox::testing::claim(&mut conn, &unordered).await.unwrap()), x);
 
-    eventually(Duration::from_secs(10), "both leases to expire", || async {
-        lease_expired(&mut db.conn().await, x[1]).await && lease_expired(&mut db.conn().await, x[0]).await
-    })
-    .await;
+    for id in [x[1], x[0]] {
+        eventually(WITHIN, "both leases to expire", || async { lease_expired(&mut db.conn().await, id).await }).await;
+    }
     let reclaimed = claim(&mut conn, "gated", &Fifo::All).await;
     assert_eq!(ids(&reclaimed), vec![x[0]], "the tail's expired lease waits for the head");
     assert_eq!(reclaimed.messages[0].lease_version, 2);
@@ -397,10 +407,7 @@ async fn the_reaper_works_under_the_gate_and_a_reaped_head_keeps_blocking() {
     let crashed = actix_outbox::testing::claim(&mut conn, &last_chance).await.unwrap();
     assert_eq!(ids(&crashed), vec![x[0]]);
 
-    eventually(Duration::from_secs(10), "the lease to expire", || async {
-        lease_expired(&mut db.conn().await, x[0]).await
-    })
-    .await;
+    eventually(WITHIN, "the lease to expire", || async { lease_expired(&mut db.conn().await, x[0]).await }).await;
     assert_eq!(sweep(&mut conn, 1).await.reaped, vec![crashed.messages[0].fence()]);
     assert_eq!(db.row(x[0]).await.status, Status::Dead);
     assert!(claim(&mut conn, "w", &fifo).await.messages.is_empty(), "a reaped head blocks like any dead row");
@@ -504,10 +511,8 @@ async fn many_aggregates_through_two_dispatchers_reach_the_sink_in_id_order_per_
         seen.entry(m.aggregate_id.clone()).or_default().push(m.id);
     }
     assert_eq!(seen, expected, "per aggregate, the sink received every row once, in id order");
-    eventually(Duration::from_secs(10), "all rows done", || async {
-        db.count_status("done").await == seeded.len() as i64
-    })
-    .await;
+    eventually(WITHIN, "all rows done", || async { saw(db.count_status("done").await, |v| *v == seeded.len() as i64) })
+        .await;
     let (m1, m2) = (
         one.send(actix_outbox::dispatcher::GetMetrics).await.unwrap(),
         two.send(actix_outbox::dispatcher::GetMetrics).await.unwrap(),
@@ -535,8 +540,8 @@ async fn enqueue_ordered_serialises_the_writers_of_one_aggregate() {
         AnsiTransactionManager::commit_transaction(&mut second).await.unwrap();
         id
     });
-    eventually(Duration::from_secs(10), "the second writer to wait for the aggregate's lock", || async {
-        advisory_lock_waits(&mut db.conn().await, second_pid).await == 1
+    eventually(WITHIN, "the second writer to wait for the aggregate's lock", || async {
+        saw(advisory_lock_waits(&mut db.conn().await, second_pid).await, |v| *v == 1)
     })
     .await;
     assert!(!writer.is_finished(), "the second writer must not insert while the first is open");
@@ -693,8 +698,8 @@ async fn a_dispatcher_builds_the_gate_index_only_with_the_gate_on() {
             received.sort_unstable();
         }
         assert_eq!(received, seeded, "under the gate in id order");
-        eventually(Duration::from_secs(10), "both rows done", || async {
-            db.count_status("done").await == 2 * (round as i64 + 1)
+        eventually(WITHIN, "both rows done", || async {
+            saw(db.count_status("done").await, |v| *v == 2 * (round as i64 + 1))
         })
         .await;
         dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
@@ -802,8 +807,8 @@ async fn rabbitmq_consumer_sees_each_aggregates_messages_in_id_order() {
         sink_two.clone(),
     )
     .unwrap();
-    eventually(Duration::from_secs(60), "all 1000 rows done", || async {
-        db.count_status("done").await == seeded.len() as i64
+    eventually(WITHIN, "all 1000 rows done", || async {
+        saw(db.count_status("done").await, |v| *v == seeded.len() as i64)
     })
     .await;
     let (m1, m2) = (
@@ -926,7 +931,7 @@ async fn under_delete_retention_each_aggregate_still_publishes_in_id_order() {
     let (dispatcher, mut rx) = gated_with_earlier_rows_slower(&db, &ids, "fifo-delete", delete);
 
     let received = receive(&mut rx, ids.len()).await;
-    eventually(Duration::from_secs(10), "every row deleted", || async { db.rows().await.is_empty() }).await;
+    eventually(WITHIN, "every row deleted", || async { saw(db.rows().await.len(), |left| *left == 0) }).await;
     dispatcher.send(actix_outbox::dispatcher::Shutdown).await.unwrap();
     assert!(rx.try_recv().is_err(), "no message was published twice");
     for aggregate in ["A", "B"] {

@@ -15,9 +15,9 @@ use diesel_async::SimpleAsyncConnection;
 use metrics_util::MetricKind;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
-use actix_outbox_test_support::{TestDb, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(30);
+const WITHIN: Duration = PATIENCE;
 
 /// One snapshot of the recorder, by `name{label=value,...}` (labels sorted). Taking it resets
 /// the recorder's values, so a test takes one, at the end.
@@ -66,6 +66,36 @@ impl Seen {
         seen
     }
 
+    /// Adds a later snapshot to this one. A snapshot resets what it read: counters add up;
+    /// a gauge takes the later value unless that is 0, which may only mean "not set since"
+    /// (the value set last before the later snapshot, that is, when it changes only away from
+    /// 0 or stays at it once there); histograms gather every observation.
+    fn merge(&mut self, later: Seen) {
+        for (name, n) in later.counters {
+            *self.counters.entry(name).or_default() += n;
+        }
+        for (name, v) in later.gauges {
+            if v != 0.0 || !self.gauges.contains_key(&name) {
+                self.gauges.insert(name, v);
+            }
+        }
+        for (name, vs) in later.histograms {
+            self.histograms.entry(name).or_default().extend(vs);
+        }
+        self.undescribed.extend(later.undescribed);
+    }
+
+    /// Snapshots of `recorder`, merged, until `done` holds of them (up to [`WITHIN`]).
+    async fn until(recorder: &DebuggingRecorder, what: &str, done: impl Fn(&Seen) -> bool) -> Seen {
+        let mut seen = Seen::take(recorder);
+        eventually(WITHIN, what, || {
+            seen.merge(Seen::take(recorder));
+            std::future::ready(saw(&seen.gauges, |_| done(&seen)))
+        })
+        .await;
+        seen
+    }
+
     fn counter(&self, name: &str) -> u64 {
         self.counters.get(name).copied().unwrap_or(0)
     }
@@ -93,7 +123,10 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
     let (sink, _rx) = ChannelSink::new();
     let config = DispatcherConfig::default().workers(1).listen_for_inserts(false);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "the dispatcher answers", || async { dispatcher.send(GetMetrics).await.is_ok() }).await;
+    eventually(WITHIN, "the dispatcher answers", || async {
+        saw(dispatcher.send(GetMetrics).await.map(|_| ()), |answer| answer.is_ok())
+    })
+    .await;
     let seen = Seen::take(&recorder);
     dispatcher.send(Shutdown).await.unwrap();
 
@@ -173,13 +206,33 @@ async fn counters_gauges_and_histograms_match_the_table() {
         .table_metrics_interval(Some(Duration::from_millis(50)));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "every row final", || async {
-        db.count_status("done").await + db.count_status("dead").await == ROWS as i64
+        saw(db.count_status("done").await + db.count_status("dead").await, |v| *v == ROWS as i64)
     })
     .await;
-    // Room for the last publishes to report and for a table sample and a sink check after them.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    let health = dispatcher.send(GetHealth).await.unwrap();
+    // The last publishes reported (the in-flight gauges move with these counters), then a
+    // table sample that saw every row final.
+    eventually(WITHIN, "nothing in flight", || async {
+        saw(dispatcher.send(GetMetrics).await.unwrap(), |m| m.in_flight == 0 && m.done + m.dead == ROWS as u64)
+    })
+    .await;
     let seen = Seen::take(&recorder);
+    // A recorder of its own from now on for the table's gauges: one sample sets them all at
+    // once, so the first snapshot that holds them holds one sample, taken after every row was
+    // final (a snapshot resets what it read, and a gauge not set since reads 0).
+    let later = DebuggingRecorder::new();
+    let _later = metrics::set_default_local_recorder(&later);
+    let mut sampled = None;
+    eventually(WITHIN, "a table sample of every row final", || {
+        let snapshot = Seen::take(&later);
+        let rows = |status: &str| snapshot.gauges.get(&format!("outbox_rows{{status={status}}}")).copied();
+        if rows("done").unwrap_or(0.0) + rows("dead").unwrap_or(0.0) == ROWS as f64 {
+            sampled = Some(snapshot);
+        }
+        std::future::ready(saw(sampled.is_some(), |&found| found))
+    })
+    .await;
+    let sampled = sampled.unwrap();
+    let health = dispatcher.send(GetHealth).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     let snapshot = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!(seen.undescribed, HashSet::new(), "every series has its help text");
@@ -233,13 +286,14 @@ async fn counters_gauges_and_histograms_match_the_table() {
     assert_eq!(seen.gauge("outbox_in_flight_limit"), 20.0);
     assert_eq!(seen.gauge("outbox_sink_up"), 1.0);
     assert_eq!(seen.gauge("outbox_claiming_paused"), 0.0);
-    assert_eq!(seen.gauge("outbox_rows{status=done}"), done as f64);
-    assert_eq!(seen.gauge("outbox_rows{status=dead}"), dead as f64);
-    assert_eq!(seen.gauge("outbox_rows{status=pending}"), 0.0);
-    assert_eq!(seen.gauge("outbox_rows{status=processing}"), 0.0);
-    assert_eq!(seen.gauge("outbox_oldest_unfinished_age_seconds"), 0.0);
-    assert_eq!(seen.gauge("outbox_expired_leases"), 0.0);
-    assert!(!seen.gauges.contains_key("outbox_blocked_aggregates"), "sampled under FIFO only");
+    assert_eq!(sampled.gauge("outbox_rows{status=done}"), done as f64);
+    assert_eq!(sampled.gauge("outbox_rows{status=dead}"), dead as f64);
+    assert_eq!(sampled.gauge("outbox_rows{status=pending}"), 0.0);
+    assert_eq!(sampled.gauge("outbox_rows{status=processing}"), 0.0);
+    assert_eq!(sampled.gauge("outbox_oldest_unfinished_age_seconds"), 0.0);
+    assert_eq!(sampled.gauge("outbox_expired_leases"), 0.0);
+    let mut gauge_names = sampled.gauges.keys().chain(seen.gauges.keys());
+    assert!(!gauge_names.any(|k| k == "outbox_blocked_aggregates"), "sampled under FIFO only");
     for name in seen.counters.keys().chain(seen.gauges.keys()).chain(seen.histograms.keys()) {
         assert!(!name.contains("owner") && !name.contains("worker"), "no process-specific label: {name}");
     }
@@ -286,9 +340,15 @@ async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
         .sink_probe_interval(Duration::from_secs(3600))
         .table_metrics_interval(Some(Duration::from_millis(50)));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The first sample builds the FIFO gate's index first: as long as the host needs.
+    let seen = Seen::until(&recorder, "a table sample and the sink's state reported", |seen| {
+        let gauge = |name: &str| seen.gauges.get(name).copied();
+        gauge("outbox_rows{status=pending}").is_some()
+            && gauge("outbox_blocked_aggregates").is_some()
+            && gauge("outbox_claiming_paused") == Some(1.0)
+    })
+    .await;
     let health = dispatcher.send(GetHealth).await.unwrap();
-    let seen = Seen::take(&recorder);
     dispatcher.send(Shutdown).await.unwrap();
 
     assert_eq!(db.count_status("processing").await, 1, "nothing was claimed: {:?}", db.rows().await);
@@ -314,8 +374,10 @@ async fn the_table_sample_reports_ages_expired_leases_and_blocked_aggregates() {
     let (sink, _rx) = ChannelSink::new();
     let config = DispatcherConfig::default().workers(1).listen_for_inserts(false).table_metrics_interval(None);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let seen = Seen::take(&recorder);
+    // A sample would come first thing; the sink's state after the supervisor's first check.
+    let seen =
+        Seen::until(&recorder, "the sink's state reported", |seen| seen.gauges.get("outbox_sink_up") == Some(&1.0))
+            .await;
     dispatcher.send(Shutdown).await.unwrap();
     assert!(
         seen.gauges.keys().all(|k| !k.starts_with("outbox_rows") && !k.contains("expired") && !k.contains("scheduled")),

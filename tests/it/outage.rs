@@ -16,9 +16,9 @@ use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor, PublishErr
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::proxy::Proxy;
-use actix_outbox_test_support::{TestDb, database_addr, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, database_addr, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(30);
+const WITHIN: Duration = PATIENCE;
 
 fn config() -> DispatcherConfig {
     DispatcherConfig::default()
@@ -75,7 +75,7 @@ async fn an_unavailable_sink_spends_no_attempt_however_long_it_is_away() {
     );
 
     down.store(false, Ordering::Relaxed);
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 300 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 300) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = BTreeMap::new();
     copies(&mut rx, &mut seen);
@@ -119,7 +119,7 @@ async fn a_sink_that_says_it_is_down_is_not_called_until_it_is_up() {
     assert_eq!(db.count_status("pending").await, 100, "nothing is claimed while the sink is down");
 
     down.store(false, Ordering::Relaxed);
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 100 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 100) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = BTreeMap::new();
     copies(&mut rx, &mut seen);
@@ -174,7 +174,7 @@ async fn a_blocked_sink_holds_its_publishes_past_the_timeout_and_the_lease() {
     assert_eq!((metrics.retried, metrics.lost_leases, metrics.dead), (0, 0, 0), "{metrics:?}");
 
     blocked.store(false, Ordering::Relaxed);
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 200 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 200) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(calls.load(Ordering::Relaxed), 200, "each row published once: nothing timed out and went again");
     let rows = db.rows().await;
@@ -185,7 +185,7 @@ async fn a_blocked_sink_holds_its_publishes_past_the_timeout_and_the_lease() {
 
 /// PostgreSQL is cut (through a proxy) for ten seconds while rows are being published: the
 /// finalizer keeps its fences and retries, so the published rows end done soon after the
-/// database's return, long before their 60 s lease would expire, and nothing is published
+/// database's return, long before their hour-long lease would expire, and nothing is published
 /// twice. Claims back off meanwhile instead of failing at the poll rate. A claim cut after it
 /// committed leased rows whose answer never came: they are handed back by the worker's next
 /// claim (version 2) and claimed again (version 3), not left to their lease.
@@ -197,19 +197,19 @@ async fn a_database_outage_costs_no_lease_and_publishes_nothing_twice() {
     let (sink, mut rx) = ChannelSink::new();
     let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(300)));
     let ids = db.seed(600, "cut").await;
-    let config = config().workers(2).batch(50).lease(Duration::from_secs(60));
+    let config = config().workers(2).batch(50).lease(Duration::from_secs(3600));
     let dispatcher = OutboxSupervisor::start(config, pool, sink).unwrap();
-    eventually(WITHIN, "rows in flight", || async { db.count_status("processing").await >= 100 }).await;
+    eventually(WITHIN, "rows in flight", || async { saw(db.count_status("processing").await, |v| *v >= 100) }).await;
 
     proxy.refuse(true);
     proxy.sever();
     tokio::time::sleep(Duration::from_secs(10)).await;
     proxy.refuse(false);
 
-    // Well within the 60 s lease: nothing waits for its expiry (about a second on a quiet
-    // machine; the bound leaves room for a loaded one).
-    eventually(Duration::from_secs(20), "every row done long before the lease would expire", || async {
-        db.count_status("done").await == 600
+    // Well within the hour's lease: nothing waits for its expiry (about a second on a quiet
+    // machine).
+    eventually(WITHIN, "every row done long before the lease would expire", || async {
+        saw(db.count_status("done").await, |v| *v == 600)
     })
     .await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
@@ -245,7 +245,7 @@ async fn a_heartbeat_never_follows_its_rows_outcome() {
         config().workers(2).batch(50).lease(Duration::from_millis(300)).publish_timeout(Duration::from_millis(250));
     db.seed(400, "beat").await;
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 400 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 400) }).await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     let mut seen = BTreeMap::new();
@@ -264,7 +264,7 @@ async fn a_finalizer_that_dies_while_draining_is_replaced_and_nothing_stays_proc
     let sink = sink.with_script(|_| SinkAction::Stall(Duration::from_millis(500)));
     db.seed(40, "drain").await;
     let dispatcher = OutboxSupervisor::start(config().workers(2).batch(20), db.pool.clone(), sink).unwrap();
-    eventually(WITHIN, "40 rows in flight", || async { db.count_status("processing").await == 40 }).await;
+    eventually(WITHIN, "40 rows in flight", || async { saw(db.count_status("processing").await, |v| *v == 40) }).await;
     let shutdown = dispatcher.send(Shutdown);
     dispatcher.send(CrashFinalizer).await.unwrap();
     tokio::time::timeout(WITHIN, shutdown).await.expect("shutdown answered").unwrap();

@@ -16,9 +16,9 @@ use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use actix_outbox_test_support::{PgBouncer, TestDb, database_addr, eventually};
+use actix_outbox_test_support::{PATIENCE, PgBouncer, TestDb, database_addr, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(30);
+const WITHIN: Duration = PATIENCE;
 
 /// The advisory-lock key the armed insert listener of `public.outbox` holds (the migration's
 /// trigger spells the same expression), as SQL.
@@ -73,7 +73,7 @@ async fn a_dispatcher_behind_a_transaction_pooler_delivers_every_row_once() {
     let before = enqueue(&mut conn, 300, "before").await;
 
     let (sink, mut rx) = ChannelSink::new();
-    let config = DispatcherConfig::default().workers(3).batch(50).poll_interval(Duration::from_secs(60));
+    let config = DispatcherConfig::default().workers(3).batch(50).poll_interval(Duration::from_secs(3600));
     let dispatcher = OutboxSupervisor::start(config, pooled(&bouncer, &db, true).await, sink).unwrap();
     let mut during = Vec::new();
     for round in 0..10 {
@@ -81,16 +81,18 @@ async fn a_dispatcher_behind_a_transaction_pooler_delivers_every_row_once() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let all = before.len() + during.len();
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == all as i64 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == all as i64) }).await;
     let through_bouncer = bouncer.transactions(&db.name).await;
 
-    // Drained, with a 60 s poll: only the listener, on its direct session, can wake a worker.
+    // Drained, with an hour's poll: only the listener, on its direct session, can wake a worker.
     assert!(dispatcher.send(GetHealth).await.unwrap().is_ready());
-    eventually(WITHIN, "the listener armed on its session", || async { advisory_locks(&db, Some(ARMED)).await == 1 })
-        .await;
+    eventually(WITHIN, "the listener armed on its session", || async {
+        saw(advisory_locks(&db, Some(ARMED)).await, |v| *v == 1)
+    })
+    .await;
     let after = enqueue(&mut conn, 5, "after").await;
-    eventually(Duration::from_secs(10), "rows after the drain done without a poll", || async {
-        db.count_status("done").await == (all + after.len()) as i64
+    eventually(WITHIN, "rows after the drain done without a poll", || async {
+        saw(db.count_status("done").await, |v| *v == (all + after.len()) as i64)
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -128,7 +130,7 @@ async fn without_a_direct_url_the_dispatcher_polls_through_the_pooler() {
     for round in 0..30 {
         ids.extend(enqueue(&mut conn, 10, &format!("polled-{round}")).await);
     }
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 300 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 300) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(delivered(&mut rx).keys().copied().collect::<Vec<_>>(), ids);
     // Drained and idle: no listener armed itself (its session lock would outlive transactions).
@@ -257,13 +259,16 @@ async fn the_fifo_index_is_built_on_the_direct_session_or_asked_for() {
     let (sink, _rx) = ChannelSink::new();
     let config = DispatcherConfig::default().fifo(actix_outbox::Fifo::All).poll_interval(Duration::from_millis(50));
     let without = OutboxSupervisor::start(config.clone(), pooled(&bouncer, &db, false).await, sink).unwrap();
-    eventually(WITHIN, "claims failing", || async { without.send(GetMetrics).await.unwrap().claim_errors >= 2 }).await;
+    eventually(WITHIN, "claims failing", || async {
+        saw(without.send(GetMetrics).await.unwrap().claim_errors, |v| *v >= 2)
+    })
+    .await;
     without.send(Shutdown).await.unwrap();
     assert_eq!(db.count_status("pending").await, 10, "nothing claimed without the gate's index");
 
     let (sink, mut rx) = ChannelSink::new();
     let with = OutboxSupervisor::start(config, pooled(&bouncer, &db, true).await, sink).unwrap();
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 10 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 10) }).await;
     with.send(Shutdown).await.unwrap();
     assert_eq!(delivered(&mut rx).keys().copied().collect::<Vec<_>>(), ids);
 }

@@ -26,9 +26,9 @@ use lapin::message::Delivery;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::AMQPValue;
 
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{PATIENCE, TestBroker, TestDb, amqp_url, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(60);
+const WITHIN: Duration = PATIENCE;
 /// Events each producer writes: ids 1..=EVENTS in both databases.
 const EVENTS: i64 = 12;
 
@@ -120,7 +120,7 @@ async fn relay(db: &TestDb, exchange: &str) {
     let config = DispatcherConfig::default().poll_interval(Duration::from_millis(50));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     eventually(WITHIN, "every row of the producer done", || async {
-        db.count_status(Status::Done.as_str()).await == EVENTS
+        saw(db.count_status(Status::Done.as_str()).await, |v| *v == EVENTS)
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -153,12 +153,12 @@ async fn two_producers_into_one_consumer(ordered: bool) {
 
     relay(&first, &broker.exchange).await;
     eventually(WITHIN, "the first producer's events applied", || async {
-        metrics(&consumer).await.handled == EVENTS as u64
+        saw(metrics(&consumer).await.handled, |v| *v == EVENTS as u64)
     })
     .await;
     relay(&second, &broker.exchange).await;
     eventually(WITHIN, "the second producer's events applied", || async {
-        metrics(&consumer).await.handled == 2 * EVENTS as u64
+        saw(metrics(&consumer).await.handled, |v| *v == 2 * EVENTS as u64)
     })
     .await;
     // A true redelivery of each: the same source, the same id.
@@ -166,7 +166,8 @@ async fn two_producers_into_one_consumer(ordered: bool) {
     republish(&second, 4).await;
     relay(&first, &broker.exchange).await;
     relay(&second, &broker.exchange).await;
-    eventually(WITHIN, "both redeliveries received", || async { metrics(&consumer).await.received == 26 }).await;
+    eventually(WITHIN, "both redeliveries received", || async { saw(metrics(&consumer).await.received, |v| *v == 26) })
+        .await;
     consumer.send(inbox::Shutdown).await.unwrap();
 
     let m = metrics(&consumer).await;
@@ -237,8 +238,7 @@ async fn poison_is_dead_lettered_with_its_reason_and_the_good_messages_behind_it
         let consumer = InboxSupervisor::start(config, db.pool.clone(), Apply).unwrap();
         let (handled, dead) = if raw_bodies { (4, 2) } else { (2, 4) };
         eventually(WITHIN, "every message handled or dead-lettered", || async {
-            let m = metrics(&consumer).await;
-            m.handled == handled && m.dead_lettered == dead
+            saw(metrics(&consumer).await, |m| m.handled == handled && m.dead_lettered == dead)
         })
         .await;
         consumer.send(inbox::Shutdown).await.unwrap();

@@ -18,9 +18,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Connection, ConnectionProperties};
 
 use crate::proxy::Proxy;
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually, unique};
+use actix_outbox_test_support::{PATIENCE, TestBroker, TestDb, amqp_addr, amqp_url, eventually, saw, unique};
 
-const WITHIN: Duration = Duration::from_secs(30);
+const WITHIN: Duration = PATIENCE;
 
 fn sink_config(url: String, exchange: &str) -> RabbitConfig {
     RabbitConfig::new(url).exchange(exchange).reconnect_backoff(Duration::from_millis(50), Duration::from_millis(500))
@@ -80,7 +80,8 @@ async fn messages_land_in_the_queue_the_sink_binds_and_their_rows_are_done() {
     .unwrap();
 
     eventually(WITHIN, "3 done and 1 dead", || async {
-        db.count_status("done").await == 3 && db.count_status("dead").await == 1
+        let counts = (db.count_status("done").await, db.count_status("dead").await);
+        saw(counts, |&(done, dead)| done == 3 && dead == 1)
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -156,11 +157,11 @@ async fn a_queue_deleted_while_the_link_is_down_is_declared_again_on_reconnectin
 
     proxy.refuse(true);
     proxy.sever();
-    eventually(WITHIN, "the sink sees the link down", || async { !sink.is_connected() }).await;
+    eventually(WITHIN, "the sink sees the link down", || async { saw(sink.state(), |_| !sink.is_connected()) }).await;
     broker.channel.queue_delete(queue.as_str().into(), QueueDeleteOptions::default()).await.unwrap();
     declare(&queue, None, true).await.expect_err("the queue is gone");
     proxy.refuse(false);
-    eventually(WITHIN, "the sink reconnects", || async { sink.is_connected() }).await;
+    eventually(WITHIN, "the sink reconnects", || async { saw(sink.state(), |_| sink.is_connected()) }).await;
     assert!(sink.reconnects() >= 1);
 
     let payload = serde_json::value::to_raw_value(&7).unwrap();

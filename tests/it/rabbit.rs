@@ -16,9 +16,9 @@ use lapin::message::Delivery;
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 
 use crate::proxy::Proxy;
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
+use actix_outbox_test_support::{PATIENCE, TestBroker, TestDb, amqp_addr, amqp_url, eventually, saw};
 
-const WITHIN: Duration = Duration::from_secs(30);
+const WITHIN: Duration = PATIENCE;
 
 fn dispatcher_config() -> DispatcherConfig {
     DispatcherConfig::default()
@@ -69,7 +69,7 @@ async fn message_carries_every_property_and_header() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -142,7 +142,7 @@ async fn five_hundred_rows_through_four_workers() {
     let dispatcher =
         OutboxSupervisor::start(dispatcher_config().workers(4).batch(25), db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "500 rows done", || async { db.count_status("done").await == 500 }).await;
+    eventually(WITHIN, "500 rows done", || async { saw(db.count_status("done").await, |v| *v == 500) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(broker.depth(&queue).await, 500, "every confirmed message is on the queue, once");
     let delivered = broker.take(&queue, 500).await;
@@ -178,7 +178,8 @@ async fn unroutable_message_dies_after_one_attempt_while_bound_keys_flow() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     eventually(WITHIN, "20 done and 1 dead", || async {
-        db.count_status("done").await == 20 && db.count_status("dead").await == 1
+        let counts = (db.count_status("done").await, db.count_status("dead").await);
+        saw(counts, |&(done, dead)| done == 20 && dead == 1)
     })
     .await;
     dispatcher.send(Shutdown).await.unwrap();
@@ -223,7 +224,8 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
     proxy.refuse(true);
     proxy.sever();
     eventually(WITHIN, "every in-flight publish was handed back, its attempt refunded", || async {
-        dispatcher.send(GetMetrics).await.unwrap().released >= 200 && !sink.is_connected()
+        let seen = (dispatcher.send(GetMetrics).await.unwrap().released, sink.is_connected());
+        saw(seen, |&(released, connected)| released >= 200 && !connected)
     })
     .await;
     assert_eq!(db.count_status("done").await, 0);
@@ -238,7 +240,7 @@ async fn connection_cut_mid_run_loses_nothing_and_duplicates_keep_their_id() {
 
     proxy.resume();
     proxy.refuse(false);
-    eventually(WITHIN, "all 300 rows done", || async { db.count_status("done").await == 300 }).await;
+    eventually(WITHIN, "all 300 rows done", || async { saw(db.count_status("done").await, |v| *v == 300) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert!(sink.reconnects() >= 1, "the sink reconnected by itself");
     assert_eq!(db.count_status("dead").await, 0);
@@ -288,18 +290,23 @@ async fn stalled_broker_times_out_and_reschedules_the_row() {
     proxy.stall();
     let id = db.seed(1, "stall").await[0];
     eventually(WITHIN, "row rescheduled after a publish timeout", || async {
-        let row = db.row(id).await;
-        row.status == Status::Pending
-            && row.attempts >= 1
-            && row.last_error.as_deref().is_some_and(|e| e.contains("publish timed out after 300ms"))
+        saw(db.row(id).await, |row| {
+            row.status == Status::Pending
+                && row.attempts >= 1
+                && row.last_error.as_deref().is_some_and(|e| e.contains("publish timed out after 300ms"))
+        })
     })
     .await;
-    eventually(WITHIN, "row claimed again, not stuck", || async { db.row(id).await.attempts >= 3 }).await;
+    eventually(WITHIN, "row claimed again, not stuck", || async { saw(db.row(id).await, |row| row.attempts >= 3) })
+        .await;
     assert_eq!(db.count_status("done").await, 0);
     assert!(sink.is_connected(), "a silent broker is not a lost connection");
 
     proxy.resume();
-    eventually(WITHIN, "row done once the broker answers", || async { db.row(id).await.status == Status::Done }).await;
+    eventually(WITHIN, "row done once the broker answers", || async {
+        saw(db.row(id).await, |row| row.status == Status::Done)
+    })
+    .await;
     dispatcher.send(Shutdown).await.unwrap();
     let row = db.row(id).await;
     let copies = broker.depth(&queue).await as usize;
@@ -386,7 +393,7 @@ async fn missing_exchange_is_retryable_until_it_exists() {
     broker.declare(ExchangeKind::Topic).await;
     let queue = broker.queue(&["#"], FieldTable::default()).await;
     eventually(WITHIN, "publishing works once the exchange exists", || async {
-        sink.publish(message(2, "order.created")).await.is_ok()
+        saw(sink.publish(message(2, "order.created")).await, |published| published.is_ok())
     })
     .await;
     assert!(sink.reconnects() >= 1, "the sink reopened its channel");
@@ -472,8 +479,8 @@ async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
     let first = seed_with_confirms_held(&db, &broker, &queue, &proxy, 200, "held").await;
     proxy.amqp_block();
     eventually(WITHIN, "the sink says the broker blocked it, and the dispatcher paused", || async {
-        matches!(sink.state(), actix_outbox::sink::SinkState::Blocked(_))
-            && dispatcher.send(GetMetrics).await.unwrap().sink_outages == 1
+        let seen = (sink.state(), dispatcher.send(GetMetrics).await.unwrap().sink_outages);
+        saw(seen, |(state, outages)| matches!(state, actix_outbox::sink::SinkState::Blocked(_)) && *outages == 1)
     })
     .await;
     let later = db.seed(100, "later").await;
@@ -486,7 +493,7 @@ async fn a_blocked_broker_is_waited_for_not_timed_out_and_republished() {
 
     proxy.amqp_unblock();
     proxy.resume();
-    eventually(WITHIN, "all 300 rows done", || async { db.count_status("done").await == 300 }).await;
+    eventually(WITHIN, "all 300 rows done", || async { saw(db.count_status("done").await, |v| *v == 300) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let rows = db.rows().await;
     assert!(rows.iter().all(|r| r.attempts == 1 && r.lease_version == 1), "no row retried or reclaimed");
@@ -516,7 +523,7 @@ async fn a_silent_broker_is_ridden_out_with_no_attempt_spent() {
     let window = 2 * config.in_flight_limit();
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     let ids = db.seed(2000, "silent").await;
-    eventually(WITHIN, "rows flowing", || async { db.count_status("done").await >= 100 }).await;
+    eventually(WITHIN, "rows flowing", || async { saw(db.count_status("done").await, |v| *v >= 100) }).await;
 
     proxy.stall();
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -524,7 +531,7 @@ async fn a_silent_broker_is_ridden_out_with_no_attempt_spent() {
     assert_eq!((metrics.retried, metrics.dead), (0, 0), "{metrics:?}");
     proxy.resume();
 
-    eventually(WITHIN, "all 2000 rows done", || async { db.count_status("done").await == 2000 }).await;
+    eventually(WITHIN, "all 2000 rows done", || async { saw(db.count_status("done").await, |v| *v == 2000) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     let rows = db.rows().await;
     let attempts: BTreeSet<i32> = rows.iter().map(|r| r.attempts).collect();
@@ -565,7 +572,7 @@ async fn producer_headers_arrive_and_ours_win_a_clash() {
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -607,7 +614,7 @@ async fn rows_inserted_with_plain_sql_publish_with_lenient_headers() {
 
     let mut delivered = broker.take(&queue, 3).await;
     delivered.sort_by_key(message_id);
-    eventually(WITHIN, "3 rows done", || async { db.count_status("done").await == 3 }).await;
+    eventually(WITHIN, "3 rows done", || async { saw(db.count_status("done").await, |v| *v == 3) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -651,7 +658,7 @@ async fn without_outbox_headers_only_the_producers_headers_travel() {
 
     let mut delivered = broker.take(&queue, 2).await;
     delivered.sort_by_key(message_id);
-    eventually(WITHIN, "2 rows done", || async { db.count_status("done").await == 2 }).await;
+    eventually(WITHIN, "2 rows done", || async { saw(db.count_status("done").await, |v| *v == 2) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -682,7 +689,7 @@ async fn the_deduplication_header_is_opt_in_and_names_the_source() {
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
 
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "row done", || async { db.row(id).await.status == Status::Done }).await;
+    eventually(WITHIN, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     let health = dispatcher.send(actix_outbox::dispatcher::GetHealth).await.unwrap();
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
@@ -708,9 +715,9 @@ async fn a_header_name_over_255_bytes_fails_the_message_permanently() {
     let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await, |row| row.status == Status::Dead) }).await;
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "good row done", || async { db.row(good).await.status == Status::Done }).await;
+    eventually(WITHIN, "good row done", || async { saw(db.row(good).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 
@@ -742,9 +749,9 @@ async fn headers_too_large_for_a_frame_fail_the_message_permanently() {
     let sink = RabbitSink::connect(sink_config(amqp_url(), &broker.exchange)).await.unwrap();
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
 
-    eventually(WITHIN, "bad row dead", || async { db.row(bad).await.status == Status::Dead }).await;
+    eventually(WITHIN, "bad row dead", || async { saw(db.row(bad).await, |row| row.status == Status::Dead) }).await;
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(WITHIN, "good row done", || async { db.row(good).await.status == Status::Done }).await;
+    eventually(WITHIN, "good row done", || async { saw(db.row(good).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     assert_eq!(sink.reconnects(), 0, "the link was never cut");
     sink.close().await;
@@ -776,10 +783,16 @@ async fn a_cluster_sink_moves_to_the_next_node() {
     let sink = RabbitSink::connect(config).await.expect("the second node answers");
     let dispatcher = OutboxSupervisor::start(dispatcher_config(), db.pool.clone(), sink.clone()).unwrap();
     db.seed(50, "first").await;
-    eventually(WITHIN, "50 rows done through the second node", || async { db.count_status("done").await == 50 }).await;
+    eventually(WITHIN, "50 rows done through the second node", || async {
+        saw(db.count_status("done").await, |v| *v == 50)
+    })
+    .await;
     up.sever();
     db.seed(50, "second").await;
-    eventually(WITHIN, "100 rows done after reconnecting", || async { db.count_status("done").await == 100 }).await;
+    eventually(WITHIN, "100 rows done after reconnecting", || async {
+        saw(db.count_status("done").await, |v| *v == 100)
+    })
+    .await;
     dispatcher.send(Shutdown).await.unwrap();
     assert!(sink.reconnects() >= 1);
     assert!(broker.depth(&queue).await >= 100);
@@ -799,7 +812,8 @@ async fn seed_with_confirms_held(
     proxy.stall_downstream();
     let ids = db.seed(n, tag).await;
     eventually(WITHIN, &format!("the broker holds all {n} while their confirms are held back"), || async {
-        broker.depth(queue).await as usize == n && db.count_status("processing").await as usize == n
+        let seen = (broker.depth(queue).await as usize, db.count_status("processing").await as usize);
+        saw(seen, |&(queued, processing)| queued == n && processing == n)
     })
     .await;
     ids

@@ -11,7 +11,7 @@ use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, PublishError};
 use diesel::prelude::*;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 
-use actix_outbox_test_support::{TestDb, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, eventually, saw};
 
 const LONG: Duration = Duration::from_secs(30);
 
@@ -76,7 +76,7 @@ fn fast_backoff(max_attempts: i32) -> DispatcherConfig {
 
 /// Waits until the database clock has passed every lease in the table.
 async fn until_leases_expired(db: &TestDb) {
-    eventually(Duration::from_secs(5), "leases expired", || async {
+    eventually(PATIENCE, "leases expired", || async {
         let mut conn = db.conn().await;
         #[derive(QueryableByName)]
         struct Live {
@@ -88,7 +88,7 @@ async fn until_leases_expired(db: &TestDb) {
                 .get_result(&mut conn)
                 .await
                 .unwrap();
-        live.n == 0
+        saw(live.n, |n| *n == 0)
     })
     .await;
 }

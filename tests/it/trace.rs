@@ -19,7 +19,7 @@ use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{PATIENCE, TestBroker, TestDb, amqp_url, eventually, saw};
 
 /// The process's tracing: a global subscriber with an OpenTelemetry layer (the dispatcher's
 /// spans live on its own arbiters' threads), exporting to memory.
@@ -70,7 +70,7 @@ async fn trace_context_flows_from_producer_to_consumer_and_parents_publish() {
     let config = DispatcherConfig::default().poll_interval(Duration::from_millis(50));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink.clone()).unwrap();
     let delivered = broker.take(&queue, 1).await.pop().unwrap();
-    eventually(Duration::from_secs(30), "row done", || async { db.row(id).await.status == Status::Done }).await;
+    eventually(PATIENCE, "row done", || async { saw(db.row(id).await, |row| row.status == Status::Done) }).await;
     dispatcher.send(Shutdown).await.unwrap();
     sink.close().await;
 

@@ -10,7 +10,7 @@ use diesel_async::RunQueryDsl;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_url, eventually};
+use actix_outbox_test_support::{PATIENCE, TestBroker, TestDb, amqp_url, eventually, saw};
 
 #[path = "../../examples/actix_web.rs"]
 mod app;
@@ -105,7 +105,7 @@ async fn orders_over_http_reach_a_real_queue() {
     let orders: Count =
         diesel::sql_query("SELECT count(*) AS n FROM orders").get_result(&mut db.conn().await).await.unwrap();
     assert_eq!(orders.n, 20, "bad bodies wrote no order");
-    eventually(Duration::from_secs(30), "20 outbox rows done", || async { db.count_status("done").await == 20 }).await;
+    eventually(PATIENCE, "20 outbox rows done", || async { saw(db.count_status("done").await, |v| *v == 20) }).await;
     assert_eq!(db.rows().await.len(), 20, "bad bodies wrote no event");
 
     let delivered = broker.take(&queue, 20).await;
@@ -166,7 +166,7 @@ async fn the_first_order_reaches_the_demo_queue_instead_of_going_dead() {
 
     let (status, body) = http(addr, "POST", "/orders", Some(r#"{"customer": "ada", "total_cents": 1200}"#)).await;
     assert_eq!(status, 201, "{body}");
-    eventually(Duration::from_secs(30), "the event's row done", || async { db.count_status("done").await == 1 }).await;
+    eventually(PATIENCE, "the event's row done", || async { saw(db.count_status("done").await, |v| *v == 1) }).await;
     assert_eq!(db.count_status("dead").await, 0);
     let delivered = broker.take(&demo, 1).await;
     assert_eq!(delivered[0].routing_key.as_str(), "order.created");

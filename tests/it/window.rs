@@ -10,7 +10,7 @@ use actix_outbox::dispatcher::{GetMetrics, Shutdown};
 use actix_outbox::sink::{ChannelSink, publisher_fn};
 use actix_outbox::{DispatcherConfig, OutboxMessage, OutboxSupervisor};
 
-use actix_outbox_test_support::{TestDb, eventually};
+use actix_outbox_test_support::{PATIENCE, TestDb, eventually, saw};
 
 /// Publishes under way at once, and the most seen.
 #[derive(Default)]
@@ -62,8 +62,8 @@ async fn drain(
         .as_ref()
         .map(|other| OutboxSupervisor::start(config(), other.pool.clone(), ChannelSink::new().0).unwrap());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
-    eventually(Duration::from_secs(60), &format!("{rows} rows done"), || async {
-        db.count_status("done").await == rows as i64
+    eventually(PATIENCE, &format!("{rows} rows done"), || async {
+        saw(db.count_status("done").await, |v| *v == rows as i64)
     })
     .await;
     let metrics = dispatcher.send(GetMetrics).await.unwrap();

@@ -10,7 +10,7 @@ use actix_outbox_test_support::TestDb;
 use diesel_async::SimpleAsyncConnection;
 
 pub(crate) const BIN: &str = env!("CARGO_BIN_EXE_actix-outbox");
-pub(crate) const WITHIN: Duration = Duration::from_secs(60);
+pub(crate) const WITHIN: Duration = actix_outbox_test_support::PATIENCE;
 
 /// What one finished command printed and returned.
 #[derive(Debug)]
@@ -73,6 +73,16 @@ pub(crate) async fn make_dead(db: &TestDb, ids: &[i64]) {
     }
 }
 
+/// What [`Dispatcher::lines_with`] found.
+#[derive(Debug)]
+pub(crate) struct Logged {
+    /// The lines that hold the needle.
+    pub(crate) lines: Vec<String>,
+    /// The log's last five lines, whatever they hold.
+    #[allow(dead_code)] // Read through `Debug`, in the message of a wait that runs out.
+    pub(crate) tail: Vec<String>,
+}
+
 /// A running `actix-outbox run`, its stderr collected line by line.
 pub(crate) struct Dispatcher {
     pub(crate) child: Option<Child>,
@@ -107,6 +117,16 @@ impl Dispatcher {
 
     pub(crate) fn logged(&self, needle: &str) -> usize {
         self.stderr.lock().unwrap().iter().filter(|l| l.contains(needle)).count()
+    }
+
+    /// The lines that hold `needle`, and the log's last lines: what a wait on the log reports
+    /// when it runs out.
+    pub(crate) fn lines_with(&self, needle: &str) -> Logged {
+        let log = self.stderr.lock().unwrap();
+        Logged {
+            lines: log.iter().filter(|l| l.contains(needle)).cloned().collect(),
+            tail: log.iter().rev().take(5).rev().cloned().collect(),
+        }
     }
 
     pub(crate) fn is_running(&mut self) -> bool {

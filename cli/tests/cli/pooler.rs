@@ -11,7 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use actix_outbox::admin::{SKIPPED_PREFIX, Status};
-use actix_outbox_test_support::{PgBouncer, ScratchDb, TestBroker, TestDb, amqp_url, database_addr, eventually};
+use actix_outbox_test_support::{PgBouncer, ScratchDb, TestBroker, TestDb, amqp_url, database_addr, eventually, saw};
 use diesel::sql_types::{BigInt, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use serde_json::{Value, json};
@@ -304,8 +304,10 @@ async fn stop_and_check(mut run: Dispatcher, b: &Behind, broker: &TestBroker, qu
     assert_eq!(status.code(), Some(0), "log:\n{}", log.join("\n"));
     assert_eq!(b.db.count_status("done").await, ids.len() as i64);
     assert_eq!(b.db.count_status("dead").await, 0);
-    eventually(WITHIN, "the broker counts every message", || async { broker.depth(queue).await as usize >= ids.len() })
-        .await;
+    eventually(WITHIN, "the broker counts every message", || async {
+        saw(broker.depth(queue).await as usize, |v| *v >= ids.len())
+    })
+    .await;
     assert_eq!(broker.depth(queue).await as usize, ids.len(), "one message per row");
     let got: BTreeSet<i64> = broker
         .take(queue, ids.len())
@@ -329,14 +331,17 @@ async fn run_through_a_transaction_pooler_with_a_direct_url_relays_every_row_and
     let mut broker = TestBroker::new("cli-pooler").await;
     let queue = actix_outbox_test_support::unique("cli-pooler-q");
     broker.remove_queue_at_end(queue.clone());
-    let mut flags = run_flags(&broker.exchange, &format!("{queue}:#"), &amqp_url(), "60s");
+    let mut flags = run_flags(&broker.exchange, &format!("{queue}:#"), &amqp_url(), "1h");
     flags.extend(["--direct-url".to_owned(), b.db.url.clone()]);
     let run = Dispatcher::start(&b.url, &flags.iter().map(String::as_str).collect::<Vec<_>>());
-    eventually(WITHIN, "the rows there at start done", || async { b.db.count_status("done").await == 200 }).await;
+    eventually(WITHIN, "the rows there at start done", || async {
+        saw(b.db.count_status("done").await, |v| *v == 200)
+    })
+    .await;
 
     let later = enqueue_through(&b.url, 5, "later").await;
-    eventually(Duration::from_secs(10), "rows enqueued later done without a poll", || async {
-        b.db.count_status("done").await == 205
+    eventually(WITHIN, "rows enqueued later done without a poll", || async {
+        saw(b.db.count_status("done").await, |v| *v == 205)
     })
     .await;
     ids.extend(later);
@@ -357,7 +362,7 @@ async fn run_through_a_transaction_pooler_without_a_direct_url_polls_and_relays_
     let flags = run_flags(&broker.exchange, &format!("{queue}:#"), &amqp_url(), "100ms");
     let run = Dispatcher::start(&b.url, &flags.iter().map(String::as_str).collect::<Vec<_>>());
     ids.extend(enqueue_through(&b.url, 5, "during").await);
-    eventually(WITHIN, "every row done", || async { b.db.count_status("done").await == 205 }).await;
+    eventually(WITHIN, "every row done", || async { saw(b.db.count_status("done").await, |v| *v == 205) }).await;
     assert_eq!(
         run.logged(
             "behind a transaction pooler with no direct URL, the insert listener is off: workers find new rows by \

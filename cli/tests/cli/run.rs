@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use actix_outbox::admin::{OutboxRow, Status};
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually, saw};
 use serde_json::{Value, json};
 
 use crate::common::*;
@@ -37,7 +37,10 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
 
     let mut first =
         Dispatcher::start(&db.url, &[&flags[..], &[amqp.as_str(), "--no-declare", "--owner", "first"]].concat());
-    eventually(WITHIN, "the first run publishes some rows", || async { db.count_status("done").await >= 200 }).await;
+    eventually(WITHIN, "the first run publishes some rows", || async {
+        saw(db.count_status("done").await, |v| *v >= 200)
+    })
+    .await;
     first.signal("TERM");
     let status = first.exit(Duration::from_secs(20)).await;
     assert_eq!(status.code(), Some(0), "log:\n{}", first.log().join("\n"));
@@ -63,8 +66,10 @@ async fn sigterm_in_the_middle_of_a_run_leaves_nothing_processing_and_a_rerun_fi
 
     // The rerun declares the (existing) exchange itself and finishes everything.
     let mut second = Dispatcher::start(&db.url, &[&flags[..], &[amqp.as_str(), "--owner", "second"]].concat());
-    eventually(WITHIN, "the rerun publishes every row", || async { db.count_status("done").await == ROWS as i64 })
-        .await;
+    eventually(WITHIN, "the rerun publishes every row", || async {
+        saw(db.count_status("done").await, |v| *v == ROWS as i64)
+    })
+    .await;
     second.signal("INT");
     assert_eq!(second.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", second.log().join("\n"));
 
@@ -84,7 +89,7 @@ async fn run_retries_an_unreachable_broker_with_backoff_and_stops_cleanly() {
     let before = db.rows().await;
     let mut run = Dispatcher::start(&db.url, &["--amqp-url", "amqp://guest:s3cret@127.0.0.1:1/%2f"]);
     eventually(WITHIN, "two failed attempts to reach the broker are logged", || async {
-        run.logged("RabbitMQ unreachable; retrying") >= 2
+        saw(run.lines_with("RabbitMQ unreachable; retrying"), |l| l.lines.len() >= 2)
     })
     .await;
     assert!(run.is_running(), "an unreachable broker is waited for, not a crash");
@@ -106,7 +111,7 @@ async fn run_masks_the_amqp_password_in_every_form_while_it_waits_for_the_broker
     ] {
         let mut run = Dispatcher::start(&db.url, &["--amqp-url", amqp]);
         eventually(WITHIN, "a failed attempt to reach the broker is logged", || async {
-            run.logged("RabbitMQ unreachable; retrying") >= 1
+            saw(run.lines_with("RabbitMQ unreachable; retrying"), |l| !l.lines.is_empty())
         })
         .await;
         run.signal("TERM");
@@ -146,20 +151,27 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
             "30s",
         ],
     );
-    eventually(WITHIN, "the first rows published", || async { db.count_status("done").await == 100 }).await;
+    eventually(WITHIN, "the first rows published", || async { saw(db.count_status("done").await, |v| *v == 100) })
+        .await;
 
     // Confirms stop coming back, then the broker blocks the connection (as under a memory
     // alarm): the publishes in flight wait for it, however long, so a graceful drain waits too.
     proxy.stall_downstream();
     db.seed(1_000, "agg").await;
     eventually(WITHIN, "a full window (2 x batch) of rows stuck waiting for confirms", || async {
-        db.count_status("processing").await >= 100
+        saw(db.count_status("processing").await, |v| *v >= 100)
     })
     .await;
     proxy.amqp_block();
-    eventually(WITHIN, "the dispatcher sees the block", || async { run.logged("claiming paused") >= 1 }).await;
+    eventually(WITHIN, "the dispatcher sees the block", || async {
+        saw(run.lines_with("claiming paused"), |l| !l.lines.is_empty())
+    })
+    .await;
     run.signal("TERM");
-    eventually(WITHIN, "the drain starts", || async { run.logged("stopping: claiming stopped") == 1 }).await;
+    eventually(WITHIN, "the drain starts", || async {
+        saw(run.lines_with("stopping: claiming stopped"), |l| l.lines.len() == 1)
+    })
+    .await;
     assert!(run.is_running(), "draining waits for the stuck publishes");
 
     run.signal("TERM");
@@ -260,10 +272,10 @@ async fn run_log_format_json_writes_one_json_object_a_line() {
             "300ms",
         ],
     );
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 3) }).await;
     // A summary after the table sample (every 5 s) saw the backlog gone.
     eventually(WITHIN, "a summary with no backlog", || async {
-        run.log().iter().any(|l| l.contains("outbox summary") && l.contains(r#""backlog":0"#))
+        saw(run.lines_with("outbox summary"), |l| l.lines.iter().any(|l| l.contains(r#""backlog":0"#)))
     })
     .await;
     run.signal("TERM");
@@ -339,7 +351,7 @@ async fn run_with_retention_delete_publishes_every_row_and_leaves_the_table_empt
         &db.url,
         &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare", "--retention", "delete"],
     );
-    eventually(WITHIN, "every row deleted", || async { db.rows().await.is_empty() }).await;
+    eventually(WITHIN, "every row deleted", || async { saw(db.rows().await.len(), |v| *v == 0) }).await;
     run.signal("TERM");
     assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
 
@@ -389,7 +401,7 @@ async fn run_with_bind_queue_declares_the_queue_and_every_message_lands_in_it() 
         &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--bind-queue", binding.as_str()],
     );
     // Done, not dead: each message was routed to the queue, which the run had declared.
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 3) }).await;
     let delivered = broker.take(&queue, 3).await;
     run.signal("TERM");
     assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
@@ -414,7 +426,7 @@ async fn run_with_max_rate_paces_the_drain() {
         &db.url,
         &["--exchange", broker.exchange.as_str(), "--amqp-url", amqp.as_str(), "--no-declare", "--max-rate", "100"],
     );
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == ROWS as i64) }).await;
     run.signal("TERM");
     assert_eq!(run.exit(Duration::from_secs(20)).await.code(), Some(0), "log:\n{}", run.log().join("\n"));
     assert_eq!(run.logged("max_rate=100/s"), 1, "log:\n{}", run.log().join("\n"));

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually};
+use actix_outbox_test_support::{TestBroker, TestDb, amqp_addr, amqp_url, eventually, saw};
 
 use crate::common::*;
 
@@ -19,14 +19,16 @@ async fn http_get(addr: &str, path: &str) -> (u16, String) {
     (status, body.to_owned())
 }
 
-/// Polls `check` until it returns something, failing the test after [`WITHIN`].
-async fn until<T>(what: &str, mut check: impl AsyncFnMut() -> Option<T>) -> T {
+/// Polls `check` until it finds something (`Ok`), failing the test after [`WITHIN`] with what
+/// it last saw instead (`Err`).
+async fn until<T, S: std::fmt::Debug>(what: &str, mut check: impl AsyncFnMut() -> Result<T, S>) -> T {
     let deadline = Instant::now() + WITHIN;
     loop {
-        if let Some(found) = check().await {
-            return found;
-        }
-        assert!(Instant::now() < deadline, "timed out after {WITHIN:?} waiting for: {what}");
+        let seen = match check().await {
+            Ok(found) => return found,
+            Err(seen) => seen,
+        };
+        assert!(Instant::now() < deadline, "timed out after {WITHIN:?} waiting for: {what}; last seen: {seen:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -40,13 +42,13 @@ fn sample(page: &str, series: &str) -> Option<f64> {
 async fn served_addr(run: &Dispatcher) -> String {
     let mut addr = None;
     eventually(WITHIN, "the probe address is logged", || {
-        addr = run
-            .log()
-            .iter()
-            .find(|l| l.contains("serving /metrics"))
+        let logged = run.lines_with("serving /metrics");
+        addr = logged
+            .lines
+            .first()
             .and_then(|l| l.split("addr=").nth(1))
             .map(|rest| rest.split_whitespace().next().unwrap().to_owned());
-        std::future::ready(addr.is_some())
+        std::future::ready(saw(logged, |_| addr.is_some()))
     })
     .await;
     addr.unwrap()
@@ -77,12 +79,13 @@ async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_
     );
     let addr = served_addr(&run).await;
     assert_eq!(http_get(&addr, "/health/live").await, (200, "ok".to_owned()));
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == ROWS as i64 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == ROWS as i64) }).await;
 
     // The table gauges are sampled every 5 s: wait for a sample taken after the last row.
     let page = until("the sampled gauge says every row is done", async || {
         let page = http_get(&addr, "/metrics").await.1;
-        (sample(&page, "outbox_rows{status=\"done\"}") == Some(ROWS as f64)).then_some(page)
+        let done = sample(&page, "outbox_rows{status=\"done\"}");
+        (done == Some(ROWS as f64)).then_some(page).ok_or(done)
     })
     .await;
     let done = db.count_status("done").await as f64;
@@ -106,7 +109,7 @@ async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_
     proxy.sever();
     let reason = until("readiness says 503 while the broker is unreachable", async || {
         let (status, body) = http_get(&addr, "/health/ready").await;
-        (status == 503).then_some(body)
+        (status == 503).then_some(body).ok_or(status)
     })
     .await;
     assert!(reason.starts_with("the sink is down"), "{reason}");
@@ -115,7 +118,7 @@ async fn run_serves_metrics_that_match_the_table_and_readiness_that_follows_the_
     proxy.refuse(false);
     eventually(WITHIN, "ready again once the broker is back", || {
         let addr = addr.clone();
-        async move { http_get(&addr, "/health/ready").await.0 == 200 }
+        async move { saw(http_get(&addr, "/health/ready").await, |(status, _)| *status == 200) }
     })
     .await;
 
@@ -164,18 +167,18 @@ async fn run_serves_the_console_with_the_dispatchers_health_behind_the_token() {
     );
     let mut addr = None;
     eventually(WITHIN, "the console's address is logged", || {
-        addr = run
-            .log()
-            .iter()
-            .find(|l| l.contains("serving the web console; changes need the operator token"))
+        let logged = run.lines_with("serving the web console; changes need the operator token");
+        addr = logged
+            .lines
+            .first()
             .and_then(|l| l.split("addr=").nth(1))
             .map(|rest| rest.split_whitespace().next().unwrap().to_owned());
-        std::future::ready(addr.is_some())
+        std::future::ready(saw(logged, |_| addr.is_some()))
     })
     .await;
     let addr = addr.unwrap();
     assert!(addr.starts_with("127.0.0.1:"), "a port alone listens on the loopback interface: {addr}");
-    eventually(WITHIN, "every row done", || async { db.count_status("done").await == 3 }).await;
+    eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 3) }).await;
 
     let (status, page) = http_get(&addr, "/").await;
     assert_eq!(status, 200);
@@ -256,8 +259,8 @@ async fn run_relays_the_outboxes_of_several_schemas_each_under_its_own_name() {
     );
     let page = until("both outboxes' counters", async || {
         let page = http_get(&addr, "/metrics").await.1;
-        (sample(&page, r#"outbox_finalized_total{outcome="done",outbox="tenant_b.outbox"}"#) == Some(2.0))
-            .then_some(page)
+        let done = sample(&page, r#"outbox_finalized_total{outcome="done",outbox="tenant_b.outbox"}"#);
+        (done == Some(2.0)).then_some(page).ok_or(done)
     })
     .await;
     assert_eq!(sample(&page, r#"outbox_published_total{outbox="tenant_a.outbox"}"#), Some(3.0), "{page}");
@@ -311,7 +314,8 @@ async fn run_relays_the_outboxes_of_several_databases_and_its_console_picks_betw
     let page = until("both outboxes' counters", async || {
         let page = http_get(&addr, "/metrics").await.1;
         let done = |name: &str| sample(&page, &format!(r#"outbox_finalized_total{{outcome="done",outbox="{name}"}}"#));
-        (done(&name_one) == Some(2.0) && done(&name_two) == Some(1.0)).then_some(page)
+        let seen = (done(&name_one), done(&name_two));
+        (seen == (Some(2.0), Some(1.0))).then_some(page).ok_or(seen)
     })
     .await;
     assert_eq!(sample(&page, "outbox_published_total"), None, "no unlabelled series: {page}");
@@ -321,7 +325,8 @@ async fn run_relays_the_outboxes_of_several_databases_and_its_console_picks_betw
     until("each outbox's window at one worker's", async || {
         let page = http_get(&addr, "/metrics").await.1;
         let window = |name: &str| sample(&page, &format!(r#"outbox_in_flight_limit{{outbox="{name}"}}"#));
-        (window(&name_one) == Some(400.0) && window(&name_two) == Some(400.0)).then_some(())
+        let seen = (window(&name_one), window(&name_two));
+        (seen == (Some(400.0), Some(400.0))).then_some(()).ok_or(seen)
     })
     .await;
 
