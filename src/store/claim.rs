@@ -113,6 +113,11 @@ pub(crate) const CLAIM_PLANNING: &str =
 /// that left the state it looks for, however long vacuum is held off. See `cursor.rs` for how
 /// new rows are found in commit order.
 ///
+/// It runs in a transaction of its own that sets `plan_cache_mode = force_generic_plan`,
+/// `enable_seqscan = off` and `jit = off` for it: on a pooled connection the statement is planned
+/// once, for any values, every part an ordered index scan whatever the statistics (planning it
+/// cost more than running it).
+///
 /// With [`ClaimParams::fifo`] on, every candidate must also have no earlier unfinished row of
 /// its aggregate (a `NOT EXISTS` probe of `outbox_fifo_gate` per candidate; see [`Fifo`] for
 /// the rule). The gate reads committed rows only, and `done` is final, so a row that passes it
@@ -270,8 +275,8 @@ pub async fn explain_claim(
     Ok(lines?.into_iter().map(|l| l.line).collect())
 }
 
-/// The plan the claim under `fifo` runs with (see [`CLAIM_PLANNING`]), one line per row of
-/// `EXPLAIN` output. Nothing runs: the statement is prepared under a name of its own, explained
+/// The plan the claim under `fifo` runs with (planned once per connection for any values, through
+/// indexes only: see [`claim`]), one line per row of `EXPLAIN` output. Nothing runs: the statement is prepared under a name of its own, explained
 /// and deallocated, in a transaction that is rolled back.
 pub async fn claim_plan(conn: &mut AsyncPgConnection, fifo: &Fifo) -> Result<Vec<String>, StoreError> {
     #[derive(QueryableByName)]
