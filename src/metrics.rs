@@ -14,6 +14,7 @@
 //! | name | type | labels | meaning |
 //! | --- | --- | --- | --- |
 //! | `outbox_claimed_total` | counter | | rows leased by claims (a probe's row included) |
+//! | `outbox_claims_total` | counter | | claim statements that ran, empty ones included (rows per claim: claimed ÷ claims) |
 //! | `outbox_published_total` | counter | | publishes the sink acknowledged |
 //! | `outbox_finalized_total` | counter | `outcome`: `done`, `retried`, `deferred`, `released`, `dead` | rows whose fenced outcome was written: `done`; back to pending after a retryable failure (`retried`), a deferral (`deferred`) or an outage, attempt refunded (`released`); `dead` (retries exhausted, permanent failure, deferred too long) |
 //! | `outbox_reaped_total` | counter | | rows the sweep's reaper sent dead (lease expired with no attempt left) |
@@ -120,6 +121,9 @@ macro_rules! counters {
 counters! {
     /// Rows leased by claims.
     claimed: counter("outbox_claimed_total", &[]),
+    /// Claim statements that ran (those that found nothing included): `claimed / claims` is the
+    /// rows a claim takes, which the insert listener's lingering raises while rows trickle in.
+    claims: counter("outbox_claims_total", &[]),
     /// Publishes the sink acknowledged.
     published: counter("outbox_published_total", &[]),
     /// Rows finalized `done`.
@@ -280,6 +284,7 @@ impl Metrics {
 /// `# HELP` lines of a Prometheus exporter); the table above says the same with the labels.
 const HELP: &[(&str, MetricKind, &str)] = &[
     ("outbox_claimed_total", MetricKind::Counter, "Rows leased by claims (a probe's row included)."),
+    ("outbox_claims_total", MetricKind::Counter, "Claim statements that ran, empty ones included."),
     ("outbox_published_total", MetricKind::Counter, "Publishes the sink acknowledged."),
     (
         "outbox_finalized_total",
@@ -291,7 +296,7 @@ const HELP: &[(&str, MetricKind, &str)] = &[
     (
         "outbox_leases_expired_total",
         MetricKind::Counter,
-        "Rows whose lease expired (a worker died or stalled), set by the sweep for a claim to take over.",
+        "Rows whose lease expired (their holder died or stalled), set by the sweep for a claim to take over.",
     ),
     (
         "outbox_strays_total",

@@ -333,6 +333,7 @@ impl ClaimActor {
                         act.shared.wakeups.claimed(n, batch, act.shared.config.batch);
                     }
                     Metrics::add(&metrics.claimed, n);
+                    Metrics::add(&metrics.claims, 1);
                     Metrics::add(&metrics.in_flight, n);
                     if n > 0 {
                         debug!(worker = %act.owner, claimed = n, first_id = claim.messages[0].id,

@@ -236,7 +236,11 @@ async fn drop_failed_index_builds(database_url: &str) -> Result<(), StoreError> 
     ConnectionString::parse(database_url)?.require_database()?;
     // A database that cannot be reached is the migrations' to report, in their words.
     let Ok(mut conn) = connect(database_url).await else { return Ok(()) };
-    let invalid: Vec<Invalid> = diesel::sql_query(sql::INVALID_MIGRATION_INDEXES_SQL).load(&mut conn).await?;
+    // In a transaction of its own: a transaction pooler keeps the statement it prepares on one
+    // server connection only that long.
+    let invalid: Vec<Invalid> =
+        pool::in_transaction(&mut conn, async |c| diesel::sql_query(sql::INVALID_MIGRATION_INDEXES_SQL).load(c).await)
+            .await?;
     for index in invalid {
         // One of the names in the statement above, never input.
         conn.batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {}", index.name)).await?;

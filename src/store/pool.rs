@@ -85,6 +85,12 @@ const SUSPECT_FOR: Duration = Duration::from_secs(15);
 /// query timeout): a connection of a silent link costs its caller this, not the whole timeout.
 const SUSPECT_PING: Duration = Duration::from_secs(1);
 
+/// How long a transaction of the store's may wait for its client's next statement before the
+/// server ends it (see [`in_transaction`]). The store sends a transaction's statements one after
+/// the other, so the wait is a round trip: one of seconds means the link is gone. Behind a
+/// transaction pooler every unit is bounded by the pool's query timeout instead.
+const IDLE_IN_TRANSACTION: Duration = Duration::from_secs(5);
+
 /// What stands between this process and PostgreSQL; see the [`PoolConfig`] docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -620,6 +626,13 @@ where
 /// Runs `f` on `conn` in a transaction of its own (committed when `f` succeeds, rolled back
 /// when it fails), or as part of the one `conn` is in. The store's operator functions run this
 /// way whatever the pooler, so that they work on any connection.
+///
+/// A transaction of its own is bounded as [`in_transaction_idle`] with [`IDLE_IN_TRANSACTION`]:
+/// the claim's transaction holds the rows it leases locked until it commits, the sweep's holds
+/// the horizon's row, and a link that froze after the server ran a statement (nothing closed,
+/// so the server never learns the client left) would otherwise keep those locks, and the rows
+/// from every other claim, for as long as the server's keepalives take to notice (two hours by
+/// default).
 pub(crate) async fn in_transaction<T, E>(
     conn: &mut AsyncPgConnection,
     f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
@@ -627,7 +640,7 @@ pub(crate) async fn in_transaction<T, E>(
 where
     E: From<diesel::result::Error>,
 {
-    transaction(conn, None, f).await
+    transaction(conn, IDLE_IN_TRANSACTION, f).await
 }
 
 /// [`in_transaction`], the transaction ended by the server (its session terminated, its locks
@@ -641,12 +654,12 @@ pub(crate) async fn in_transaction_idle<T, E>(
 where
     E: From<diesel::result::Error>,
 {
-    transaction(conn, Some(idle), f).await
+    transaction(conn, idle, f).await
 }
 
 async fn transaction<T, E>(
     conn: &mut AsyncPgConnection,
-    idle: Option<Duration>,
+    idle: Duration,
     f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
 ) -> Result<T, E>
 where
@@ -656,14 +669,9 @@ where
     if !matches!(depth, Ok(None)) {
         return f(conn).await;
     }
-    match idle {
-        // One round trip, as a plain BEGIN.
-        Some(idle) => {
-            let begin = format!("{}{}", super::sql::BEGIN_IDLE_BOUNDED, idle.as_millis().max(1));
-            AnsiTransactionManager::begin_transaction_sql(conn, &begin).await?;
-        }
-        None => AnsiTransactionManager::begin_transaction(conn).await?,
-    }
+    // One round trip, as a plain BEGIN.
+    let begin = format!("{}{}", super::sql::BEGIN_IDLE_BOUNDED, idle.as_millis().max(1));
+    AnsiTransactionManager::begin_transaction_sql(conn, &begin).await?;
     match f(conn).await {
         Ok(value) => {
             AnsiTransactionManager::commit_transaction(conn).await?;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use actix_outbox::dispatcher::Shutdown;
+use actix_outbox::dispatcher::{GetMetrics, Shutdown};
 use actix_outbox::sink::{ChannelSink, SinkAction};
 use actix_outbox::{DispatcherConfig, NewEvent, OutboxMessage, OutboxSupervisor, PoolConfig};
 use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
@@ -67,28 +67,6 @@ async fn leader_name(db: &TestDb) -> Option<String> {
     names.into_iter().next().map(|n| n.name)
 }
 
-/// Sessions named `name` whose last statement, finished, was a claim (`FOR UPDATE SKIP
-/// LOCKED`): the worker's start-up claim is over.
-async fn claimed_once(db: &TestDb, name: &str) -> i64 {
-    #[derive(diesel::QueryableByName)]
-    struct N {
-        #[diesel(sql_type = diesel::sql_types::BigInt)]
-        n: i64,
-    }
-    let n: N = diesel_async::RunQueryDsl::get_result(
-        diesel::sql_query(
-            "SELECT count(*) AS n FROM pg_stat_activity
-             WHERE datname = current_database() AND application_name = $1 AND state = 'idle'
-               AND query LIKE '%SKIP LOCKED%'",
-        )
-        .bind::<diesel::sql_types::Text, _>(name),
-        &mut db.conn().await,
-    )
-    .await
-    .unwrap();
-    n.n
-}
-
 /// Moves what each dispatcher's sink received into `got` (by dispatcher).
 fn receive(receivers: &mut [UnboundedReceiver<Arc<OutboxMessage>>], got: &mut [Vec<i64>]) {
     for (rx, got) in receivers.iter_mut().zip(got.iter_mut()) {
@@ -142,10 +120,9 @@ async fn one_leader_claims_alone_until_a_backlog_makes_it_call_the_followers() {
     let leader: usize = leader_name.strip_prefix("fleet-").unwrap().parse().unwrap();
     // A worker that started late would find the first row by its start-up claim, woken by no
     // one: the rows come once every worker has claimed once.
-    for n in 0..3 {
-        let name = format!("fleet-{n}");
-        eventually(WITHIN, &format!("{name}'s start-up claim over"), || async {
-            saw(claimed_once(&db, &name).await, |claims| *claims >= 1)
+    for (n, dispatcher) in fleet.iter().enumerate() {
+        eventually(WITHIN, &format!("fleet-{n}'s start-up claim over"), || async {
+            saw(dispatcher.send(GetMetrics).await.unwrap().claims, |claims| *claims >= 1)
         })
         .await;
     }

@@ -136,6 +136,7 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
         "outbox_actor_restarts_total",
         "outbox_claim_errors_total",
         "outbox_claimed_total",
+        "outbox_claims_total",
         "outbox_finalize_errors_total",
         "outbox_finalize_retries_total",
         "outbox_finalized_total{outcome=dead}",

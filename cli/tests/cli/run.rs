@@ -189,7 +189,10 @@ async fn a_second_signal_while_draining_exits_at_once_with_130() {
 #[tokio::test]
 async fn run_on_an_unmigrated_database_exits_1_and_says_to_migrate() {
     let db = TestDb::new().await;
-    execute(&db, "DROP TABLE outbox; DROP FUNCTION outbox_notify_insert(); DELETE FROM __diesel_schema_migrations")
+    execute(
+        &db,
+        "DROP TABLE outbox, outbox_horizon; DROP FUNCTION outbox_notify_insert(); DELETE FROM __diesel_schema_migrations",
+    )
         .await;
     let ran = cli(&db.url, &["run", "--amqp-url", "amqp://guest:guest@127.0.0.1:1/%2f"]).await;
     assert_eq!(ran.code, 1, "{ran:?}");
@@ -232,7 +235,10 @@ async fn run_with_a_refused_amqp_login_says_so_once() {
 #[tokio::test]
 async fn every_command_on_an_unmigrated_database_says_to_migrate() {
     let db = TestDb::new().await;
-    execute(&db, "DROP TABLE outbox; DROP FUNCTION outbox_notify_insert(); DELETE FROM __diesel_schema_migrations")
+    execute(
+        &db,
+        "DROP TABLE outbox, outbox_horizon; DROP FUNCTION outbox_notify_insert(); DELETE FROM __diesel_schema_migrations",
+    )
         .await;
     let expected = format!(
         "error: the database at {} has no outbox table: run `actix-outbox migrate --database-url '{}'` first",

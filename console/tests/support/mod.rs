@@ -28,7 +28,8 @@ impl TestDb {
         self.0.conn().await
     }
 
-    /// Inserts a row of `status` (`pending`, `processing`, `done`, `dead`) and returns its id.
+    /// Inserts a row of `status` (`pending`, `processing`, `done`, `dead`), as the dispatcher
+    /// leaves one (a dead row waits at `available_at` 9999-12-31, never due), and returns its id.
     pub async fn insert(&self, status: &str, aggregate_id: &str, event_type: &str, last_error: Option<&str>) -> i64 {
         #[derive(diesel::QueryableByName)]
         struct Id {
@@ -38,12 +39,13 @@ impl TestDb {
         let mut conn = self.conn().await;
         let id: Id = diesel::sql_query(
             "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, headers, status, attempts,
-                                 last_error, lease_owner, lease_until, done_at)
+                                 last_error, lease_owner, lease_until, done_at, available_at)
              VALUES ('order', $1, $2, jsonb_build_object('aggregate', $1::text, 'n', 1),
                      jsonb_build_object('x-tenant', 'acme'), $3, $4, $5,
                      CASE WHEN $3 = 'processing' THEN 'test:worker-0' END,
                      CASE WHEN $3 = 'processing' THEN now() + interval '1 minute' END,
-                     CASE WHEN $3 = 'done' THEN now() END)
+                     CASE WHEN $3 = 'done' THEN now() END,
+                     CASE WHEN $3 = 'dead' THEN '9999-12-31 00:00:00+00' ELSE now() END)
              RETURNING id",
         )
         .bind::<Text, _>(aggregate_id)
