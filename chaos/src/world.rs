@@ -47,6 +47,9 @@ const BINDING: &str = "chaos.#";
 /// (a finalize or a heartbeat; claims, the reaper and hand-backs move the version) must come
 /// from the process whose name `lease_owner` carries. Each process's connections carry that
 /// name as their `application_name`; a write from any other is recorded here as a stale write.
+/// A write that leaves the row's state as it was (its status, lease, attempts and last error)
+/// is not one: the sweep moves a new row whose lease expired into `outbox_later` by its
+/// `available_at` alone, for the next claim to take over, and its holder may still finish it.
 const AUDIT_SQL: &str = r#"
 CREATE TABLE chaos_stale_writes (
     id bigint NOT NULL,
@@ -68,7 +71,9 @@ BEGIN
 END
 $$;
 CREATE TRIGGER chaos_stale_write AFTER UPDATE ON outbox FOR EACH ROW
-    WHEN (OLD.status = 'processing' AND NEW.lease_version = OLD.lease_version)
+    WHEN (OLD.status = 'processing' AND NEW.lease_version = OLD.lease_version
+          AND (NEW.status, NEW.lease_owner, NEW.lease_until, NEW.attempts, NEW.last_error)
+              IS DISTINCT FROM (OLD.status, OLD.lease_owner, OLD.lease_until, OLD.attempts, OLD.last_error))
     EXECUTE FUNCTION chaos_stale_write();
 "#;
 
