@@ -20,6 +20,7 @@ mod fence;
 mod fifo;
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub, dead_code))]
 mod finalize;
+mod harness;
 mod io;
 mod pool;
 mod prepared;
@@ -31,7 +32,6 @@ mod sweep;
 use std::time::Duration;
 
 use diesel::connection::CacheSize;
-use diesel_async::async_connection_wrapper::AsyncConnectionWrapper;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use diesel_migrations::{EmbeddedMigrations, MigrationHarness, embed_migrations};
 
@@ -322,10 +322,10 @@ pub(crate) async fn pending_in(database_url: &str, set: EmbeddedMigrations) -> R
 /// there.
 async fn with_harness<T: Send + 'static>(
     conn: AsyncPgConnection,
-    f: impl FnOnce(&mut AsyncConnectionWrapper<AsyncPgConnection>) -> Result<T, StoreError> + Send + 'static,
+    f: impl FnOnce(&mut harness::Harness) -> Result<T, StoreError> + Send + 'static,
 ) -> Result<T, StoreError> {
     tokio::task::spawn_blocking(move || {
-        let mut harness = AsyncConnectionWrapper::from(conn);
+        let mut harness = harness::Harness::from(conn);
         f(&mut harness)
     })
     .await

@@ -67,6 +67,38 @@ async fn has_fifo_index(url: &str) -> bool {
     count.n == 1
 }
 
+/// The prepared statements left on the bouncer's server connections: every one of them is
+/// handed to one of [`POOL_SIZE`](actix_outbox_test_support::pgbouncer::POOL_SIZE) transactions
+/// held open at once through the bouncer, each of which lists its session's statements. A
+/// statement left there makes the next client that prepares one of the same name fail.
+async fn leftover_statements(url: &str) -> Vec<String> {
+    #[derive(diesel::QueryableByName)]
+    struct Name {
+        #[diesel(sql_type = Text)]
+        name: String,
+    }
+    let mut sessions = Vec::new();
+    for _ in 0..actix_outbox_test_support::pgbouncer::POOL_SIZE {
+        let mut conn = diesel_async::AsyncPgConnection::establish(url).await.unwrap();
+        conn.set_prepared_statement_cache_size(diesel::connection::CacheSize::Disabled);
+        conn.batch_execute("BEGIN").await.unwrap();
+        sessions.push(conn);
+    }
+    let mut names = Vec::new();
+    for conn in &mut sessions {
+        // The listing is a prepared statement too: itself aside.
+        let listed: Vec<Name> = diesel::sql_query(
+            "SELECT name FROM pg_prepared_statements WHERE statement NOT LIKE '%pg_prepared_statements%'",
+        )
+        .load(conn)
+        .await
+        .unwrap();
+        names.extend(listed.into_iter().map(|n| n.name));
+        conn.batch_execute("COMMIT").await.unwrap();
+    }
+    names
+}
+
 /// `migrate` through the bouncer applies every migration, then finds none pending;
 /// `migrate --fifo` cannot build the gate's index through it and says to give `--direct-url`
 /// (the migrations applied, exit 2), and with one builds it on the server itself, once.
@@ -86,6 +118,7 @@ async fn migrate_through_a_transaction_pooler_and_fifo_only_with_a_direct_url() 
     let up_to_date = format!("database {} is up to date: no pending migrations\n", db.name);
     assert_eq!(pooled_ok(&url, &["migrate"]).await, up_to_date);
     assert!(actix_outbox::admin::pending_migrations(&db.url).await.unwrap().is_empty(), "applied on the server");
+    assert_eq!(leftover_statements(&url).await, Vec::<String>::new(), "no statement left on a server connection");
 
     let ran = pooled(&url, &["migrate", "--fifo"]).await;
     assert_eq!(ran.code, 2, "{ran:?}");
