@@ -64,6 +64,6 @@ impl MigrationHarness<Pg> for Harness {
     }
 
     fn applied_migrations(&mut self) -> Result<Vec<MigrationVersion<'static>>> {
-        self.0.transaction(|c| MigrationHarness::<Pg>::applied_migrations(c))
+        self.0.transaction(MigrationHarness::<Pg>::applied_migrations)
     }
 }
