@@ -20,8 +20,11 @@
 //! ```
 //!
 //! Correctness rests on the fencing token `lease_version`: a worker whose lease was taken over
-//! updates 0 rows and logs a lost lease. Delivery is at-least-once; every message carries its
-//! outbox id so that consumers deduplicate.
+//! updates 0 rows and logs a lost lease. Delivery is at-least-once; a message's identity is the
+//! pair of its row id (the AMQP `message_id`) and its outbox ([`wire::SOURCE`],
+//! `x-outbox-source`), the same on every attempt and unique across producer databases:
+//! consumers deduplicate on the pair ([`wire`](crate::wire#message-identity); the `inbox`
+//! feature does it for them).
 //!
 //! ## What is where
 //!

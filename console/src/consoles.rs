@@ -110,13 +110,9 @@ impl Consoles {
         for entry in self.entries() {
             entry.console.start_sampler();
         }
-        web::scope(path)
-            .app_data(web::Data::new(Mount::Many(self.clone())))
-            .wrap(crate::security_headers())
-            .route("", web::get().to(crate::handlers::outboxes))
-            .route("/", web::get().to(crate::handlers::outboxes))
-            .route("/console.css", web::get().to(crate::handlers::stylesheet))
-            .service(crate::routes(web::scope("/{outbox}")))
+        crate::list_routes(
+            web::scope(path).app_data(web::Data::new(Mount::Many(self.clone()))).wrap(crate::security_headers()),
+        )
     }
 
     fn entries(&self) -> Vec<Entry> {

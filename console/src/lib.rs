@@ -226,6 +226,25 @@ fn security_headers() -> DefaultHeaders {
         .add(("Cache-Control", "no-store"))
 }
 
+/// The list of outboxes of [`Consoles::scope`] and each one's console under `/{outbox}`, added to
+/// `scope` (whose app data holds the [`Consoles`]).
+fn list_routes<T>(scope: actix_web::Scope<T>) -> actix_web::Scope<T>
+where
+    T: actix_web::dev::ServiceFactory<
+            actix_web::dev::ServiceRequest,
+            Config = (),
+            Response = actix_web::dev::ServiceResponse,
+            Error = actix_web::Error,
+            InitError = (),
+        >,
+{
+    scope
+        .route("", web::get().to(handlers::outboxes))
+        .route("/", web::get().to(handlers::outboxes))
+        .route("/console.css", web::get().to(handlers::stylesheet))
+        .service(routes(web::scope("/{outbox}")))
+}
+
 /// The pages and forms of one outbox's console, added to `scope` (whose app data says which
 /// console they serve: [`consoles::Mount`]).
 fn routes<T>(scope: actix_web::Scope<T>) -> actix_web::Scope<T>

@@ -34,16 +34,12 @@ use super::finalize::FinalizerSlot;
 use super::gate::Claimable;
 use super::publish::{PublishActor, PublishFinished};
 use super::shared::Shared;
+use super::wake::Wake;
 use crate::backoff::jittered;
 use crate::error::StoreError;
 use crate::metrics::Metrics;
 use crate::model::OutboxMessage;
 use crate::store::{self, AggregateKey, ClaimParams, HeadsScan};
-
-/// Claim now if idle (new rows were inserted).
-#[derive(Debug, Clone, Copy, Message)]
-#[rtype(result = "()")]
-pub(crate) struct Wake;
 
 /// Stop claiming; resolves when nothing this worker claimed is still in flight.
 #[derive(Debug, Message)]

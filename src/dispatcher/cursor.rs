@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use actix::Recipient;
 
-use super::claim::Wake;
+use super::wake::Wake;
 use crate::store::{Cursor, Snapshot, Taken};
 
 /// The cursor, and who waits for it.

@@ -33,9 +33,10 @@
 //! - `pruner`: deletes `done` rows past the retention, in short batches;
 //! - `window`: how many claimed rows are in flight at most, all workers together, found from
 //!   the sink's answer times (Vegas-like: kept where the sink's queue stays short);
-//! - `shared`: the state they all read (configuration, pool, sink, counters).
+//! - `shared`: the state they all read (configuration, pool, sink, counters);
+//! - `wake`: the message that sends a claim actor to claim now.
 //!
-//! Each actor's messages sit beside it. Only the supervisor (at the crate root) and its
+//! Each actor's messages sit beside it, but for one that several modules send (`wake`). Only the supervisor (at the crate root) and its
 //! messages are public.
 
 mod claim;
@@ -50,6 +51,7 @@ mod sampler;
 mod shared;
 mod summary;
 mod sweeper;
+mod wake;
 mod window;
 // `pub(crate)`: the crate root re-exports the supervisor, `testing` its crash hooks.
 pub(crate) mod supervisor;

@@ -8,11 +8,12 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 use tracing::{error, info, warn};
 
-use super::claim::{ClaimActor, Drain, Probe, Wake};
+use super::claim::{ClaimActor, Drain, Probe};
 use super::finalize::{FinalizeActor, FinalizerSlot, Flushed};
 use super::gate::{Check, Claimable};
 use super::pace::PaceReport;
 use super::shared::Shared;
+use super::wake::Wake;
 use crate::config::{ConfigError, DispatcherConfig, Retention};
 use crate::error::Error;
 use crate::metrics::{Metrics, MetricsSnapshot};

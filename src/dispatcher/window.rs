@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use actix::Recipient;
 
-use super::claim::Wake;
+use super::wake::Wake;
 
 /// The span of answers judged together.
 pub(crate) const ROUND: Duration = Duration::from_millis(100);

@@ -9,16 +9,16 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use lapin::{Acker, BasicProperties, Channel};
 use tokio::sync::watch;
 use tracing::{debug, error, info, warn};
 
 use super::config::{InboxConfig, LateEvents};
-use super::consumer::Shared;
+use super::delivery::{Job, Settled};
 use super::handler::{FailureClass, HandlerError, InboxHandler};
 use super::message::InboxMessage;
 use super::metrics::Counters;
 use super::settle::{Forward, ack, forward, requeue};
+use super::shared::Shared;
 use super::store::{self, AggregateOrder};
 use crate::backoff::half_jitter;
 
@@ -26,42 +26,6 @@ use crate::backoff::half_jitter;
 /// it is given back to the broker (a healthy pool answers far sooner; a dead database would
 /// otherwise hold the shutdown for the pool's whole checkout timeout).
 const DRAIN_CHECKOUT_GRACE: Duration = Duration::from_secs(2);
-
-/// Where a delivery came from and how to settle it.
-pub(super) struct Envelope {
-    /// The link it came on.
-    pub(super) generation: u64,
-    pub(super) acker: Acker,
-    pub(super) channel: Channel,
-    /// One forward at a time on `channel` (see `Link::forwards`).
-    pub(super) forwards: Arc<tokio::sync::Mutex<()>>,
-    pub(super) properties: BasicProperties,
-    /// The exchange and routing key it was first published with.
-    pub(super) exchange: String,
-    pub(super) routing_key: String,
-    pub(super) attempt: u32,
-}
-
-/// A usable delivery waiting for, or going through, its lane.
-pub(super) struct Job {
-    pub(super) envelope: Envelope,
-    pub(super) message: InboxMessage,
-}
-
-/// How a delivery left our hands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Settled {
-    Handled,
-    LateFlagged,
-    Duplicate,
-    LateSkipped,
-    Retried,
-    DeadLettered,
-    /// Given back unhandled at shutdown.
-    Requeued,
-    /// Its channel died before it could be acknowledged: the broker delivers it again.
-    Abandoned,
-}
 
 /// What a lane's run of one job produced.
 pub(super) enum Processed {

@@ -16,7 +16,6 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
-use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -27,36 +26,18 @@ use lapin::types::ShortString;
 use tokio::sync::{oneshot, watch};
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::attempt::{Envelope, Job, Processed, Settled, process};
-use super::config::InboxConfig;
-use super::handler::InboxHandler;
+use super::attempt::{Processed, process};
+use super::delivery::{Envelope, Job, Settled};
 use super::link::Link;
 use super::message::InboxMessage;
 use super::metrics::Counters;
 use super::settle::{Forward, forward};
+use super::shared::Shared;
 use crate::amqp::Reconnect;
-use crate::store::PgPool;
 
 /// How long a shutdown waits for the broker to confirm the consumer's cancellation (and so for
 /// the last prefetched deliveries to arrive) before it goes on without it.
 const CANCEL_TIMEOUT: Duration = Duration::from_secs(5);
-/// What every consumer actor of one supervisor shares.
-pub(crate) struct Shared {
-    pub(crate) config: InboxConfig,
-    pub(crate) pool: PgPool,
-    pub(crate) handler: Arc<dyn InboxHandler>,
-    pub(crate) counters: Counters,
-    /// The last attempt (on any lane) found the database unreachable; cleared by the next
-    /// success. During a shutdown, deliveries are then given back without trying.
-    pub(crate) database_out: AtomicBool,
-}
-
-impl std::fmt::Debug for Shared {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Shared").field("config", &self.config).field("pool", &self.pool).finish_non_exhaustive()
-    }
-}
-
 /// Stop consuming, finish what is in hand, close the link; resolves when all that is done.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]

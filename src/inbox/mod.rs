@@ -100,12 +100,17 @@
 //! - `store`: the migrations ([`migrate_inbox`]) and the SQL, on [`schema`];
 //! - `supervisor`: [`InboxSupervisor`] and its messages;
 //! - `consumer`: the consumer actor; `link`: its broker connection, on a thread of its own.
+//! - `attempt`: one delivery's transaction and the loop around it; `settle`: how a delivery
+//!   leaves our hands (acknowledged, given back, forwarded);
+//! - `delivery`: a delivery in hand and how it was settled, and `shared`: what the consumer
+//!   actors share; both are named by the consumer, the attempt and the settling alike.
 //!
 //! `examples/inbox_consumer.rs` is a complete consumer.
 
 pub(crate) mod attempt;
 mod config;
 mod consumer;
+pub(crate) mod delivery;
 mod handler;
 mod link;
 mod message;
@@ -113,6 +118,7 @@ mod metrics;
 #[allow(missing_docs)]
 pub mod schema;
 mod settle;
+mod shared;
 // The SQL of the inbox; `testing::inbox` shows it to the crate's tests (feature `test-util`).
 #[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
 pub(crate) mod store;

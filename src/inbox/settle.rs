@@ -10,12 +10,12 @@ use lapin::types::AMQPValue;
 use tokio::sync::watch;
 use tracing::{debug, error, warn};
 
-use super::attempt::{Envelope, Settled};
-use super::consumer::Shared;
+use super::delivery::{Envelope, Settled};
 use super::link::{PublishFailure, publish_confirmed};
 use super::message::{
     ATTEMPT_HEADER, CONSUMER_HEADER, ERROR_HEADER, EXCHANGE_HEADER, LAST_ERROR_HEADER, QUEUE_HEADER, ROUTING_KEY_HEADER,
 };
+use super::shared::Shared;
 use crate::backoff::half_jitter;
 
 /// Longest reason carried in a header.

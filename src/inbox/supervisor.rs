@@ -12,9 +12,10 @@ use tracing::{error, info, warn};
 use super::config::{InboxConfig, InboxError};
 #[cfg(feature = "test-util")]
 use super::consumer::Crash;
-use super::consumer::{Drain, InboxConsumer, Shared};
+use super::consumer::{Drain, InboxConsumer};
 use super::handler::InboxHandler;
 use super::metrics::{Counters, InboxMetrics};
+use super::shared::Shared;
 use crate::store::PgPool;
 
 /// How often the supervisor checks that its consumer is alive.

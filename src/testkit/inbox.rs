@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use crate::error::StoreError;
-use crate::inbox::attempt::{Attempt, Settled, transact};
+use crate::inbox::attempt::{Attempt, transact};
+use crate::inbox::delivery::Settled;
 use crate::inbox::{InboxConfig, InboxHandler, InboxMessage, LateEvents};
 use crate::model::OutboxMessage;
 use crate::sink::RabbitConfig;

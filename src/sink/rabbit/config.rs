@@ -7,6 +7,7 @@ use lapin::BasicProperties;
 use lapin::types::ShortString;
 
 use super::binding::{self, QueueBinding, QueueKind};
+use super::properties::{self, Format};
 use super::{ExchangeKind, RabbitError};
 use crate::amqp;
 use crate::config::{name_setters, pair_setter, setters};
@@ -335,7 +336,7 @@ impl RabbitConfig {
     /// [`wire`]), or the permanent failure of a message that cannot be sent (an event type or
     /// a producer header that AMQP cannot carry).
     pub fn properties(&self, message: &OutboxMessage) -> Result<BasicProperties, PublishError> {
-        wire::properties(message, &self.format())
+        properties::properties(message, &self.format())
     }
 
     /// Sets [`RabbitConfig::cloudevents`].
@@ -345,8 +346,8 @@ impl RabbitConfig {
         self
     }
 
-    pub(super) fn format(&self) -> wire::Format {
-        wire::Format {
+    pub(super) fn format(&self) -> Format {
+        Format {
             // validate() checked its length.
             app_id: ShortString::try_new(self.app_id.as_str()).unwrap_or_default(),
             outbox_headers: self.outbox_headers,

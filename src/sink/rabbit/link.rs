@@ -10,6 +10,7 @@ use lapin::types::ShortString;
 use tokio::sync::{Notify, oneshot};
 
 use super::confirms::{Desk, Outgoing};
+use super::properties::{Format, properties};
 use super::{RabbitConfig, RoutingKeyFn};
 use crate::amqp::publisher_confirm::Confirmed;
 use crate::error::PublishError;
@@ -28,7 +29,7 @@ pub(super) struct LinkState {
     /// Publishes on the current link waiting for their confirm.
     waits: Mutex<Waits>,
     pub(super) exchange: ShortString,
-    format: wire::Format,
+    format: Format,
     routing_key: Option<Arc<RoutingKeyFn>>,
     current: Mutex<Current>,
     /// Highest link generation a publish found broken.
@@ -157,7 +158,7 @@ impl LinkState {
                 .map(|()| ShortString::from(name.as_str()))
                 .map_err(|why| PublishError::Permanent(format!("row {}: {why}", message.id)))?,
         };
-        let properties = wire::properties(&message, &self.format)?;
+        let properties = properties(&message, &self.format)?;
 
         let link = {
             let current = self.current();

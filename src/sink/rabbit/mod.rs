@@ -10,6 +10,7 @@ mod confirms;
 mod error;
 mod link;
 mod manager;
+mod properties;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;

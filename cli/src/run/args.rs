@@ -1,28 +1,14 @@
-//! `actix-outbox run`: the dispatcher, publishing to RabbitMQ, until SIGINT or SIGTERM.
-//!
-//! Start-up order: every flag is checked first (bad input exits 2 before anything is touched),
-//! then PostgreSQL (unreachable: exit 1 at once, it is a configuration or outage the operator
-//! must see), then RabbitMQ (unreachable: retried with capped backoff and logged, so that the
-//! dispatcher simply starts once the broker is up, instead of a restart loop).
-//!
-//! Shutdown protocol: the first SIGINT/SIGTERM sends [`Shutdown`] to the supervisor, which stops
-//! claiming, lets every publish already started finish and be finalized (bounded by the publish
-//! timeout), and answers; then the broker connection is closed and the process exits 0 with no
-//! row left `processing` under its owner. A second signal while draining exits at once with
-//! [`EXIT_ABORTED`](crate::EXIT_ABORTED); the rows still held are reclaimed by other workers
-//! when their lease expires.
+//! The arguments of `actix-outbox run`: the flags, their parsers, and the dispatcher's and the
+//! sink's configurations they describe.
 
 use std::sync::LazyLock;
 use std::time::Duration;
 
 use clap::Args;
-use rand::RngExt;
-use tracing::{info, warn};
 
-use crate::{CliError, DatabaseArgs, FifoArgs, connect, serve};
-use actix_outbox::dispatcher::Shutdown;
-use actix_outbox::sink::{CloudEventsMode, QueueKind, RabbitConfig, RabbitError, RabbitSink};
-use actix_outbox::{DispatcherConfig, OutboxSupervisor, Retention};
+use crate::{CliError, DatabaseArgs, FifoArgs};
+use actix_outbox::sink::{CloudEventsMode, QueueKind, RabbitConfig};
+use actix_outbox::{DispatcherConfig, Retention};
 
 /// The broker URL when neither `--amqp-url` nor `AMQP_URL` is given.
 pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -32,19 +18,8 @@ static DISPATCHER: LazyLock<DispatcherConfig> = LazyLock::new(DispatcherConfig::
 /// The sink's defaults (the URL aside), for `--exchange`.
 static SINK: LazyLock<RabbitConfig> = LazyLock::new(|| RabbitConfig::new(DEFAULT_AMQP_URL));
 
-/// First pause before connecting to an unreachable broker again; it doubles up to
-/// [`BROKER_RETRY_MAX`].
-const BROKER_RETRY_MIN: Duration = Duration::from_millis(500);
-/// Longest pause between two attempts to reach the broker at start.
-const BROKER_RETRY_MAX: Duration = Duration::from_secs(30);
-
-/// Database connections beyond one per worker: the finalizer's and a spare.
-const EXTRA_CONNECTIONS: usize = 2;
-/// The console's own pool: a page reads with one statement at a time.
-const CONSOLE_CONNECTIONS: u32 = 2;
-
 /// `--help` text.
-pub(super) const LONG_ABOUT: &str = "Run the dispatcher: claim pending outbox rows under a lease, publish each to the RabbitMQ \
+pub(crate) const LONG_ABOUT: &str = "Run the dispatcher: claim pending outbox rows under a lease, publish each to the RabbitMQ \
     exchange with publisher confirms, and record the outcome with fenced writes. Logs go to \
     stderr (RUST_LOG, default info): a summary a minute, and each change of state.\n\n\
     PostgreSQL must be reachable at start (otherwise exit 1). An unreachable broker at start is \
@@ -198,7 +173,7 @@ pub struct RunArgs {
 }
 
 /// `--retention`: `keep`, `delete`, or how long to keep done rows (`24h`).
-fn parse_retention(value: &str) -> Result<Retention, String> {
+pub(super) fn parse_retention(value: &str) -> Result<Retention, String> {
     match value {
         "keep" => Ok(Retention::Keep),
         "delete" => Ok(Retention::Delete),
@@ -252,7 +227,7 @@ impl From<QueueType> for QueueKind {
 
 /// `--outbox SCHEMA[.outbox]`: the schema. The table of an outbox is always `outbox`; the
 /// schema's spelling is checked where it is used, by `ConnectionString::in_schema`.
-fn outbox_schema(arg: &str) -> Result<String, String> {
+pub(super) fn outbox_schema(arg: &str) -> Result<String, String> {
     let schema = arg.strip_suffix(".outbox").unwrap_or(arg);
     if schema.is_empty() || schema.contains('.') {
         return Err(format!(
@@ -264,7 +239,7 @@ fn outbox_schema(arg: &str) -> Result<String, String> {
 
 /// `--bind-queue NAME:PATTERN`: the queue's name ends at the first `:`; the pattern may be
 /// empty (a fanout or direct exchange's binding) or hold colons itself.
-fn queue_binding(arg: &str) -> Result<(String, String), String> {
+pub(super) fn queue_binding(arg: &str) -> Result<(String, String), String> {
     match arg.split_once(':') {
         Some((queue, pattern)) if !queue.is_empty() => Ok((queue.to_owned(), pattern.to_owned())),
         _ => Err(format!("expected NAME:PATTERN, e.g. billing:order.#, got {arg:?}")),
@@ -285,7 +260,7 @@ pub enum LogFormat {
 
 impl RunArgs {
     /// The dispatcher configuration these flags describe, validated.
-    fn dispatcher_config(&self) -> Result<DispatcherConfig, CliError> {
+    pub(super) fn dispatcher_config(&self) -> Result<DispatcherConfig, CliError> {
         let mut config = DispatcherConfig::default()
             .workers(self.workers)
             .batch(self.batch)
@@ -326,7 +301,7 @@ impl RunArgs {
     /// (`env`, passed in so that tests need not set the process's environment). `None`: the
     /// console is read-only. A token given both ways, an unreadable file or a blank token is bad
     /// input: an operator who meant to give one must not get a console that silently refuses.
-    fn console_token(&self, env: Option<String>) -> Result<Option<String>, CliError> {
+    pub(super) fn console_token(&self, env: Option<String>) -> Result<Option<String>, CliError> {
         let from_file = match &self.console_token_file {
             Some(path) => Some(std::fs::read_to_string(path).map_err(|e| {
                 CliError::BadInput(format!("--console-token-file {}: cannot read it: {e}", path.display()))
@@ -351,7 +326,7 @@ impl RunArgs {
     }
 
     /// The sink configuration these flags describe, validated (a malformed AMQP URL is bad input).
-    fn rabbit_config(&self) -> Result<RabbitConfig, CliError> {
+    pub(super) fn rabbit_config(&self) -> Result<RabbitConfig, CliError> {
         let mut config = RabbitConfig::cluster(self.amqp_url.iter().map(|u| u.trim().to_owned()))
             .exchange(self.exchange.clone())
             .declare_exchange(!self.no_declare)
@@ -371,7 +346,7 @@ impl RunArgs {
 
 /// `--console-addr`: `HOST:PORT` as given, or a port alone on the loopback interface (a console
 /// can change rows, so it is not put on every interface by default).
-fn console_addr(addr: &str) -> Result<String, CliError> {
+pub(super) fn console_addr(addr: &str) -> Result<String, CliError> {
     if addr.parse::<u16>().is_ok() {
         return Ok(format!("127.0.0.1:{addr}"));
     }
@@ -381,68 +356,15 @@ fn console_addr(addr: &str) -> Result<String, CliError> {
     }
 }
 
-/// One outbox ready to relay: checked, its source known, its pool open.
-struct Prepared {
-    /// `SCHEMA.outbox` when the process relays several, else `None`.
-    name: Option<String>,
-    database: DatabaseArgs,
-    config: DispatcherConfig,
-    pool: actix_outbox::PgPool,
-}
-
-/// Checks the outbox `database` reaches (migrated), derives its source unless configured, and
-/// opens its pool.
-async fn prepare(
-    database: DatabaseArgs,
-    config: &DispatcherConfig,
-    name: Option<String>,
-) -> Result<Prepared, CliError> {
-    let url = database.url()?;
-    let mut conn = connect(&url).await?;
-    let pending = database
-        .answered(&url, actix_outbox::admin::pending_migrations(url.expose()))
-        .await?
-        .map_err(|e| CliError::store(&url, e))?;
-    if !pending.is_empty() {
-        let schema = database.schema.as_deref().map(|s| format!(" --schema {s}")).unwrap_or_default();
-        return Err(CliError::Failed(format!(
-            "the database at {url} is not migrated ({} pending: {}); run `actix-outbox migrate{schema}` first",
-            pending.len(),
-            pending.join(", ")
-        )));
-    }
-    let mut config = config.clone();
-    if config.source.is_none() {
-        let source = database.answered(&url, actix_outbox::admin::outbox_source(&mut conn)).await?;
-        config.source = Some(source.map_err(|e| CliError::store(&url, e))?);
-    }
-    drop(conn);
-    if let Some(name) = &name {
-        config = config.name(name.clone());
-    }
-    let pool = database.pool((config.workers + EXTRA_CONNECTIONS) as u32).await?;
-    Ok(Prepared { name, database, config, pool })
-}
-
-/// The schemas `pattern` finds in the database of `database` (without `--schema`).
-async fn discover(database: &DatabaseArgs, pattern: &str) -> Result<Vec<String>, CliError> {
-    let url = database.url()?;
-    let mut conn = connect(&url).await?;
-    database
-        .answered(&url, actix_outbox::admin::outbox_schemas(&mut conn, pattern))
-        .await?
-        .map_err(|e| CliError::store(&url, e))
-}
-
 impl RunArgs {
     /// Whether the process relays several outboxes (or may come to): each then is named.
-    fn several(&self) -> bool {
+    pub(super) fn several(&self) -> bool {
         self.outbox.len() > 1 || self.outbox_schemas.is_some() || self.database.database_url.len() > 1
     }
 
     /// The name of the outbox of `schema` (none: the URL's own) in `database`, when the process
     /// relays several: `SCHEMA.outbox`, or `DATABASE/SCHEMA.outbox` with several databases.
-    fn name_of(&self, database: &DatabaseArgs, schema: Option<&str>) -> Result<Option<String>, CliError> {
+    pub(super) fn name_of(&self, database: &DatabaseArgs, schema: Option<&str>) -> Result<Option<String>, CliError> {
         if !self.several() {
             return Ok(None);
         }
@@ -457,387 +379,6 @@ impl RunArgs {
             ))
         })?;
         Ok(Some(format!("{db}/{table}")))
-    }
-
-    /// Every outbox to relay at start, as `(where, name)`: the schemas of `--outbox` (or those
-    /// `--outbox-schemas` finds) in each database, or each database's own outbox.
-    async fn outboxes(&self) -> Result<Vec<(DatabaseArgs, Option<String>)>, CliError> {
-        let mut outboxes = Vec::new();
-        for database in self.database.each() {
-            let schemas = match &self.outbox_schemas {
-                Some(pattern) => {
-                    let found = discover(&database, pattern).await?;
-                    info!(database = %database.url()?, pattern, found = ?found,
-                        "outbox schemas found; new ones are looked for every {}", self.discover_interval);
-                    found
-                }
-                None => self.outbox.clone(),
-            };
-            if schemas.is_empty() && self.outbox_schemas.is_none() {
-                outboxes.push((database.clone(), self.name_of(&database, None)?));
-            }
-            for schema in schemas {
-                let name = self.name_of(&database, Some(&schema))?;
-                outboxes.push((in_schema(&database, &schema), name));
-            }
-        }
-        let mut names: Vec<&String> = outboxes.iter().filter_map(|(_, name)| name.as_ref()).collect();
-        names.sort();
-        if let Some(twice) = names.windows(2).find(|w| w[0] == w[1]) {
-            return Err(CliError::BadInput(format!(
-                "two outboxes would both be named {}: give each --database-url a database of another name",
-                twice[0]
-            )));
-        }
-        Ok(outboxes)
-    }
-}
-
-/// `database` for the outbox of `schema`.
-fn in_schema(database: &DatabaseArgs, schema: &str) -> DatabaseArgs {
-    DatabaseArgs { schema: Some(schema.to_owned()), ..database.clone() }
-}
-
-/// One outbox being relayed: where it lives, its dispatcher, and its own connection to the
-/// broker.
-struct Running {
-    /// Where it lives (`--schema` its schema, for `--outbox` and `--outbox-schemas`).
-    database: DatabaseArgs,
-    relayed: serve::Relayed,
-    sink: RabbitSink,
-}
-
-impl Running {
-    /// Its name: `SCHEMA.outbox` when the process relays several, else the table's own.
-    fn name(&self) -> String {
-        self.relayed.name.clone().unwrap_or_else(|| "outbox".to_owned())
-    }
-}
-
-/// The console of one outbox being relayed, on a pool of its own (pages never wait for the
-/// dispatcher's connections, nor it for theirs): two connections, or one an outbox when the
-/// console shows several.
-async fn console_of(
-    outbox: &Running,
-    args: &RunArgs,
-    token: Option<&str>,
-    several: bool,
-) -> Result<actix_outbox_console::Console, CliError> {
-    let pool = outbox.database.pool(if several { 1 } else { CONSOLE_CONNECTIONS }).await?;
-    let mut console = actix_outbox_console::Console::new(pool)
-        .supervisor(outbox.relayed.supervisor.clone())
-        .fifo(args.fifo.fifo()?)
-        .source(outbox.relayed.source.clone());
-    if let Some(token) = token {
-        console = console.token(token);
-    }
-    Ok(console)
-}
-
-/// The broker connection of one more outbox (the first is made by [`connect_broker`]): each
-/// outbox has its own, so that one outbox's drain never fills the confirm pipeline another's
-/// messages wait in. Named after the outbox in the broker's connection list.
-async fn sink_of(rabbit: &RabbitConfig, name: Option<&str>) -> Result<RabbitSink, CliError> {
-    RabbitSink::connect(named(rabbit, name)).await.map_err(|e| match e {
-        e @ RabbitError::Config(_) => CliError::BadInput(e.to_string()),
-        e => CliError::Failed(e.to_string()),
-    })
-}
-
-/// `rabbit` with its connection named after the outbox `name`, unless named already.
-fn named(rabbit: &RabbitConfig, name: Option<&str>) -> RabbitConfig {
-    match (name, &rabbit.connection_name) {
-        (Some(name), None) => rabbit.clone().connection_name(format!("actix-outbox {name}")),
-        _ => rabbit.clone(),
-    }
-}
-
-/// Starts the dispatcher of `outbox` on `sink`, registered in `relayed`.
-fn start_one(outbox: Prepared, sink: RabbitSink, relayed: &serve::SupervisorSlot) -> Result<Running, CliError> {
-    let Prepared { name, database, config, pool } = outbox;
-    let source = config.source.clone().unwrap_or_default();
-    info!(outbox = name.as_deref(), database = %database.url()?, pooler = %database.pooler, source = %source,
-        fifo = %config.fifo, "starting the dispatcher; SIGINT or SIGTERM stops it gracefully");
-    let supervisor = OutboxSupervisor::start(config, pool.clone(), sink.clone())
-        .map_err(|e| CliError::BadInput(format!("cannot start the dispatcher: {e}")))?;
-    let one = serve::Relayed { name, supervisor, pool, source };
-    relayed.lock().unwrap_or_else(|e| e.into_inner()).push(one.clone());
-    Ok(Running { database, relayed: one, sink })
-}
-
-pub(super) async fn run(args: RunArgs) -> Result<(), CliError> {
-    for database in args.database.each() {
-        database.url()?;
-    }
-    if args.database.database_url.len() > 1 && args.database.direct_url.is_some() {
-        return Err(CliError::BadInput(
-            "--direct-url names one server, and --database-url is given several times: relay the databases behind a \
-             transaction pooler in one run each"
-                .into(),
-        ));
-    }
-    let config = args.dispatcher_config()?;
-    let rabbit = args.rabbit_config()?;
-    let console_token = args.console_token(std::env::var("ACTIX_OUTBOX_CONSOLE_TOKEN").ok())?;
-    if args.several() && config.source.is_some() {
-        return Err(CliError::BadInput(
-            "--source names one outbox; with several, each derives its own (SYSTEM_IDENTIFIER/DATABASE/SCHEMA.outbox)"
-                .into(),
-        ));
-    }
-    if let Some(pattern) = &args.outbox_schemas
-        && args.database.pooler == actix_outbox::Pooler::Transaction
-    {
-        return Err(CliError::BadInput(format!(
-            "--outbox-schemas {pattern:?} behind a transaction pooler: the pooler refuses the startup parameter that \
-             sets each outbox's search_path; run one relay a tenant role instead"
-        )));
-    }
-    // Registered before anything slow, so that a signal during start-up is not lost.
-    let mut signals = Signals::register()?;
-
-    let mut ready = Vec::new();
-    for (database, name) in args.outboxes().await? {
-        ready.push(prepare(database, &config, name).await?);
-    }
-
-    // Before the broker: an orchestrator sees the process live, and not ready until it runs.
-    let relayed = serve::SupervisorSlot::default();
-    let serving = match &args.metrics_addr {
-        Some(addr) => Some(serve::start(addr, serve::install_recorder()?, relayed.clone())?),
-        None => None,
-    };
-
-    let first_sink = tokio::select! {
-        sink = connect_broker(named(&rabbit, ready.first().and_then(|o| o.name.as_deref()))) => sink?,
-        signal = signals.recv() => {
-            info!(signal, "stopping before the dispatcher started; nothing was claimed");
-            if let Some(serving) = serving {
-                serving.stop().await;
-            }
-            return Ok(());
-        }
-    };
-    let mut running: Vec<Running> = Vec::new();
-    let mut first_sink = Some(first_sink);
-    for outbox in ready {
-        let sink = match first_sink.take() {
-            Some(sink) => sink,
-            None => sink_of(&rabbit, outbox.name.as_deref()).await?,
-        };
-        running.push(start_one(outbox, sink, &relayed)?);
-    }
-    // After the dispatchers, whose health and counters the overview shows.
-    let console = match &args.console_addr {
-        None => None,
-        Some(addr) => {
-            let console = if args.several() {
-                let consoles = actix_outbox_console::Consoles::new();
-                for outbox in &running {
-                    consoles.insert(outbox.name(), console_of(outbox, &args, console_token.as_deref(), true).await?);
-                }
-                serve::ConsoleOf::Many { consoles, read_only: console_token.is_none() }
-            } else {
-                let Some(outbox) = running.first() else { unreachable!("one outbox without --outbox-schemas") };
-                serve::ConsoleOf::One(Box::new(console_of(outbox, &args, console_token.as_deref(), false).await?))
-            };
-            Some(serve::start_console(&console_addr(addr)?, console)?)
-        }
-    };
-    let consoles = match &console {
-        Some(serving) => serving.consoles(),
-        None => None,
-    };
-
-    let mut discovery = args.outbox_schemas.as_ref().map(|pattern| {
-        let every = Duration::from(args.discover_interval).max(Duration::from_millis(100));
-        (pattern.clone(), tokio::time::interval_at(tokio::time::Instant::now() + every, every))
-    });
-    let signal = loop {
-        let tick = async {
-            match &mut discovery {
-                Some((_, every)) => every.tick().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            signal = signals.recv() => break signal,
-            _ = tick => {
-                let Some((pattern, _)) = &discovery else { continue };
-                let console = consoles.as_ref().map(|c| (c, console_token.as_deref()));
-                rediscover(&args, pattern, &config, &rabbit, &relayed, console, &mut running).await;
-            }
-        }
-    };
-    info!(
-        signal,
-        "stopping: claiming stopped, publishes in flight finish and are finalized; signal again to exit at once"
-    );
-    // Every dispatcher is told at once (a request is sent when made), then each answer awaited.
-    let stops: Vec<_> = running.iter().map(|r| r.relayed.supervisor.send(Shutdown)).collect();
-    let answered = async {
-        for stop in stops {
-            stop.await.map_err(|e| CliError::Failed(format!("the dispatcher did not answer the shutdown: {e}")))?;
-        }
-        Ok::<_, CliError>(())
-    };
-    tokio::select! {
-        answered = answered => answered?,
-        signal = signals.recv() => {
-            return Err(CliError::Aborted(format!(
-                "{signal} again: exiting at once; rows still processing are reclaimed when their lease expires"
-            )));
-        }
-    }
-    for outbox in &running {
-        outbox.sink.close().await;
-    }
-    if let Some(console) = console {
-        console.stop().await;
-    }
-    if let Some(serving) = serving {
-        serving.stop().await;
-    }
-    // The supervisors have logged their final counters; this line says the exit is the clean one.
-    info!("dispatcher stopped cleanly; exiting 0");
-    Ok(())
-}
-
-/// Looks for the schemas `pattern` finds now: starts a dispatcher for each new one, stops
-/// those of schemas that are gone. A failure is logged and tried again at the next look.
-async fn rediscover(
-    args: &RunArgs,
-    pattern: &str,
-    config: &DispatcherConfig,
-    rabbit: &RabbitConfig,
-    relayed: &serve::SupervisorSlot,
-    console: Option<(&actix_outbox_console::Consoles, Option<&str>)>,
-    running: &mut Vec<Running>,
-) {
-    let mut found = Vec::new();
-    for database in args.database.each() {
-        match discover(&database, pattern).await {
-            Ok(schemas) => found.extend(schemas.into_iter().map(|schema| in_schema(&database, &schema))),
-            Err(e) => {
-                warn!(error = %e, pattern, "looking for outbox schemas failed; trying again later");
-                return;
-            }
-        }
-    }
-    let same = |a: &DatabaseArgs, b: &DatabaseArgs| a.database_url == b.database_url && a.schema == b.schema;
-    let (kept, gone): (Vec<Running>, Vec<Running>) =
-        running.drain(..).partition(|r| found.iter().any(|f| same(f, &r.database)));
-    *running = kept;
-    for stopped in gone {
-        info!(outbox = stopped.relayed.name.as_deref(), "its schema is gone: stopping its dispatcher");
-        if let Some((consoles, _)) = console {
-            consoles.remove(&stopped.name());
-        }
-        let _ = stopped.relayed.supervisor.send(Shutdown).await;
-        stopped.sink.close().await;
-        relayed.lock().unwrap_or_else(|e| e.into_inner()).retain(|r| r.supervisor != stopped.relayed.supervisor);
-    }
-    for database in found {
-        if running.iter().any(|r| same(&r.database, &database)) {
-            continue;
-        }
-        let name = match args.name_of(&database, database.schema.as_deref()) {
-            Ok(name) => name.unwrap_or_else(|| "outbox".to_owned()),
-            Err(e) => {
-                warn!(error = %e, "a new outbox schema cannot be relayed");
-                continue;
-            }
-        };
-        let started = async {
-            let outbox = prepare(database, config, Some(name.clone())).await?;
-            let sink = sink_of(rabbit, Some(&name)).await?;
-            let one = start_one(outbox, sink, relayed)?;
-            if let Some((consoles, token)) = console {
-                match console_of(&one, args, token, true).await {
-                    Ok(page) => consoles.insert(name.clone(), page),
-                    Err(e) => warn!(outbox = %name, error = %e, "the console cannot show the new outbox"),
-                }
-            }
-            Ok::<_, CliError>(one)
-        };
-        match started.await {
-            Ok(one) => {
-                info!(outbox = %name, "new outbox schema found: relaying it");
-                running.push(one);
-            }
-            Err(e) => {
-                warn!(outbox = %name, error = %e, "a new outbox schema cannot be relayed yet; trying again later")
-            }
-        }
-    }
-}
-
-/// Connects the RabbitMQ sink, retrying with capped, jittered exponential backoff while the
-/// broker is unreachable. A broker that answers but refuses (credentials, vhost, an exchange of
-/// another type) is a failure: retrying would not help.
-async fn connect_broker(config: RabbitConfig) -> Result<RabbitSink, CliError> {
-    let mut ceiling = BROKER_RETRY_MIN;
-    loop {
-        match RabbitSink::connect(config.clone()).await {
-            // The sink logs the connection itself.
-            Ok(sink) => return Ok(sink),
-            Err(e) if e.is_transient() => {
-                // Half fixed, half jitter: never hammers the broker, and many dispatchers
-                // started together do not reconnect in step.
-                let delay = ceiling / 2 + ceiling.mul_f64(rand::rng().random_range(0.0..0.5));
-                warn!(error = %e, retry_in = %humantime::format_duration(round_ms(delay)),
-                    "RabbitMQ unreachable; retrying");
-                tokio::time::sleep(delay).await;
-                ceiling = (ceiling * 2).min(BROKER_RETRY_MAX);
-            }
-            Err(e @ RabbitError::Config(_)) => return Err(CliError::BadInput(e.to_string())),
-            Err(e) => return Err(CliError::Failed(e.to_string())),
-        }
-    }
-}
-
-fn round_ms(d: Duration) -> Duration {
-    Duration::from_millis(d.as_millis() as u64)
-}
-
-/// SIGTERM and SIGINT, registered once for the life of the command (the second of either ends
-/// a graceful shutdown at once).
-struct Signals {
-    #[cfg(unix)]
-    terminate: tokio::signal::unix::Signal,
-    #[cfg(unix)]
-    interrupt: tokio::signal::unix::Signal,
-}
-
-impl Signals {
-    fn register() -> Result<Self, CliError> {
-        #[cfg(unix)]
-        {
-            use tokio::signal::unix::{SignalKind, signal};
-            let failed = |e: std::io::Error| CliError::Failed(format!("cannot install the signal handlers: {e}"));
-            Ok(Self {
-                terminate: signal(SignalKind::terminate()).map_err(failed)?,
-                interrupt: signal(SignalKind::interrupt()).map_err(failed)?,
-            })
-        }
-        #[cfg(not(unix))]
-        Ok(Self {})
-    }
-
-    /// The name of the next signal received.
-    async fn recv(&mut self) -> &'static str {
-        #[cfg(unix)]
-        {
-            tokio::select! {
-                _ = self.terminate.recv() => "SIGTERM",
-                _ = self.interrupt.recv() => "SIGINT",
-            }
-        }
-        #[cfg(not(unix))]
-        {
-            let _ = tokio::signal::ctrl_c().await;
-            "Ctrl-C"
-        }
     }
 }
 
