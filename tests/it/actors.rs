@@ -262,8 +262,10 @@ async fn a_claim_actor_that_dies_with_its_claim_unanswered_leaves_no_row_to_its_
     .await;
 
     all_done(&db, 10).await;
-    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
+    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
     let mut got: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
     got.sort();
     assert_eq!(got, ids, "each row published once");
@@ -713,8 +715,10 @@ async fn a_row_committed_after_a_thousand_later_rows_were_published_is_published
     })
     .await;
     all_done(&db, 1001).await;
-    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
+    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
     seen.sort_unstable();
     let mut expected = later.clone();
     expected.push(late);
@@ -795,8 +799,10 @@ async fn finalize_with_lost_answer(retention: actix_outbox::Retention) -> (TestD
         saw(dispatcher.send(GetMetrics).await.unwrap(), |m| m.done + m.lost_leases + m.finalize_errors > 1)
     })
     .await;
-    let m = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
+    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let m = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!((m.done, m.lost_leases, m.finalize_errors), (2, 0, 0), "{m:?}");
     (db, id)
 }
@@ -817,8 +823,10 @@ async fn the_dispatcher_recovers_when_its_database_connections_drop() {
     proxy.sever();
     ids.extend(db.seed(50, "b").await);
     all_done(&db, 100).await;
-    let m = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
+    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let m = dispatcher.send(GetMetrics).await.unwrap();
 
     let mut published: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
     published.sort();
@@ -843,8 +851,10 @@ async fn delete_retention_deletes_each_confirmed_row_and_keeps_the_dead_ones() {
     let config = config().workers(3).batch(7).retention(actix_outbox::Retention::Delete);
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "only the dead row left", || async { saw(db.rows().await.len(), |v| *v == 1) }).await;
-    let m = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row is gone from the table when its
+    // finalize commits, a moment before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let m = dispatcher.send(GetMetrics).await.unwrap();
 
     let rows = db.rows().await;
     assert_eq!(rows.iter().map(|r| (r.id, r.status, r.attempts)).collect::<Vec<_>>(), vec![(poison, Status::Dead, 1)]);

@@ -212,8 +212,10 @@ async fn a_database_outage_costs_no_lease_and_publishes_nothing_twice() {
         saw(db.count_status("done").await, |v| *v == 600)
     })
     .await;
-    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
+    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
     let mut seen = BTreeMap::new();
     copies(&mut rx, &mut seen);
     assert_eq!(seen.keys().copied().collect::<Vec<_>>(), ids, "every row delivered");
@@ -246,8 +248,10 @@ async fn a_heartbeat_never_follows_its_rows_outcome() {
     db.seed(400, "beat").await;
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "every row done", || async { saw(db.count_status("done").await, |v| *v == 400) }).await;
-    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
+    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
     let mut seen = BTreeMap::new();
     copies(&mut rx, &mut seen);
     assert_eq!(seen.len(), 400);

@@ -45,14 +45,33 @@ enum Beside {
     AnotherOutbox,
 }
 
-/// Drains `rows` rows through `sink`, counting its concurrency; returns the peak.
+/// How long a run goes on.
+#[derive(Clone, Copy)]
+enum Until {
+    /// Every one of this many rows is done: for a bound the whole drain must keep.
+    AllDone(usize),
+    /// The sink has seen this many publishes at once: for a window that must open, however
+    /// long the host takes to get there (a backlog far larger than it needs is seeded).
+    PeakReaches(usize),
+}
+
+/// Rows seeded for [`Until::PeakReaches`]: at 400 in flight and 300 ms a publish, a minute's
+/// worth on a fast host.
+const BACKLOG: usize = 20_000;
+
+/// Runs the dispatcher over a seeded table through `sink`, counting its concurrency, until
+/// `until`; returns the peak.
 async fn drain(
-    rows: usize,
+    until: Until,
     concurrency: Arc<Concurrency>,
     sink: impl actix_outbox::Publisher,
     beside: Beside,
 ) -> usize {
     let db = TestDb::new().await;
+    let rows = match until {
+        Until::AllDone(rows) => rows,
+        Until::PeakReaches(_) => BACKLOG,
+    };
     db.seed(rows, "a").await;
     let other = match beside {
         Beside::Nothing => None,
@@ -62,17 +81,32 @@ async fn drain(
         .as_ref()
         .map(|other| OutboxSupervisor::start(config(), other.pool.clone(), ChannelSink::new().0).unwrap());
     let dispatcher = OutboxSupervisor::start(config(), db.pool.clone(), sink).unwrap();
-    eventually(PATIENCE, &format!("{rows} rows done"), || async {
-        saw(db.count_status("done").await, |v| *v == rows as i64)
-    })
-    .await;
-    let metrics = dispatcher.send(GetMetrics).await.unwrap();
+    match until {
+        Until::AllDone(rows) => {
+            eventually(PATIENCE, &format!("{rows} rows done"), || async {
+                saw(db.count_status("done").await, |v| *v == rows as i64)
+            })
+            .await
+        }
+        Until::PeakReaches(peak) => {
+            eventually(PATIENCE, &format!("{peak} publishes at once"), || async {
+                saw(concurrency.peak.load(Ordering::SeqCst), |v| *v >= peak)
+            })
+            .await
+        }
+    }
     dispatcher.send(Shutdown).await.unwrap();
+    let metrics = dispatcher.send(GetMetrics).await.unwrap();
     if let Some(neighbour) = neighbour {
         neighbour.send(Shutdown).await.unwrap();
     }
-    assert_eq!((metrics.claimed, metrics.published, metrics.done), (rows as u64, rows as u64, rows as u64));
-    assert_eq!(concurrency.published.load(Ordering::SeqCst), rows, "each row published once");
+    // The shutdown waited for every publish under way and its finalize.
+    let published = concurrency.published.load(Ordering::SeqCst);
+    assert_eq!((metrics.published, metrics.done, metrics.lost_leases), (published as u64, published as u64, 0));
+    assert_eq!(db.count_status("done").await, published as i64, "each row published once, and done");
+    if let Until::AllDone(rows) = until {
+        assert_eq!((metrics.claimed, published), (rows as u64, rows), "each row published once");
+    }
     concurrency.peak.load(Ordering::SeqCst)
 }
 
@@ -98,7 +132,8 @@ fn queueing_sink(concurrency: &Arc<Concurrency>) -> impl actix_outbox::Publisher
 #[actix_rt::test]
 async fn beside_another_outbox_a_sink_whose_answers_queue_gets_one_workers_window_not_four() {
     let concurrency = Arc::new(Concurrency::default());
-    let peak = drain(2_000, concurrency.clone(), queueing_sink(&concurrency), Beside::AnotherOutbox).await;
+    let peak =
+        drain(Until::AllDone(2_000), concurrency.clone(), queueing_sink(&concurrency), Beside::AnotherOutbox).await;
     assert!(peak <= 100, "at most one worker's window in flight in front of a queueing sink, saw {peak}");
     assert!(peak >= 50, "at least a batch in flight, saw {peak}");
 }
@@ -108,9 +143,9 @@ async fn beside_another_outbox_a_sink_whose_answers_queue_gets_one_workers_windo
 #[actix_rt::test]
 async fn alone_a_dispatcher_keeps_every_workers_window() {
     let concurrency = Arc::new(Concurrency::default());
-    let peak = drain(2_000, concurrency.clone(), queueing_sink(&concurrency), Beside::Nothing).await;
     // Not exactly 400 at the sink: a row whose answer came is in flight until its finalize, while
     // the sink already works on the next.
+    let peak = drain(Until::PeakReaches(301), concurrency.clone(), queueing_sink(&concurrency), Beside::Nothing).await;
     assert!(peak > 300, "more than three workers' windows in flight at once, saw {peak}");
 }
 
@@ -126,6 +161,6 @@ async fn beside_another_outbox_a_sink_slow_in_parallel_gets_every_workers_window
         seen.leave();
         Ok(())
     });
-    let peak = drain(4_000, concurrency, sink, Beside::AnotherOutbox).await;
-    assert_eq!(peak, 400, "every worker's window in flight");
+    let peak = drain(Until::PeakReaches(400), concurrency, sink, Beside::AnotherOutbox).await;
+    assert_eq!(peak, 400, "every worker's window in flight, and never more");
 }
