@@ -51,8 +51,10 @@ async fn the_pruner_deletes_exactly_the_expired_done_rows() {
         .sink_probe_interval(Duration::from_secs(3600));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     eventually(WITHIN, "five rows pruned", || async { db.scalar("SELECT count(*) AS n FROM outbox").await == 7 }).await;
-    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
-    // before the finalizer counts it.
+    // The pruner counts a stretch once its delete has committed: a moment after the table shows it
+    // (and a shutdown does not wait for a pass).
+    eventually(WITHIN, "five rows counted pruned", || async { dispatcher.send(GetMetrics).await.unwrap().pruned == 5 })
+        .await;
     dispatcher.send(Shutdown).await.unwrap();
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     let left: BTreeSet<i64> = db.rows().await.iter().map(|r| r.id).collect();
@@ -84,8 +86,6 @@ async fn keep_prunes_nothing_and_purge_still_deletes_by_age() {
         .sink_probe_interval(Duration::from_secs(3600));
     let dispatcher = OutboxSupervisor::start(config, db.pool.clone(), sink).unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    // After the shutdown, which waits for the finalizes: a row's new state is committed a moment
-    // before the finalizer counts it.
     dispatcher.send(Shutdown).await.unwrap();
     let metrics = dispatcher.send(GetMetrics).await.unwrap();
     assert_eq!((metrics.pruned, db.rows().await.len()), (0, 4));
