@@ -19,6 +19,7 @@ const DEFAULT_BACKOFF_CAP: Duration = Duration::from_secs(300);
 const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pause after a claim that came back short, by default.
 const DEFAULT_POLL_INTERVAL: Duration = Duration::from_millis(500);
+const DEFAULT_LINGER: Duration = Duration::from_millis(20);
 /// Payload bytes a dispatcher holds claimed at once, by default (64 MiB).
 const DEFAULT_MAX_IN_FLIGHT_BYTES: usize = 64 * 1024 * 1024;
 /// Pause between two probes of an unavailable sink, by default.
@@ -93,6 +94,16 @@ pub struct DispatcherConfig {
     pub publish_timeout: Duration,
     /// Pause (with ±25 % jitter) after a claim that came back short. Default 500 ms.
     pub poll_interval: Duration,
+    /// While rows stream in, the longest a new row waits for others before a claim takes it:
+    /// the insert listener then wakes a worker once a quarter of a batch has come in at the
+    /// rate rows are being claimed, or after this long, whichever is first (and at least every
+    /// 2 ms). Each claim costs the database a statement, a commit and a finalize whatever it
+    /// takes, so claims that take 40 rows instead of 4 cost it a fraction per message; the price
+    /// is latency while traffic is light (at 1,000 rows a second with the default, commit to
+    /// consumer p99 was 24 ms against 14 ms with 10 ms; the operations guide's "Latency and
+    /// cost"). An idle dispatcher's first row is claimed at once, whatever this says. Default
+    /// 20 ms.
+    pub linger: Duration,
     /// A deferral of a row older than this (since `created_at`) sends it dead instead, so that a
     /// deferral that never ends does end. Default 7 days.
     pub max_defer_age: Duration,
@@ -183,6 +194,7 @@ impl Default for DispatcherConfig {
     /// | [`backoff_cap`](DispatcherConfig::backoff_cap) | 300 s |
     /// | [`publish_timeout`](DispatcherConfig::publish_timeout) | 10 s |
     /// | [`poll_interval`](DispatcherConfig::poll_interval) | 500 ms |
+    /// | [`linger`](DispatcherConfig::linger) | 20 ms |
     /// | [`max_defer_age`](DispatcherConfig::max_defer_age) | 7 days |
     /// | [`owner`](DispatcherConfig::owner) | `<hostname>:<pid>` |
     /// | [`finalize_batch`](DispatcherConfig::finalize_batch) | 1000 |
@@ -216,6 +228,7 @@ impl Default for DispatcherConfig {
             backoff_cap: DEFAULT_BACKOFF_CAP,
             publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
             poll_interval: DEFAULT_POLL_INTERVAL,
+            linger: DEFAULT_LINGER,
             max_defer_age: DEFAULT_MAX_DEFER_AGE,
             owner: default_owner(),
             finalize_batch: 1000,
@@ -306,6 +319,8 @@ impl DispatcherConfig {
         publish_timeout: Duration,
         /// Sets [`DispatcherConfig::poll_interval`].
         poll_interval: Duration,
+        /// Sets [`DispatcherConfig::linger`].
+        linger: Duration,
         /// Sets [`DispatcherConfig::max_defer_age`].
         max_defer_age: Duration,
         /// Sets [`DispatcherConfig::owner`].

@@ -15,6 +15,7 @@
 //! | --- | --- | --- | --- |
 //! | `outbox_claimed_total` | counter | | rows leased by claims (a probe's row included) |
 //! | `outbox_claims_total` | counter | | claim statements that ran, empty ones included (rows per claim: claimed ÷ claims) |
+//! | `outbox_finalizes_total` | counter | | finalize statements that wrote outcomes (rows per finalize: finalized ÷ finalizes) |
 //! | `outbox_published_total` | counter | | publishes the sink acknowledged |
 //! | `outbox_finalized_total` | counter | `outcome`: `done`, `retried`, `deferred`, `released`, `dead` | rows whose fenced outcome was written: `done`; back to pending after a retryable failure (`retried`), a deferral (`deferred`) or an outage, attempt refunded (`released`); `dead` (retries exhausted, permanent failure, deferred too long) |
 //! | `outbox_reaped_total` | counter | | rows the sweep's reaper sent dead (lease expired with no attempt left) |
@@ -124,6 +125,10 @@ counters! {
     /// Claim statements that ran (those that found nothing included): `claimed / claims` is the
     /// rows a claim takes, which the insert listener's lingering raises while rows trickle in.
     claims: counter("outbox_claims_total", &[]),
+    /// Finalize statements that wrote outcomes (one per outcome kind a flush carries):
+    /// `finalized / finalizes` is the rows a statement writes, which the finalizer's gathering
+    /// of a claim's rows raises in steady traffic.
+    finalizes: counter("outbox_finalizes_total", &[]),
     /// Publishes the sink acknowledged.
     published: counter("outbox_published_total", &[]),
     /// Rows finalized `done`.
@@ -178,6 +183,11 @@ impl Metrics {
         } else {
             metrics::counter!(series.name, series.labels.iter()).increment(n as u64);
         }
+    }
+
+    /// A counter's or gauge's value now.
+    pub(crate) fn value(series: &Series) -> u64 {
+        series.value.load(Relaxed)
     }
 
     /// Lowers a gauge.
@@ -285,6 +295,7 @@ impl Metrics {
 const HELP: &[(&str, MetricKind, &str)] = &[
     ("outbox_claimed_total", MetricKind::Counter, "Rows leased by claims (a probe's row included)."),
     ("outbox_claims_total", MetricKind::Counter, "Claim statements that ran, empty ones included."),
+    ("outbox_finalizes_total", MetricKind::Counter, "Finalize statements that wrote outcomes."),
     ("outbox_published_total", MetricKind::Counter, "Publishes the sink acknowledged."),
     (
         "outbox_finalized_total",

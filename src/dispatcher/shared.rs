@@ -66,6 +66,7 @@ impl Shared {
         let publishing = (0..config.workers).map(|_| Mutex::default()).collect();
         let pace = super::pace::Pace::new(config.max_rate, config.batch);
         let window = super::window::Window::new(config.workers, config.in_flight_limit(), config.batch);
+        let wakeups = Arc::new(Wakeups::new(config.linger));
         let source = OnceLock::new();
         if let Some(name) = &config.source {
             let _ = source.set(Arc::from(name.as_str()));
@@ -78,7 +79,7 @@ impl Shared {
             metrics,
             gate,
             db: DbHealth::default(),
-            wakeups: Arc::default(),
+            wakeups,
             publishing,
             summary: Default::default(),
             source,

@@ -9,7 +9,7 @@ use diesel::sql_types::{Array, BigInt, Bool, Int4, Int8, Interval, Nullable, Tex
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection, TransactionManager};
 
 use super::cursor::{Cursor, Snapshot, Taken};
-use super::pool::{in_transaction, through_indexes};
+use super::pool::{in_transaction_set, through_indexes};
 use super::prepared::{Prepared, prepared};
 use super::sql::{CLAIM_FIFO_SQL, CLAIM_FIFO_TYPES_SQL, CLAIM_SQL, EXPLAIN, EXPLAIN_ANALYZE, RELEASE_UNANSWERED_SQL};
 use crate::config::Fifo;
@@ -125,11 +125,7 @@ pub(crate) const CLAIM_PLANNING: &str =
 /// processes and lease takeovers without any lock beyond the claimed rows.
 pub async fn claim(conn: &mut AsyncPgConnection, params: &ClaimParams<'_>) -> Result<Claim, StoreError> {
     let query = claim_query(claim_sql(params.fifo), params)?;
-    let rows: Vec<ClaimRow> = in_transaction(conn, async |conn| {
-        conn.batch_execute(CLAIM_PLANNING).await?;
-        query.load(conn).await
-    })
-    .await?;
+    let rows: Vec<ClaimRow> = in_transaction_set(conn, CLAIM_PLANNING, async |conn| query.load(conn).await).await?;
     let mut claim = Claim::default();
     let mut taken = Taken::default();
     let mut snapshot = None;

@@ -616,11 +616,7 @@ pub(crate) async fn through_indexes<T, E>(
 where
     E: From<diesel::result::Error>,
 {
-    in_transaction(conn, async |conn| {
-        conn.batch_execute("SET LOCAL enable_seqscan = off; SET LOCAL jit = off").await?;
-        f(conn).await
-    })
-    .await
+    in_transaction_set(conn, "SET LOCAL enable_seqscan = off; SET LOCAL jit = off", f).await
 }
 
 /// Runs `f` on `conn` in a transaction of its own (committed when `f` succeeds, rolled back
@@ -640,7 +636,20 @@ pub(crate) async fn in_transaction<T, E>(
 where
     E: From<diesel::result::Error>,
 {
-    transaction(conn, IDLE_IN_TRANSACTION, f).await
+    transaction(conn, IDLE_IN_TRANSACTION, "", f).await
+}
+
+/// [`in_transaction`], with `settings` (`SET LOCAL` statements) run first, in the same round
+/// trip as its `BEGIN` when the transaction is its own.
+pub(crate) async fn in_transaction_set<T, E>(
+    conn: &mut AsyncPgConnection,
+    settings: &str,
+    f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
+) -> Result<T, E>
+where
+    E: From<diesel::result::Error>,
+{
+    transaction(conn, IDLE_IN_TRANSACTION, settings, f).await
 }
 
 /// [`in_transaction`], the transaction ended by the server (its session terminated, its locks
@@ -654,12 +663,13 @@ pub(crate) async fn in_transaction_idle<T, E>(
 where
     E: From<diesel::result::Error>,
 {
-    transaction(conn, idle, f).await
+    transaction(conn, idle, "", f).await
 }
 
 async fn transaction<T, E>(
     conn: &mut AsyncPgConnection,
     idle: Duration,
+    settings: &str,
     f: impl AsyncFnOnce(&mut AsyncPgConnection) -> Result<T, E>,
 ) -> Result<T, E>
 where
@@ -667,10 +677,13 @@ where
 {
     let depth = AnsiTransactionManager::transaction_manager_status_mut(conn).transaction_depth();
     if !matches!(depth, Ok(None)) {
+        if !settings.is_empty() {
+            conn.batch_execute(settings).await?;
+        }
         return f(conn).await;
     }
-    // One round trip, as a plain BEGIN.
-    let begin = format!("{}{}", super::sql::BEGIN_IDLE_BOUNDED, idle.as_millis().max(1));
+    // One round trip, as a plain BEGIN, the settings with it.
+    let begin = format!("{}{}; {settings}", super::sql::BEGIN_IDLE_BOUNDED, idle.as_millis().max(1));
     AnsiTransactionManager::begin_transaction_sql(conn, &begin).await?;
     match f(conn).await {
         Ok(value) => {

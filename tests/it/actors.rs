@@ -62,6 +62,25 @@ async fn four_workers_publish_each_row_exactly_once() {
     assert_eq!((m.claimed, m.published, m.done, m.lost_leases, m.retried, m.dead), (100, 100, 100, 0, 0, 0));
 }
 
+/// A claim's rows, confirmed one publish at a time, are finalized in one statement: the
+/// finalizer waits for every row in flight to report (a flush per arrival wrote the first row
+/// alone and the other 39 in a second statement).
+#[actix_rt::test]
+async fn a_claims_rows_are_finalized_in_one_statement() {
+    let db = TestDb::new().await;
+    let ids = db.seed(40, "a").await;
+    let (sink, mut rx) = ChannelSink::new();
+    let dispatcher = OutboxSupervisor::start(config().workers(1).batch(200), db.pool.clone(), sink).unwrap();
+    all_done(&db, 40).await;
+    dispatcher.send(Shutdown).await.unwrap();
+
+    let mut published: Vec<i64> = drain(&mut rx).iter().map(|m| m.id).collect();
+    published.sort();
+    assert_eq!(published, ids);
+    let m = dispatcher.send(GetMetrics).await.unwrap();
+    assert_eq!((m.claimed, m.done, m.finalizes), (40, 40, 1), "one claim of 40 rows, one finalize of 40");
+}
+
 /// Many claims from several workers share the work: with 4 workers and small batches more
 /// than one worker claims.
 #[actix_rt::test]

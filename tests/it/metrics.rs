@@ -144,6 +144,7 @@ async fn every_counter_is_exported_at_zero_from_the_start() {
         "outbox_finalized_total{outcome=done}",
         "outbox_finalized_total{outcome=released}",
         "outbox_finalized_total{outcome=retried}",
+        "outbox_finalizes_total",
         "outbox_leases_expired_total",
         "outbox_lost_leases_total",
         "outbox_pruned_total",

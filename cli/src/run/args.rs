@@ -137,6 +137,9 @@ pub struct RunArgs {
     /// Pause after a claim that found fewer rows than a batch
     #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.poll_interval.into())]
     pub poll_interval: humantime::Duration,
+    /// While rows stream in, the longest a new row waits for others before a claim takes it (fewer, larger claims: less database work per message, more latency; at least 2ms)
+    #[arg(long, value_name = "DURATION", default_value_t = DISPATCHER.linger.into())]
+    pub linger: humantime::Duration,
     /// How often to log a summary at info (published, retried, deferred, dead, reaped, lost leases, backlog, oldest row's age); 0 turns it off
     #[arg(long, value_name = "DURATION", default_value = "60s")]
     pub summary_interval: humantime::Duration,
@@ -268,6 +271,7 @@ impl RunArgs {
             .max_attempts(self.max_attempts)
             .publish_timeout(self.publish_timeout.into())
             .poll_interval(self.poll_interval.into())
+            .linger(self.linger.into())
             .listen_for_inserts(!self.no_listen)
             .summary_interval(Some(Duration::from(self.summary_interval)).filter(|d| !d.is_zero()))
             .retention(self.retention);
