@@ -147,8 +147,8 @@ pub(crate) struct FinalizeActor {
     idle_waiters: Vec<oneshot::Sender<()>>,
 }
 
-/// How long a write that finds the finalizer idle waits for the other rows in flight before it
-/// is flushed alone.
+/// How long a `done` mark that finds the finalizer idle waits for the other rows in flight
+/// before it is flushed alone (other outcomes go at once).
 ///
 /// A claim's rows are confirmed by the broker in a few groups, a millisecond or two apart, and
 /// flushing each group as it came cost a statement (and a commit) for every ten rows in steady
@@ -210,12 +210,15 @@ impl Handler<Finalize> for FinalizeActor {
 
     fn handle(&mut self, msg: Finalize, ctx: &mut Context<Self>) {
         // The reply is dropped unanswered only if the actor dies first.
+        let done = matches!(msg.step, Step::Done(_));
         self.queue.push(msg);
         if self.flushing {
             // The flush running takes it next.
             return;
         }
-        if self.gathered() {
+        // Only `done` marks wait: a retry, a release or a dead row changes what claims and
+        // probes find next, and is rare in steady traffic.
+        if !done || self.gathered() {
             self.flush(ctx);
         } else if self.gathering.is_none() {
             self.gathering = Some(ctx.run_later(GATHER, |act, ctx| {

@@ -87,9 +87,9 @@ pub(crate) const BUSY_TICK: Duration = Duration::from_millis(2);
 /// arming keeps failing: another dispatcher is armed, or a producer transaction is open).
 pub(crate) const BUSY_TICK_MAX: Duration = Duration::from_millis(100);
 
-/// While disarmed, arm once the pause between wake-ups has grown to this (two empty claims in a
-/// row).
-const ARM_AFTER: Duration = Duration::from_millis(8);
+/// While disarmed, arm once this many looks in a row found only empty claims since the one
+/// before (and no claim with rows).
+const ARM_AFTER: u32 = 2;
 
 /// The channel a leading listener notifies (with its table's qualified name, as [`CHANNEL`])
 /// when its workers find a backlog (claims that come
@@ -405,6 +405,7 @@ async fn listen_once(
     // follows the first arming, or by the busy ticks.
     let mut tick = BUSY_TICK;
     let mut seen = wakeups.counts();
+    let mut empty_looks = 0;
     let mut try_now = true;
     let mut whole_seen = AtomicU64::load(&wakeups.whole_batches, Relaxed);
     let mut linger = Linger::new(AtomicU64::load(&wakeups.rows, Relaxed));
@@ -432,6 +433,7 @@ async fn listen_once(
             wakeups.armed.store(false, Relaxed);
             tick = BUSY_TICK;
             seen = wakeups.counts();
+            empty_looks = 0;
             linger = Linger::new(AtomicU64::load(&wakeups.rows, Relaxed));
             try_now = false;
             continue;
@@ -444,14 +446,18 @@ async fn listen_once(
         let pause = linger.next(rows, AtomicU64::load(&wakeups.batch, Relaxed), wakeups.linger);
         if now.1 > seen.1 {
             tick = pause;
+            empty_looks = 0;
         } else if drained {
             tick = (tick * 2).min(BUSY_TICK_MAX);
+            empty_looks += 1;
         }
         seen = now;
-        // Arm after a few empty claims in a row (the pause has doubled twice), not after the
-        // first: a producer committing row after row would otherwise find it armed between
-        // two rows, and notify.
-        if (try_now || (drained && tick >= ARM_AFTER)) && session.run(async |c| try_lock(c, armed_key).await).await? {
+        // Arm after empty claims in a row, not after the first: a producer committing row after
+        // row would otherwise find it armed between two rows, and notify. Never while claims
+        // still find rows (an empty claim beside them is a worker that raced another): armed
+        // with a backlog left, the listener would neither tick nor call the fleet for help.
+        let drained = drained && empty_looks >= ARM_AFTER;
+        if (try_now || drained) && session.run(async |c| try_lock(c, armed_key).await).await? {
             debug!("table drained: armed, inserts notify");
             wakeups.armed.store(true, Relaxed);
             // Every producer that saw the lock free has committed: one more claim finds its rows.
