@@ -257,10 +257,13 @@ async fn run_relays_the_outboxes_of_several_schemas_each_under_its_own_name() {
         sources.iter().map(tail).collect::<Vec<_>>(),
         ["tenant_a.outbox", "tenant_a.outbox", "tenant_a.outbox", "tenant_b.outbox", "tenant_b.outbox"]
     );
+    // The broker had the messages before their confirms reached the relay: wait for both
+    // outboxes' rows to be done (each publish is counted before its row's outcome is written).
     let page = until("both outboxes' counters", async || {
         let page = http_get(&addr, "/metrics").await.1;
-        let done = sample(&page, r#"outbox_finalized_total{outcome="done",outbox="tenant_b.outbox"}"#);
-        (done == Some(2.0)).then_some(page).ok_or(done)
+        let done = ["tenant_a", "tenant_b"]
+            .map(|t| sample(&page, &format!(r#"outbox_finalized_total{{outcome="done",outbox="{t}.outbox"}}"#)));
+        (done == [Some(3.0), Some(2.0)]).then_some(page).ok_or(done)
     })
     .await;
     assert_eq!(sample(&page, r#"outbox_published_total{outbox="tenant_a.outbox"}"#), Some(3.0), "{page}");
