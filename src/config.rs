@@ -98,11 +98,9 @@ pub struct DispatcherConfig {
     /// the insert listener then wakes a worker once a quarter of a batch has come in at the
     /// rate rows are being claimed, or after this long, whichever is first (and at least every
     /// 2 ms). Each claim costs the database a statement, a commit and a finalize whatever it
-    /// takes, so claims that take 40 rows instead of 4 cost it a fraction per message; the price
-    /// is latency while traffic is light (at 1,000 rows a second with the default, commit to
-    /// consumer p99 was 24 ms against 14 ms with 10 ms; the operations guide's "Latency and
-    /// cost"). An idle dispatcher's first row is claimed at once, whatever this says. Default
-    /// 20 ms.
+    /// takes, so larger claims cost it less per message; the price is latency while traffic is
+    /// light (the operations guide's "Latency and cost"). An idle dispatcher's first row is
+    /// claimed at once, whatever this says. Default 20 ms.
     pub linger: Duration,
     /// A deferral of a row older than this (since `created_at`) sends it dead instead, so that a
     /// deferral that never ends does end. Default 7 days.

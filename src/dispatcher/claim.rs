@@ -326,7 +326,7 @@ impl ClaimActor {
                         act.shared.pace.refund(batch - n);
                     }
                     if !probe {
-                        act.shared.wakeups.claimed(n, batch, act.shared.config.batch);
+                        act.shared.wakeups.claimed(n, batch);
                     }
                     Metrics::add(&metrics.claimed, n);
                     Metrics::add(&metrics.claims, 1);

@@ -151,8 +151,8 @@ pub(crate) struct FinalizeActor {
 /// before it is flushed alone (other outcomes go at once).
 ///
 /// A claim's rows are confirmed by the broker in a few groups, a millisecond or two apart, and
-/// flushing each group as it came cost a statement (and a commit) for every ten rows in steady
-/// traffic: twice the claims. Waiting until every row in flight has reported, or this long,
+/// flushing each group as it came cost a statement (and a commit) for each group: several a
+/// claim in steady traffic. Waiting until every row in flight has reported, or this long,
 /// makes it one statement a claim. It delays only the `done` mark: the message has left, and a
 /// consumer's latency does not change. Under the FIFO gate nothing waits (an aggregate's next
 /// row waits for this one's `done`).

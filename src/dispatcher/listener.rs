@@ -131,8 +131,8 @@ pub(crate) struct Wakeups {
     whole_batches: AtomicU64,
     /// Rows claimed.
     rows: AtomicU64,
-    /// The dispatcher's batch, as the claims last said.
-    batch: AtomicU64,
+    /// The dispatcher's batch.
+    batch: u64,
     /// The listener holds the armed lock.
     armed: AtomicBool,
     /// Another dispatcher's listener leads: this one's workers poll less often.
@@ -140,21 +140,19 @@ pub(crate) struct Wakeups {
 }
 
 impl Wakeups {
-    /// For a dispatcher whose rows wait at most `linger` for company.
-    pub(crate) fn new(linger: Duration) -> Self {
-        Self { linger, ..Self::default() }
+    /// For a dispatcher whose rows wait at most `linger` for company and whose batch is `batch`.
+    pub(crate) fn new(linger: Duration, batch: usize) -> Self {
+        Self { linger, batch: batch as u64, ..Self::default() }
     }
 
-    /// A claim that asked for `asked` rows (the dispatcher's batch being `batch`) came back with
-    /// `rows`.
-    pub(crate) fn claimed(&self, rows: usize, asked: usize, batch: usize) {
+    /// A claim that asked for `asked` rows came back with `rows`.
+    pub(crate) fn claimed(&self, rows: usize, asked: usize) {
         let counter = if rows == 0 { &self.empty_claims } else { &self.full_claims };
         counter.fetch_add(1, Relaxed);
         if rows == asked {
             self.whole_batches.fetch_add(1, Relaxed);
         }
         self.rows.fetch_add(rows as u64, Relaxed);
-        self.batch.store(batch as u64, Relaxed);
     }
 
     /// Whether this dispatcher's listener follows another's lead.
@@ -443,7 +441,7 @@ async fn listen_once(
         let now = wakeups.counts();
         let drained = now.0 > seen.0;
         let rows = AtomicU64::load(&wakeups.rows, Relaxed);
-        let pause = linger.next(rows, AtomicU64::load(&wakeups.batch, Relaxed), wakeups.linger);
+        let pause = linger.next(rows, wakeups.batch, wakeups.linger);
         if now.1 > seen.1 {
             tick = pause;
             empty_looks = 0;
@@ -491,12 +489,11 @@ async fn listen_once(
 /// arrives at the rate rows were claimed lately, at least [`BUSY_TICK`] and at most the
 /// dispatcher's [`linger`](crate::DispatcherConfig::linger).
 ///
-/// In steady traffic a claim then takes a quarter of a batch (50 rows with the defaults), or
-/// what arrives within the linger, rather than the few rows a fixed short pause gathers: a
-/// claim costs the database a statement, a commit and a finalize of its own whatever it takes.
-/// At 2,000 rows a second a fixed 10-ms pause made claims of 23 rows, and the relay's
-/// PostgreSQL spent 53 µs a message; 20 ms and finalizes gathered a claim at a time (see the
-/// finalizer's `GATHER`), 30 µs. A faster stream gets a shorter pause and claims as large.
+/// In steady traffic a claim then takes a quarter of a batch, or what arrives within the
+/// linger, rather than the few rows a fixed short pause gathers: a claim costs the database a
+/// statement, a commit and a finalize of its own whatever it takes (docs/benchmarks.md, "Cost
+/// per message in steady traffic", has the figures). A faster stream gets a shorter pause and
+/// claims as large.
 #[derive(Debug)]
 struct Linger {
     /// Rows claimed a second, smoothed over the last wake-ups (0: not known yet).

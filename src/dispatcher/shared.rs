@@ -66,7 +66,7 @@ impl Shared {
         let publishing = (0..config.workers).map(|_| Mutex::default()).collect();
         let pace = super::pace::Pace::new(config.max_rate, config.batch);
         let window = super::window::Window::new(config.workers, config.in_flight_limit(), config.batch);
-        let wakeups = Arc::new(Wakeups::new(config.linger));
+        let wakeups = Arc::new(Wakeups::new(config.linger, config.batch));
         let source = OnceLock::new();
         if let Some(name) = &config.source {
             let _ = source.set(Arc::from(name.as_str()));
