@@ -471,6 +471,12 @@ struct BrokerChild {
     source: String,
 }
 
+/// The allocator `actix-outbox run` ships with (see the command line's `main.rs`), so that the
+/// dispatcher is measured as it runs there.
+#[cfg(not(target_env = "msvc"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
