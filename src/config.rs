@@ -134,8 +134,10 @@ pub struct DispatcherConfig {
     /// unfinished row, expired leases, blocked aggregates under FIFO) into the gauges of the
     /// `metrics` facade; one aggregate statement a sample over the unfinished rows only, so its
     /// cost follows the backlog, not the history the table keeps (the `done` gauge is
-    /// PostgreSQL's estimate of the table's live rows less the unfinished ones). `None`: no
-    /// sampling. Default 5 s.
+    /// PostgreSQL's estimate of the table's live rows less the unfinished ones). A sample that
+    /// takes long (a backlog of millions of rows) spaces the next ones out, so that sampling
+    /// takes at most a twentieth of the time (pausing a minute at most);
+    /// `outbox_table_sample_age_seconds` says how old the gauges are. `None`: no sampling. Default 5 s.
     pub table_metrics_interval: Option<Duration>,
     /// How often the dispatcher logs a summary at `info`: messages published, retried, deferred
     /// and dead, rows reaped and leases lost since the last one, with the backlog and the oldest

@@ -69,6 +69,9 @@ pub struct OutboxSupervisor {
     next_wake: usize,
     /// A table sample is running (the next one due skips).
     sampling: bool,
+    /// The sampler's pace: how many of its ticks the last sample's cost skips, and how many of
+    /// those are left.
+    sample_pause: (u32, u32),
     /// A sweep is running (the next one due skips).
     sweeping: bool,
     /// Where the pruner's passes start; `Some` while a pass runs is `pruning`.
@@ -110,6 +113,7 @@ impl OutboxSupervisor {
             listener: None,
             next_wake: 0,
             sampling: false,
+            sample_pause: (0, 0),
             sweeping: false,
             pruner: Default::default(),
             pruning: false,
@@ -159,11 +163,23 @@ impl OutboxSupervisor {
         if self.sampling || self.state == State::Stopped || !self.shared.db.reachable() {
             return;
         }
+        // A costly sample (a large backlog) spaces the next ones out, so that sampling takes a
+        // bounded share of a connection while the dispatcher drains that backlog.
+        if self.sample_pause.1 > 0 {
+            self.sample_pause.1 -= 1;
+            return;
+        }
         self.sampling = true;
+        let started = Instant::now();
         let sample = super::sampler::sample(self.shared.clone());
         // A dispatcher that stopped while its sample ran reports nothing more.
-        ctx.spawn(sample.into_actor(self).map(|sampled, act, _| {
+        ctx.spawn(sample.into_actor(self).map(move |sampled, act, _| {
             act.sampling = false;
+            // Only an answer paces: a sample that failed (a database that did not answer) is
+            // tried again at the next tick.
+            let every = act.shared.config.table_metrics_interval.unwrap_or_default();
+            let skip = if sampled.is_ok() { super::sampler::ticks_to_skip(started.elapsed(), every) } else { 0 };
+            act.sample_pause = (skip, skip);
             if act.state != State::Stopped {
                 super::sampler::report(&act.shared, sampled);
             }
@@ -203,10 +219,11 @@ impl OutboxSupervisor {
     }
 
     /// How long a table sample stands for the table: two intervals and a query timeout (one
-    /// sample may skip, or take its time); older, the summary says how old it is instead.
+    /// sample may skip, or take its time), and the intervals its cost has the sampler skip;
+    /// older, the summary says how old it is instead.
     fn sample_fresh_for(&self) -> Duration {
         let config = &self.shared.config;
-        config.table_metrics_interval.unwrap_or_default() * 2 + self.shared.pool.query_timeout()
+        config.table_metrics_interval.unwrap_or_default() * (2 + self.sample_pause.0) + self.shared.pool.query_timeout()
     }
 
     fn check_sink(&mut self) {
