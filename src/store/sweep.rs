@@ -45,7 +45,7 @@ use crate::model::Fence;
 pub struct SweepParams {
     /// Rows whose lease expired at this many attempts are reaped.
     pub max_attempts: i32,
-    /// Rows read per run at most.
+    /// Rows walked per run at most (one more is read, to tell whether the last were passed).
     pub chunk: usize,
     /// A pending row passed by the claims is moved only once it is this old.
     pub stray_after: Duration,
@@ -163,23 +163,25 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
     let from: Position = pass.unwrap_or((horizon.xmax(), 0));
     let late: Vec<String> =
         if at_start { horizon.in_progress().iter().map(u64::to_string).collect() } else { Vec::new() };
-    let chunk = i64::try_from(params.chunk).unwrap_or(i64::MAX).max(1);
-    let rows: Vec<Row> = diesel::sql_query(SWEEP_STRETCH_SQL)
+    let chunk = i64::try_from(params.chunk).unwrap_or(i64::MAX).clamp(1, i64::MAX - 1);
+    // One row past the stretch, read only to tell whether the stretch's last rows were passed.
+    let mut rows: Vec<Row> = diesel::sql_query(SWEEP_STRETCH_SQL)
         .bind::<Array<Text>, _>(&late)
         .bind::<Text, _>(from.0.to_string())
         .bind::<Int8, _>(from.1)
-        .bind::<Int8, _>(chunk)
+        .bind::<Int8, _>(chunk + 1)
         .bind::<Interval, _>(interval(params.stray_after))
         .load(conn)
         .await?;
     let walked = rows.iter().filter(|r| r.txid.parse::<u64>().is_ok_and(|t| t >= horizon.xmax())).count();
-    let more = walked as i64 >= chunk;
+    let more = walked as i64 > chunk;
+    let next = if more { rows.pop() } else { None };
 
     // A pending row that is followed by a claimed one was passed by the claims.
     let mut expired = Vec::new();
     let mut strays = Vec::new();
     let mut reap = Vec::new();
-    let mut claimed_after = false;
+    let mut claimed_after = next.is_some_and(|r| r.state != PENDING);
     for row in rows.iter().rev() {
         match row.state {
             EXPIRED if row.attempts >= params.max_attempts => reap.push(row.id),

@@ -152,3 +152,28 @@ async fn a_row_the_claims_passed_while_it_was_locked_is_moved_by_the_sweep() {
     let row = db.row(b).await;
     assert_eq!((row.status, row.lease_version, row.attempts), (Status::Processing, 1, 1));
 }
+
+/// Rows the claims passed that end exactly where one of the sweep's stretches ends: the claimed
+/// rows that show they were passed lie in the next stretch. The sweep still finds them (it looks
+/// one row past its stretch), instead of missing them in every pass, whose stretches end at the
+/// same rows while they stay pending.
+#[tokio::test]
+async fn rows_passed_at_the_end_of_a_sweep_stretch_are_found() {
+    let db = TestDb::new().await;
+    let mut conn = db.conn().await;
+    let mut cursor = Cursor::at(horizon(&mut conn).await);
+    let [a, b, c, d] = db.seed(4, "a").await[..] else { unreachable!() };
+    let mut locker = db.conn().await;
+    locker.batch_execute(&format!("BEGIN; SELECT 1 FROM outbox WHERE id IN ({a}, {b}) FOR UPDATE")).await.unwrap();
+    assert_eq!(claim_with(&mut conn, &mut cursor).await, vec![c, d]);
+    locker.batch_execute("ROLLBACK").await.unwrap();
+
+    // Stretches of two rows: [a, b], then [c, d].
+    let params = SweepParams { max_attempts: 12, chunk: 2, stray_after: Duration::ZERO };
+    let mut strays = 0;
+    for _ in 0..4 {
+        strays += actix_outbox::testing::sweep(&mut conn, params).await.unwrap().expect("no other sweep runs").strays;
+    }
+    assert_eq!(strays, 2, "both passed rows are moved");
+    assert_eq!(claim_with(&mut conn, &mut cursor).await, vec![a, b], "the next claim takes them from outbox_later");
+}
