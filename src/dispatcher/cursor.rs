@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use actix::Recipient;
 
 use super::wake::Wake;
-use crate::store::{Cursor, Snapshot, Taken};
+use crate::store::{Cursor, Position, Snapshot, Taken};
 
 /// The cursor, and who waits for it.
 #[derive(Debug, Default)]
@@ -63,17 +63,22 @@ impl CursorSlot {
         Some(CursorLease { slot: self.clone(), cursor: state.cursor.clone(), forgotten: false })
     }
 
-    /// Moves the cursor to the outbox's horizon when that is ahead of it: every row visible in
-    /// the horizon is finished, so a cursor that lags (a dispatcher whose claims are rare) skips
-    /// what the others have done instead of scanning it. Not while a claim holds it.
+    /// Moves the cursor to the outbox's horizon when that is ahead of it (in its snapshot and in
+    /// where it starts): every row visible in the horizon is finished, so a cursor that lags (a
+    /// dispatcher whose claims are rare) skips what the others have done instead of scanning
+    /// it. Not while a claim holds it.
     pub(crate) fn catch_up(&self, horizon: &Snapshot) {
         let mut state = self.state();
         if state.held {
             return;
         }
+        // Ahead in position too: a horizon that a pass moved to just before the first unfinished
+        // transaction of a backlog covers the snapshot of a cursor deep in that backlog, and
+        // starting the cursor there would walk again what it passed.
         if let Some(cursor) = &state.cursor
             && horizon.covers(cursor.seen())
             && horizon != cursor.seen()
+            && Cursor::at(horizon.clone()).from() > cursor.from()
         {
             state.cursor = Some(Cursor::at(horizon.clone()));
         }
@@ -81,6 +86,12 @@ impl CursorSlot {
 }
 
 impl CursorSlot {
+    /// Where the claims have passed to: the cursor's [`Cursor::from`] as it stands between two
+    /// claims (a claim in flight has not moved it yet); `None` before the first claim.
+    pub(crate) fn passed(&self) -> Option<Position> {
+        self.state().cursor.as_ref().map(Cursor::from)
+    }
+
     /// Forgets the cursor, unless a claim holds it: the next claim starts it again at the
     /// outbox's horizon. After the database failed a claim: what answers next may be another
     /// server (a failover), whose transaction ids need not follow the cursor's.

@@ -35,7 +35,12 @@ pub(crate) type SweepResult = Result<Option<Swept>, crate::StoreError>;
 pub(crate) async fn sweep(shared: Arc<Shared>) -> SweepResult {
     let pool = &shared.pool;
     let mut conn = pool.checkout().await?;
-    let params = SweepParams { max_attempts: shared.config.max_attempts, chunk: CHUNK, stray_after: STRAY_AFTER };
+    let params = SweepParams {
+        max_attempts: shared.config.max_attempts,
+        chunk: CHUNK,
+        stray_after: STRAY_AFTER,
+        claimed_to: shared.cursor.passed(),
+    };
     pool.unit(&mut conn, async |c| store::sweep(c, params).await).await
 }
 

@@ -79,6 +79,14 @@ impl Snapshot {
         other.xmax <= self.xmax && self.xip.iter().all(|t| *t >= other.xmax || other.xip.contains(t))
     }
 
+    /// This snapshot without transaction `txid` and every later one: the transactions visible in
+    /// it are those visible here that are below `txid`.
+    pub fn before(&self, txid: u64) -> Snapshot {
+        let xmax = self.xmax.min(txid);
+        let xmin = self.xmin.min(xmax);
+        Snapshot { xmin, xmax, xip: self.xip.iter().copied().filter(|&t| t < xmax).collect() }
+    }
+
     /// The first transaction id that had not finished when the snapshot was taken.
     pub fn xmax(&self) -> u64 {
         self.xmax
@@ -224,6 +232,17 @@ mod tests {
         assert!(!snap("103:120:103").covers(&early));
         assert!(!snap("100:108:").covers(&early));
         assert!(!early.covers(&snap("104:120:105,112")));
+    }
+
+    #[test]
+    fn a_snapshot_cut_before_a_transaction_shows_only_those_below_it() {
+        let s = snap("100:110:102,105");
+        let cut = s.before(105);
+        assert_eq!(cut, snap("100:105:102"));
+        assert!(cut.visible(104) && !cut.visible(102) && !cut.visible(105) && !cut.visible(107));
+        assert!(s.covers(&cut) && !cut.covers(&s));
+        assert_eq!(s.before(98), snap("98:98:"), "below xmin: nothing from 98 on");
+        assert_eq!(s.before(200), s, "above xmax: the same snapshot");
     }
 
     #[test]

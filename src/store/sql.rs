@@ -372,8 +372,8 @@ SET horizon = $1::pg_snapshot, candidate = $2::pg_snapshot, pass_txid = $3::xid8
 /// transactions in $1 (at a pass's start: those in progress at the horizon), then up to $4 rows
 /// after $2/$3 in `(txid, id)` order (an ordered index scan, as the claim's `next`). Each row's
 /// state: 0 pending, 1 processing with its lease running, 2 processing with its lease expired,
-/// 3 finished, 4 dead (made dead by something that did not park it); and whether it is older
-/// than $5.
+/// 3 finished, 4 dead (made dead by something that did not park it); whether it is older
+/// than $5, and whether no claim ever took it.
 pub(super) const SWEEP_STRETCH_SQL: &str = "
 SELECT id, txid::text AS txid,
        CASE WHEN status = 'pending' THEN 0
@@ -381,11 +381,11 @@ SELECT id, txid::text AS txid,
             WHEN status = 'processing' THEN 2
             WHEN status = 'dead' THEN 4
             ELSE 3 END AS state,
-       attempts, created_at < now() - $5 AS old
-FROM ((SELECT id, txid, status, lease_until, attempts, created_at FROM outbox
+       attempts, created_at < now() - $5 AS old, lease_version = 0 AS untouched
+FROM ((SELECT id, txid, status, lease_until, attempts, created_at, lease_version FROM outbox
        WHERE txid = ANY($1::text[]::xid8[]) AND available_at <= created_at)
       UNION ALL
-      (SELECT id, txid, status, lease_until, attempts, created_at FROM outbox
+      (SELECT id, txid, status, lease_until, attempts, created_at, lease_version FROM outbox
        WHERE txid >= $2::xid8 AND txid < pg_snapshot_xmax(pg_current_snapshot()) AND (txid, id) > ($2::xid8, $3)
          AND available_at <= created_at
        ORDER BY txid, id

@@ -13,7 +13,9 @@
 //!   locked and then failed, a row an operator's statement held locked, a process killed
 //!   mid-claim);
 //! - moves the horizon forward: once a whole pass found every row visible in its *candidate*
-//!   snapshot finished (or moved), the candidate becomes the horizon and the snapshot of now the
+//!   snapshot finished (or moved), the candidate becomes the horizon; a pass that met unfinished
+//!   rows visible in it moves the horizon to the candidate without their transactions and every
+//!   later one ([`Snapshot::before`]), when that is ahead. Either way the snapshot of now is the
 //!   next candidate. Starting cursors begin at the horizon, and the rows before it are read by
 //!   nobody again.
 //!
@@ -22,7 +24,15 @@
 //! new rows made dead by something else (an operator's statement), so that listings see them.
 //!
 //! Its cost per run is bounded by the stretch (`chunk` rows), whatever the backlog; a run that
-//! filled its stretch asks to be run again soon.
+//! filled its stretch asks to be run again soon. A pass also ends at the claims' frontier: a
+//! full stretch of rows no claim ever took, all after where the sweeping process's own claims
+//! have passed ([`SweepParams::claimed_to`]). Nothing there is anybody's to take over or to
+//! move, so a backlog the workers are draining costs a pass the rows from the horizon to where
+//! the claims are, not the rest of the backlog, and the horizon (moved at each pass's end to
+//! just before the first unfinished transaction) keeps up with the drain. Rows past such a
+//! stretch that another process claimed and then lost (a run of rows it passed while an
+//! operator's statement held them locked, then died) are walked once this process's claims
+//! have taken the run: within the time its claims take to get there.
 
 use std::time::Duration;
 
@@ -49,6 +59,11 @@ pub struct SweepParams {
     pub chunk: usize,
     /// A pending row passed by the claims is moved only once it is this old.
     pub stray_after: Duration,
+    /// Where the claims of the process that sweeps have passed to (its cursor's
+    /// [`from`](super::Cursor::from)), if it knows: a full stretch of rows that no claim has
+    /// taken, all after it, ends the pass (see the module docs). `None`: every pass walks to
+    /// the end.
+    pub claimed_to: Option<Position>,
 }
 
 /// What one sweep did.
@@ -99,6 +114,9 @@ struct Row {
     /// Older than the stray age.
     #[diesel(sql_type = Bool)]
     old: bool,
+    /// Never claimed (`lease_version` 0).
+    #[diesel(sql_type = Bool)]
+    untouched: bool,
 }
 
 /// A stretch row that is pending.
@@ -174,8 +192,20 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
         .load(conn)
         .await?;
     let walked = rows.iter().filter(|r| r.txid.parse::<u64>().is_ok_and(|t| t >= horizon.xmax())).count();
-    let more = walked as i64 > chunk;
-    let next = if more { rows.pop() } else { None };
+    let full = walked as i64 > chunk;
+    let next = if full { rows.pop() } else { None };
+    // The claims' frontier: a full stretch of rows never claimed, all after where this
+    // process's claims have passed. Nothing there or after it is anybody's to take over or to
+    // move (rows another process passed are walked when that process sweeps), so the pass ends
+    // here instead of walking the rest of a backlog the claims have not reached, run after run.
+    let position = |r: &Row| r.txid.parse::<u64>().ok().map(|t| (t, r.id));
+    let at_frontier = full
+        && params.claimed_to.is_some_and(|passed| {
+            rows.iter()
+                .filter(|r| r.txid.parse::<u64>().is_ok_and(|t| t >= horizon.xmax()))
+                .all(|r| r.state == PENDING && r.untouched && position(r).is_some_and(|p| p > passed))
+        });
+    let more = full && !at_frontier;
 
     // A pending row that is followed by a claimed one was passed by the claims.
     let mut expired = Vec::new();
@@ -230,25 +260,39 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
             .into_iter()
             .map(|r| Fence { id: r.id, lease_version: r.lease_version }),
     );
-    // Rows visible in the candidate that are still new and unfinished keep the horizon where it
-    // is for this pass.
+    // Rows visible in the candidate that are still new and unfinished keep the horizon behind
+    // their transaction: the candidate loses every transaction from the first of them on, and
+    // what is left of it, every row of which this pass found finished, is where the horizon
+    // can go.
     let gone = |id: i64| moved.contains(&id) || reaped.iter().any(|f| f.id == id);
-    let dirty = rows.iter().any(|r| {
-        r.state != FINISHED
-            && r.state != DEAD_UNPARKED
-            && !gone(r.id)
-            && r.txid.parse::<u64>().is_ok_and(|t| candidate.visible(t))
-    });
-    clean &= !dirty;
+    let first_dirty = rows
+        .iter()
+        .filter(|r| r.state != FINISHED && r.state != DEAD_UNPARKED && !gone(r.id))
+        .filter_map(|r| r.txid.parse::<u64>().ok())
+        .filter(|&t| candidate.visible(t))
+        .min();
+    if let Some(t) = first_dirty {
+        candidate = candidate.before(t);
+        clean = false;
+    }
     let mut advanced = false;
+    if at_frontier {
+        // The rows after the frontier are unseen: the horizon takes none of their transactions.
+        if let Some(last) = rows.iter().filter_map(position).max() {
+            candidate = candidate.before(last.0);
+        }
+    }
     if more {
-        pass = rows.iter().filter_map(|r| r.txid.parse::<u64>().ok().map(|t| (t, r.id))).max();
+        pass = rows.iter().filter_map(position).max();
     } else {
-        if clean {
+        // A clean pass moves the horizon to the whole candidate; one that met unfinished rows,
+        // to the part of it before them, when that is ahead of the horizon (a backlog being
+        // drained: the next passes start after the rows finished so far).
+        if clean || (candidate.covers(&horizon) && candidate != horizon) {
             horizon = candidate;
-            candidate = now;
             advanced = true;
         }
+        candidate = now;
         pass = None;
         clean = true;
     }

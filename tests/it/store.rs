@@ -18,8 +18,12 @@ const LONG: Duration = Duration::from_secs(30);
 /// A sweep, as the dispatcher runs one every second: rows whose lease expired go where the next
 /// claim takes them over, or dead with no attempt left.
 async fn sweep(conn: &mut AsyncPgConnection, max: i32) -> actix_outbox::testing::Swept {
-    let params =
-        actix_outbox::testing::SweepParams { max_attempts: max, chunk: 10_000, stray_after: Duration::from_secs(600) };
+    let params = actix_outbox::testing::SweepParams {
+        max_attempts: max,
+        chunk: 10_000,
+        stray_after: Duration::from_secs(600),
+        claimed_to: None,
+    };
     // Another claim's sweep running at the same time does the same.
     actix_outbox::testing::sweep(conn, params).await.expect("sweep").unwrap_or_default()
 }
