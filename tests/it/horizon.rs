@@ -32,6 +32,14 @@ async fn claim_with(conn: &mut AsyncPgConnection, cursor: &mut Cursor) -> Vec<i6
     ids(&claim)
 }
 
+/// [`claim_with`], taking at most `batch` rows.
+async fn claim_batch(conn: &mut AsyncPgConnection, cursor: &mut Cursor, batch: usize) -> Vec<i64> {
+    let claim = actix_outbox::testing::claim(conn, &ClaimParams { batch, ..params(Some(cursor), LONG) }).await.unwrap();
+    let (snapshot, taken) = claim.cursor.clone().unwrap();
+    cursor.advance(&snapshot, &taken);
+    ids(&claim)
+}
+
 fn ids(claim: &Claim) -> Vec<i64> {
     claim.messages.iter().map(|m| m.id).collect()
 }
@@ -202,12 +210,10 @@ async fn the_horizon_follows_a_drain_and_keeps_a_late_commit_ahead_of_it() {
     .unwrap();
     let first = db.seed(3, "a").await;
     let second = db.seed(3, "b").await;
-    let mut cursor = Cursor::at(horizon(&mut conn).await);
+    let cursor = Cursor::at(horizon(&mut conn).await);
     let taken = actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 3, ..params(Some(&cursor), LONG) })
         .await
         .unwrap();
-    let (snapshot, t) = taken.cursor.clone().unwrap();
-    cursor.advance(&snapshot, &t);
     assert_eq!(ids(&taken), first);
     let fences: Vec<_> = taken.messages.iter().map(|m| m.fence()).collect();
     actix_outbox::testing::mark_done(&mut conn, &fences).await.unwrap();
@@ -253,12 +259,8 @@ async fn a_sweep_pass_ends_where_the_claims_are() {
     let mut conn = db.conn().await;
     let mut cursor = Cursor::at(horizon(&mut conn).await);
     let backlog = db.seed(10, "a").await;
-    let taken = actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 2, ..params(Some(&cursor), LONG) })
-        .await
-        .unwrap();
-    let (snapshot, t) = taken.cursor.clone().unwrap();
-    cursor.advance(&snapshot, &t);
-    assert_eq!(ids(&taken), backlog[..2]);
+    let taken = claim_batch(&mut conn, &mut cursor, 2).await;
+    assert_eq!(taken, backlog[..2]);
 
     // Stretches of 2: the claimed pair, then a stretch of untouched rows after the cursor.
     let first = sweep_to(&mut conn, 2, LONG, Some(cursor.from())).await;
@@ -330,12 +332,8 @@ async fn expired_leases_beyond_untouched_rows_are_handed_over_once_the_claims_re
         expired += sweep_to(&mut conn, 2, LONG, Some(cursor.from())).await.expired;
     }
     assert_eq!(expired, 0, "behind untouched rows after this process's claims");
-    let taken = actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 4, ..params(Some(&cursor), LONG) })
-        .await
-        .unwrap();
-    let (snapshot, t) = taken.cursor.clone().unwrap();
-    cursor.advance(&snapshot, &t);
-    assert_eq!(ids(&taken), rows[..4]);
+    let taken = claim_batch(&mut conn, &mut cursor, 4).await;
+    assert_eq!(taken, rows[..4]);
     for _ in 0..6 {
         expired += sweep_to(&mut conn, 2, LONG, Some(cursor.from())).await.expired;
     }
