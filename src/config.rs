@@ -137,7 +137,8 @@ pub struct DispatcherConfig {
     /// PostgreSQL's estimate of the table's live rows less the unfinished ones). A sample that
     /// takes long (a backlog of millions of rows) spaces the next ones out, so that sampling
     /// takes at most a twentieth of the time (pausing a minute at most);
-    /// `outbox_table_sample_age_seconds` says how old the gauges are. `None`: no sampling. Default 5 s.
+    /// `outbox_table_sample_age_seconds` says how old the gauges are. `None`: no sampling.
+    /// Default 5 s.
     pub table_metrics_interval: Option<Duration>,
     /// How often the dispatcher logs a summary at `info`: messages published, retried, deferred
     /// and dead, rows reaped and leases lost since the last one, with the backlog and the oldest

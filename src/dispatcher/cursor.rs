@@ -72,13 +72,14 @@ impl CursorSlot {
         if state.held {
             return;
         }
-        // Ahead in position too: a horizon that a pass moved to just before the first unfinished
-        // transaction of a backlog covers the snapshot of a cursor deep in that backlog, and
-        // starting the cursor there would walk again what it passed.
+        // Ahead in position too (a cursor at the horizon starts after its xmax): a horizon that a
+        // pass moved to just before the first unfinished transaction of a backlog covers the
+        // snapshot of a cursor deep in that backlog, and starting the cursor there would walk
+        // again what it passed.
         if let Some(cursor) = &state.cursor
             && horizon.covers(cursor.seen())
             && horizon != cursor.seen()
-            && Cursor::at(horizon.clone()).from() > cursor.from()
+            && (horizon.xmax(), 0) > cursor.from()
         {
             state.cursor = Some(Cursor::at(horizon.clone()));
         }

@@ -8,8 +8,8 @@
 //! still running when the next is due makes that one skip, and one that took long spaces the
 //! next ones out: sampling takes at most one part in [`SHARE`] of the time, pausing at most
 //! [`MAX_PAUSE`] (a backlog of a million rows takes the statement about a second, which the
-//! dispatcher would otherwise pay every interval while it drains that backlog). A sample is bounded by the pool's
-//! query timeout, like every statement. Gauges left from an older sample are never passed off
+//! dispatcher would otherwise pay every interval while it drains that backlog). A sample is
+//! bounded by the pool's query timeout, like every statement. Gauges left from an older sample are never passed off
 //! as current: `outbox_table_sample_age_seconds` says how old they are, and the summary line
 //! leaves the backlog out and says since when it has not been sampled.
 //!

@@ -119,6 +119,13 @@ struct Row {
     untouched: bool,
 }
 
+impl Row {
+    /// Its place in the walk, `(txid, id)`; `None` for a `txid` that is not a number.
+    fn position(&self) -> Option<Position> {
+        self.txid.parse::<u64>().ok().map(|t| (t, self.id))
+    }
+}
+
 /// A stretch row that is pending.
 const PENDING: i32 = 0;
 /// Processing, its lease expired.
@@ -191,19 +198,21 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
         .bind::<Interval, _>(interval(params.stray_after))
         .load(conn)
         .await?;
-    let walked = rows.iter().filter(|r| r.txid.parse::<u64>().is_ok_and(|t| t >= horizon.xmax())).count();
+    // The rows after the horizon, as against those of its transactions in progress probed at a
+    // pass's start.
+    let after_horizon = |r: &&Row| r.position().is_some_and(|(t, _)| t >= horizon.xmax());
+    let walked = rows.iter().filter(after_horizon).count();
     let full = walked as i64 > chunk;
     let next = if full { rows.pop() } else { None };
     // The claims' frontier: a full stretch of rows never claimed, all after where this
     // process's claims have passed. Nothing there or after it is anybody's to take over or to
     // move (rows another process passed are walked when that process sweeps), so the pass ends
     // here instead of walking the rest of a backlog the claims have not reached, run after run.
-    let position = |r: &Row| r.txid.parse::<u64>().ok().map(|t| (t, r.id));
     let at_frontier = full
         && params.claimed_to.is_some_and(|passed| {
             rows.iter()
-                .filter(|r| r.txid.parse::<u64>().is_ok_and(|t| t >= horizon.xmax()))
-                .all(|r| r.state == PENDING && r.untouched && position(r).is_some_and(|p| p > passed))
+                .filter(after_horizon)
+                .all(|r| r.state == PENDING && r.untouched && r.position().is_some_and(|p| p > passed))
         });
     let more = full && !at_frontier;
 
@@ -268,7 +277,7 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
     let first_dirty = rows
         .iter()
         .filter(|r| r.state != FINISHED && r.state != DEAD_UNPARKED && !gone(r.id))
-        .filter_map(|r| r.txid.parse::<u64>().ok())
+        .filter_map(|r| r.position().map(|(t, _)| t))
         .filter(|&t| candidate.visible(t))
         .min();
     if let Some(t) = first_dirty {
@@ -278,12 +287,12 @@ async fn sweep_in(conn: &mut AsyncPgConnection, params: SweepParams) -> Result<O
     let mut advanced = false;
     if at_frontier {
         // The rows after the frontier are unseen: the horizon takes none of their transactions.
-        if let Some(last) = rows.iter().filter_map(position).max() {
+        if let Some(last) = rows.iter().filter_map(Row::position).max() {
             candidate = candidate.before(last.0);
         }
     }
     if more {
-        pass = rows.iter().filter_map(position).max();
+        pass = rows.iter().filter_map(Row::position).max();
     } else {
         // A clean pass moves the horizon to the whole candidate; one that met unfinished rows,
         // to the part of it before them, when that is ahead of the horizon (a backlog being

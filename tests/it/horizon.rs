@@ -40,6 +40,14 @@ async fn claim_batch(conn: &mut AsyncPgConnection, cursor: &mut Cursor, batch: u
     ids(&claim)
 }
 
+/// One claim of at most `batch` rows from `cursor` (left where it is), its rows then done.
+async fn claim_done(conn: &mut AsyncPgConnection, cursor: &Cursor, batch: usize) -> Vec<i64> {
+    let claim = actix_outbox::testing::claim(conn, &ClaimParams { batch, ..params(Some(cursor), LONG) }).await.unwrap();
+    let fences: Vec<_> = claim.messages.iter().map(|m| m.fence()).collect();
+    actix_outbox::testing::mark_done(conn, &fences).await.unwrap();
+    ids(&claim)
+}
+
 fn ids(claim: &Claim) -> Vec<i64> {
     claim.messages.iter().map(|m| m.id).collect()
 }
@@ -71,13 +79,7 @@ async fn the_horizon_moves_past_finished_rows_only_and_a_cursor_starts_there() {
     let held = db.seed(1, "b").await[0];
     let everything = Cursor::at(Snapshot::origin());
     // Take the ten, leave the eleventh pending.
-    let claimed =
-        actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 10, ..params(Some(&everything), LONG) })
-            .await
-            .unwrap();
-    assert_eq!(ids(&claimed), ids10);
-    let fences: Vec<_> = claimed.messages.iter().map(|m| m.fence()).collect();
-    actix_outbox::testing::mark_done(&mut conn, &fences).await.unwrap();
+    assert_eq!(claim_done(&mut conn, &everything, 10).await, ids10);
 
     for _ in 0..3 {
         let swept = sweep(&mut conn, LONG).await;
@@ -211,12 +213,7 @@ async fn the_horizon_follows_a_drain_and_keeps_a_late_commit_ahead_of_it() {
     let first = db.seed(3, "a").await;
     let second = db.seed(3, "b").await;
     let cursor = Cursor::at(horizon(&mut conn).await);
-    let taken = actix_outbox::testing::claim(&mut conn, &ClaimParams { batch: 3, ..params(Some(&cursor), LONG) })
-        .await
-        .unwrap();
-    assert_eq!(ids(&taken), first);
-    let fences: Vec<_> = taken.messages.iter().map(|m| m.fence()).collect();
-    actix_outbox::testing::mark_done(&mut conn, &fences).await.unwrap();
+    assert_eq!(claim_done(&mut conn, &cursor, 3).await, first);
 
     for _ in 0..3 {
         sweep(&mut conn, LONG).await;
